@@ -1,0 +1,24 @@
+//! The contract every fencegate filter shares.
+//!
+//! A fencing token names a resource and the revision at which its lock was created. A store
+//! accepts a write only if the fence it keeps for the resource is not above the token's revision
+//! (`fence <= token`), and raises the fence to that revision in the same atomic step. This crate
+//! holds the pieces every filter needs to do that the same way: resource names, the token string
+//! (parsing, encoding, signing) and the policy that decides which presented tokens are accepted.
+//! It has no network code.
+
+#![deny(missing_docs)]
+
+mod error;
+mod policy;
+mod resource;
+mod revision;
+mod token;
+mod token_key;
+
+pub use error::{ResourceError, TokenError};
+pub use policy::TokenPolicy;
+pub use resource::Resource;
+pub use revision::Revision;
+pub use token::{Token, MAX_TOKEN_LEN, TOKEN_PREFIX};
+pub use token_key::TokenKey;

@@ -1,0 +1,57 @@
+use std::fmt;
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::TokenError;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// A cluster's token signing key (HMAC-SHA256). Every node of the authority signs with it and
+/// every gateway verifies with it, offline, so a client cannot mint a huge revision and lock
+/// everyone else out.
+#[derive(Clone)]
+pub struct TokenKey {
+    secret: Vec<u8>,
+}
+
+/// Length of a base64url (unpadded) HMAC-SHA256 tag.
+const SIGNATURE_LEN: usize = 43;
+
+impl TokenKey {
+    /// The shortest secret accepted, in bytes.
+    pub const MIN_LEN: usize = 32;
+
+    /// A key from a secret of at least [`TokenKey::MIN_LEN`] bytes.
+    pub fn new(secret: &[u8]) -> Option<Self> {
+        (secret.len() >= Self::MIN_LEN).then(|| Self { secret: secret.to_vec() })
+    }
+
+    pub(crate) fn sign(&self, message: &str) -> String {
+        URL_SAFE_NO_PAD.encode(self.mac(message).finalize().into_bytes())
+    }
+
+    pub(crate) fn verify(&self, message: &str, signature: &str) -> Result<(), TokenError> {
+        let tag = URL_SAFE_NO_PAD.decode(signature).map_err(|_| TokenError::BadSignature)?;
+        // `verify_slice` compares in constant time.
+        self.mac(message).verify_slice(&tag).map_err(|_| TokenError::BadSignature)
+    }
+
+    pub(crate) fn is_signature_shaped(text: &str) -> bool {
+        text.len() == SIGNATURE_LEN && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    }
+
+    fn mac(&self, message: &str) -> HmacSha256 {
+        let mut mac = HmacSha256::new_from_slice(&self.secret).expect("HMAC takes keys of any length");
+        mac.update(message.as_bytes());
+        mac
+    }
+}
+
+impl fmt::Debug for TokenKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TokenKey(<redacted>)")
+    }
+}
