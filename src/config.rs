@@ -1,0 +1,279 @@
+//! The node's TOML config: every section, its defaults and its validation.
+//!
+//! Unknown keys are errors (a typo must not silently fall back to a default), and every error
+//! names the file and line.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}:{line}: {key}: {message}")]
+    Invalid { path: PathBuf, line: usize, key: String, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub node: NodeConfig,
+    #[serde(default)]
+    pub authority: AuthorityConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// This node's Raft id; unique in the cluster.
+    #[serde(default = "default_node_id")]
+    pub id: u64,
+    /// HTTP API and Raft RPC address.
+    #[serde(default = "default_api")]
+    pub api: SocketAddr,
+    /// Where the Raft log, vote and snapshots live (relative paths: to the working directory).
+    #[serde(default = "default_data_dir")]
+    pub data_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthorityConfig {
+    /// The cluster's voters. Empty: a one-node cluster of this node alone.
+    #[serde(default)]
+    pub members: Vec<MemberConfig>,
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    #[serde(default = "default_election_min_ms")]
+    pub election_timeout_min_ms: u64,
+    #[serde(default = "default_election_max_ms")]
+    pub election_timeout_max_ms: u64,
+    /// The longest lease a client may ask for.
+    #[serde(default = "default_max_ttl_ms")]
+    pub max_ttl_ms: u64,
+    /// The longest a client may wait for a held lock.
+    #[serde(default = "default_max_wait_ms")]
+    pub max_wait_ms: u64,
+    /// Added to the revision when a snapshot is restored, so no token is handed out twice.
+    #[serde(default = "default_restore_bump")]
+    pub restore_bump: u64,
+    /// Raft log entries between automatic snapshots (log compaction).
+    #[serde(default = "default_snapshot_logs")]
+    pub snapshot_every_logs: u64,
+    /// Name of an environment variable holding the token signing secret (32+ bytes). When set,
+    /// tokens are signed and gateways can refuse forged ones offline.
+    #[serde(default)]
+    pub token_key_env: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MemberConfig {
+    pub id: u64,
+    pub api: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A tracing filter such as `info` or `fencegate=debug,openraft=warn`.
+    #[serde(default = "default_log_level")]
+    pub level: String,
+}
+
+fn default_node_id() -> u64 {
+    1
+}
+fn default_api() -> SocketAddr {
+    "127.0.0.1:7070".parse().expect("literal address")
+}
+fn default_data_dir() -> PathBuf {
+    PathBuf::from("./data")
+}
+fn default_heartbeat_ms() -> u64 {
+    100
+}
+fn default_election_min_ms() -> u64 {
+    500
+}
+fn default_election_max_ms() -> u64 {
+    1000
+}
+fn default_max_ttl_ms() -> u64 {
+    300_000
+}
+fn default_max_wait_ms() -> u64 {
+    300_000
+}
+fn default_restore_bump() -> u64 {
+    1_000_000
+}
+fn default_snapshot_logs() -> u64 {
+    10_000
+}
+fn default_log_level() -> String {
+    "info,openraft=warn".to_owned()
+}
+
+impl Default for AuthorityConfig {
+    fn default() -> Self {
+        Self {
+            members: Vec::new(),
+            heartbeat_ms: default_heartbeat_ms(),
+            election_timeout_min_ms: default_election_min_ms(),
+            election_timeout_max_ms: default_election_max_ms(),
+            max_ttl_ms: default_max_ttl_ms(),
+            max_wait_ms: default_max_wait_ms(),
+            restore_bump: default_restore_bump(),
+            snapshot_every_logs: default_snapshot_logs(),
+            token_key_env: None,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { level: default_log_level() }
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses and validates `text`; `path` is used in messages only.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        // toml's messages already carry "at line N, column M" and a snippet.
+        let config: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        config.validate().map_err(|(key, message)| ConfigError::Invalid {
+            path: path.to_owned(),
+            line: line_of(text, key),
+            key: key.to_owned(),
+            message,
+        })?;
+        Ok(config)
+    }
+
+    /// The voters: the configured members, or this node alone.
+    pub fn members(&self) -> Vec<MemberConfig> {
+        if self.authority.members.is_empty() {
+            vec![MemberConfig { id: self.node.id, api: self.node.api }]
+        } else {
+            self.authority.members.clone()
+        }
+    }
+
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        let a = &self.authority;
+        if self.node.id == 0 {
+            return Err(("id", "node ids start at 1".into()));
+        }
+        if a.heartbeat_ms == 0 || a.heartbeat_ms * 3 > a.election_timeout_min_ms {
+            return Err((
+                "heartbeat_ms",
+                format!(
+                    "heartbeat_ms ({}) must be positive and at most a third of election_timeout_min_ms ({})",
+                    a.heartbeat_ms, a.election_timeout_min_ms
+                ),
+            ));
+        }
+        if a.election_timeout_min_ms >= a.election_timeout_max_ms {
+            return Err((
+                "election_timeout_max_ms",
+                format!(
+                    "election_timeout_max_ms ({}) must be above election_timeout_min_ms ({})",
+                    a.election_timeout_max_ms, a.election_timeout_min_ms
+                ),
+            ));
+        }
+        if a.max_ttl_ms == 0 {
+            return Err(("max_ttl_ms", "max_ttl_ms must be positive".into()));
+        }
+        if a.restore_bump == 0 {
+            return Err(("restore_bump", "restore_bump must be positive, or a restore could reissue tokens".into()));
+        }
+        if a.snapshot_every_logs == 0 {
+            return Err(("snapshot_every_logs", "snapshot_every_logs must be positive".into()));
+        }
+        if !a.members.is_empty() {
+            let mut ids: Vec<u64> = a.members.iter().map(|m| m.id).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            if ids.len() != a.members.len() {
+                return Err(("members", "two members share an id".into()));
+            }
+            match a.members.iter().find(|m| m.id == self.node.id) {
+                None => return Err(("members", format!("node id {} is not among the members", self.node.id))),
+                Some(me) if me.api != self.node.api => {
+                    return Err(("members", format!("member {} has api {} but node.api is {}", me.id, me.api, self.node.api)))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The 1-based line where `key` is first assigned, or 1.
+fn line_of(text: &str, key: &str) -> usize {
+    text.lines()
+        .position(|line| {
+            let line = line.trim_start();
+            line.strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')) || line.contains(&format!("[{key}"))
+                || line.contains(&format!("[[authority.{key}"))
+        })
+        .map_or(1, |i| i + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("test.toml"), text)
+    }
+
+    #[test]
+    fn defaults_make_a_one_node_cluster() {
+        let c = parse("[node]\n").unwrap();
+        assert_eq!(c.members(), vec![MemberConfig { id: 1, api: "127.0.0.1:7070".parse().unwrap() }]);
+        assert_eq!(c.authority.restore_bump, 1_000_000);
+    }
+
+    #[test]
+    fn unknown_keys_name_the_line() {
+        let err = parse("[node]\nid = 1\nttl = 3\n").unwrap_err().to_string();
+        assert!(err.contains("line 3"), "{err}");
+        assert!(err.contains("unknown field `ttl`"), "{err}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_line_and_key() {
+        let err = parse("[node]\n[authority]\nelection_timeout_min_ms = 900\nelection_timeout_max_ms = 800\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.toml:4: election_timeout_max_ms: election_timeout_max_ms (800) must be above election_timeout_min_ms (900)"
+        );
+    }
+
+    #[test]
+    fn this_node_must_be_a_member() {
+        let text = "[node]\nid = 4\napi = \"127.0.0.1:7074\"\n[[authority.members]]\nid = 1\napi = \"127.0.0.1:7071\"\n";
+        let err = parse(text).unwrap_err().to_string();
+        assert!(err.contains(":4: members: node id 4 is not among the members"), "{err}");
+    }
+}
