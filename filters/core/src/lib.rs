@@ -9,16 +9,22 @@
 
 #![deny(missing_docs)]
 
+mod audit_record;
+mod audit_sink;
 mod error;
 mod policy;
 mod resource;
 mod revision;
 mod token;
 mod token_key;
+mod verdict;
 
+pub use audit_record::{now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH};
+pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
 pub use error::{ResourceError, TokenError};
 pub use policy::TokenPolicy;
 pub use resource::Resource;
 pub use revision::Revision;
 pub use token::{Token, MAX_TOKEN_LEN, TOKEN_PREFIX};
 pub use token_key::TokenKey;
+pub use verdict::{RejectReason, Rejection, Verdict};
