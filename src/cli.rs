@@ -40,7 +40,12 @@ pub struct ConfigArg {
 #[derive(Debug, Args, Clone)]
 pub struct EndpointArg {
     /// Authority API endpoints, comma-separated; the next is tried when one is down.
-    #[arg(long, env = "FENCEGATE_ENDPOINT", default_value = "http://127.0.0.1:7070", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "FENCEGATE_ENDPOINT",
+        default_value = "http://127.0.0.1:7070",
+        value_delimiter = ','
+    )]
     pub endpoint: Vec<String>,
 }
 

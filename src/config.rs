@@ -12,11 +12,19 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("{path}:{line}: {key}: {message}")]
-    Invalid { path: PathBuf, line: usize, key: String, message: String },
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        key: String,
+        message: String,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -140,36 +148,47 @@ impl Default for AuthorityConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { level: default_log_level() }
+        Self {
+            level: default_log_level(),
+        }
     }
 }
 
 impl Config {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Self::parse(path, &text)
     }
 
     /// Parses and validates `text`; `path` is used in messages only.
     pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
         // toml's messages already carry "at line N, column M" and a snippet.
-        let config: Config =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
-        config.validate().map_err(|(key, message)| ConfigError::Invalid {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            line: line_of(text, key),
-            key: key.to_owned(),
-            message,
+            message: e.to_string(),
         })?;
+        config
+            .validate()
+            .map_err(|(key, message)| ConfigError::Invalid {
+                path: path.to_owned(),
+                line: line_of(text, key),
+                key: key.to_owned(),
+                message,
+            })?;
         Ok(config)
     }
 
     /// The voters: the configured members, or this node alone.
     pub fn members(&self) -> Vec<MemberConfig> {
         if self.authority.members.is_empty() {
-            vec![MemberConfig { id: self.node.id, api: self.node.api }]
+            vec![MemberConfig {
+                id: self.node.id,
+                api: self.node.api,
+            }]
         } else {
             self.authority.members.clone()
         }
@@ -202,10 +221,16 @@ impl Config {
             return Err(("max_ttl_ms", "max_ttl_ms must be positive".into()));
         }
         if a.restore_bump == 0 {
-            return Err(("restore_bump", "restore_bump must be positive, or a restore could reissue tokens".into()));
+            return Err((
+                "restore_bump",
+                "restore_bump must be positive, or a restore could reissue tokens".into(),
+            ));
         }
         if a.snapshot_every_logs == 0 {
-            return Err(("snapshot_every_logs", "snapshot_every_logs must be positive".into()));
+            return Err((
+                "snapshot_every_logs",
+                "snapshot_every_logs must be positive".into(),
+            ));
         }
         if !a.members.is_empty() {
             let mut ids: Vec<u64> = a.members.iter().map(|m| m.id).collect();
@@ -215,9 +240,20 @@ impl Config {
                 return Err(("members", "two members share an id".into()));
             }
             match a.members.iter().find(|m| m.id == self.node.id) {
-                None => return Err(("members", format!("node id {} is not among the members", self.node.id))),
+                None => {
+                    return Err((
+                        "members",
+                        format!("node id {} is not among the members", self.node.id),
+                    ))
+                }
                 Some(me) if me.api != self.node.api => {
-                    return Err(("members", format!("member {} has api {} but node.api is {}", me.id, me.api, self.node.api)))
+                    return Err((
+                        "members",
+                        format!(
+                            "member {} has api {} but node.api is {}",
+                            me.id, me.api, self.node.api
+                        ),
+                    ))
                 }
                 Some(_) => {}
             }
@@ -231,7 +267,9 @@ fn line_of(text: &str, key: &str) -> usize {
     text.lines()
         .position(|line| {
             let line = line.trim_start();
-            line.strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')) || line.contains(&format!("[{key}"))
+            line.strip_prefix(key)
+                .is_some_and(|rest| rest.trim_start().starts_with('='))
+                || line.contains(&format!("[{key}"))
                 || line.contains(&format!("[[authority.{key}"))
         })
         .map_or(1, |i| i + 1)
@@ -248,7 +286,13 @@ mod tests {
     #[test]
     fn defaults_make_a_one_node_cluster() {
         let c = parse("[node]\n").unwrap();
-        assert_eq!(c.members(), vec![MemberConfig { id: 1, api: "127.0.0.1:7070".parse().unwrap() }]);
+        assert_eq!(
+            c.members(),
+            vec![MemberConfig {
+                id: 1,
+                api: "127.0.0.1:7070".parse().unwrap()
+            }]
+        );
         assert_eq!(c.authority.restore_bump, 1_000_000);
     }
 
@@ -261,9 +305,11 @@ mod tests {
 
     #[test]
     fn invalid_values_name_the_line_and_key() {
-        let err = parse("[node]\n[authority]\nelection_timeout_min_ms = 900\nelection_timeout_max_ms = 800\n")
-            .unwrap_err()
-            .to_string();
+        let err = parse(
+            "[node]\n[authority]\nelection_timeout_min_ms = 900\nelection_timeout_max_ms = 800\n",
+        )
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             err,
             "test.toml:4: election_timeout_max_ms: election_timeout_max_ms (800) must be above election_timeout_min_ms (900)"
@@ -274,6 +320,9 @@ mod tests {
     fn this_node_must_be_a_member() {
         let text = "[node]\nid = 4\napi = \"127.0.0.1:7074\"\n[[authority.members]]\nid = 1\napi = \"127.0.0.1:7071\"\n";
         let err = parse(text).unwrap_err().to_string();
-        assert!(err.contains(":4: members: node id 4 is not among the members"), "{err}");
+        assert!(
+            err.contains(":4: members: node id 4 is not among the members"),
+            "{err}"
+        );
     }
 }

@@ -1,10 +1,168 @@
+mod api;
+mod authority;
 mod cli;
+mod client;
 mod config;
+mod metrics;
+mod server;
 
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::Parser;
+use reqwest::Method;
+use serde_json::json;
 
-fn main() -> anyhow::Result<()> {
-    let cli = cli::Cli::parse();
-    let _ = cli;
-    Ok(())
+use cli::{Cli, ClusterCommand, Command, EndpointArg, LockCommand, SnapshotCommand};
+use client::{Answer, Client};
+use config::Config;
+
+/// How long client commands keep trying while no endpoint answers or an election runs.
+const PATIENCE: Duration = Duration::from_secs(10);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("fencegate: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve(arg) => {
+            let config = Config::load(&arg.config)?;
+            init_logging(&config.log.level);
+            server::serve(config).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig(arg) => {
+            let config = Config::load(&arg.config)?;
+            server::token_key(&config)?;
+            println!(
+                "{}: ok (node {}, {} member(s))",
+                arg.config.display(),
+                config.node.id,
+                config.members().len()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Lock(command) => lock(command).await,
+        Command::Cluster(ClusterCommand::Status { endpoint }) => print_answer(
+            client(&endpoint)
+                .call(Method::GET, "/v1/cluster", None, REQUEST_TIMEOUT)
+                .await?,
+        ),
+        Command::Snapshot(command) => snapshot(command).await,
+    }
+}
+
+async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
+    let answer = match command {
+        LockCommand::Acquire {
+            resource,
+            ttl,
+            wait,
+            holder,
+            endpoint,
+        } => {
+            let body = json!({
+                "ttl_ms": ttl.as_millis() as u64,
+                "wait_ms": wait.as_millis() as u64,
+                "request_id": client::request_id(),
+                "holder": holder,
+            });
+            let path = format!("/v1/locks/{resource}");
+            client(&endpoint)
+                .call(Method::POST, &path, Some(&body), wait + REQUEST_TIMEOUT)
+                .await?
+        }
+        LockCommand::Keepalive { lease_id, endpoint } => {
+            let path = format!("/v1/leases/{lease_id}/keepalive");
+            client(&endpoint)
+                .call(Method::POST, &path, None, REQUEST_TIMEOUT)
+                .await?
+        }
+        LockCommand::Release { lease_id, endpoint } => {
+            let path = format!("/v1/leases/{lease_id}");
+            client(&endpoint)
+                .call(Method::DELETE, &path, None, REQUEST_TIMEOUT)
+                .await?
+        }
+        LockCommand::Status { resource, endpoint } => {
+            let path = format!("/v1/locks/{resource}");
+            client(&endpoint)
+                .call(Method::GET, &path, None, REQUEST_TIMEOUT)
+                .await?
+        }
+    };
+    print_answer(answer)
+}
+
+async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        SnapshotCommand::Save { file, endpoint } => {
+            let answer = client(&endpoint)
+                .call(Method::GET, "/v1/snapshot", None, REQUEST_TIMEOUT)
+                .await?;
+            if !answer.status.is_success() {
+                return print_answer(answer);
+            }
+            let tmp = file.with_extension("partial");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&answer.body)?)
+                .with_context(|| format!("writing {}", tmp.display()))?;
+            std::fs::rename(&tmp, &file)
+                .with_context(|| format!("renaming to {}", file.display()))?;
+            println!(
+                "{}",
+                json!({ "saved": file.display().to_string(), "revision": answer.body["revision"] })
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        SnapshotCommand::Restore { file, endpoint } => {
+            let text =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let body: serde_json::Value = serde_json::from_slice(&text)
+                .with_context(|| format!("{} is not a snapshot file", file.display()))?;
+            print_answer(
+                client(&endpoint)
+                    .call(
+                        Method::POST,
+                        "/v1/snapshot/restore",
+                        Some(&body),
+                        REQUEST_TIMEOUT,
+                    )
+                    .await?,
+            )
+        }
+    }
+}
+
+fn client(endpoint: &EndpointArg) -> Client {
+    Client::new(&endpoint.endpoint, PATIENCE)
+}
+
+/// Prints the API's JSON on stdout; a refusal also exits 1 so scripts can test it.
+fn print_answer(answer: Answer) -> anyhow::Result<ExitCode> {
+    println!("{}", answer.body);
+    Ok(if answer.status.is_success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }

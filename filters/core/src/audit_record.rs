@@ -103,7 +103,9 @@ impl AuditRecord {
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_millis() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Formats `ms` since the epoch as `YYYY-MM-DDThh:mm:ss.mmmZ`.
@@ -121,7 +123,13 @@ pub fn rfc3339_millis(ms: u64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem % 3600 / 60, rem % 60, ms % 1000)
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms % 1000
+    )
 }
 
 #[cfg(test)]
@@ -140,7 +148,12 @@ mod tests {
             fence: Some(12),
             reason: "stale".into(),
             detail: "token 7 is below fence 12".into(),
-            operation: OperationSummary { command: "SET".into(), objects: vec!["k".into()], args: 3, bytes: 30 },
+            operation: OperationSummary {
+                command: "SET".into(),
+                objects: vec!["k".into()],
+                args: 3,
+                bytes: 30,
+            },
             request_id: "r1".into(),
         }
     }
@@ -148,7 +161,10 @@ mod tests {
     #[test]
     fn time_formats_as_rfc3339() {
         assert_eq!(rfc3339_millis(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339_millis(1_790_000_000_123), "2026-09-21T14:13:20.123Z");
+        assert_eq!(
+            rfc3339_millis(1_790_000_000_123),
+            "2026-09-21T14:13:20.123Z"
+        );
         assert_eq!(rfc3339_millis(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 

@@ -55,7 +55,9 @@ pub enum TokenError {
     #[error("fencing token is unsigned but this gateway accepts only signed tokens")]
     Unsigned,
     /// A plain numeric token was presented where the policy does not allow one.
-    #[error("plain numeric fencing tokens are not accepted here; set accept_plain_tokens to allow them")]
+    #[error(
+        "plain numeric fencing tokens are not accepted here; set accept_plain_tokens to allow them"
+    )]
     PlainNotAllowed,
     /// The token names another resource than the one the write touches.
     #[error("fencing token is for another resource than the one written")]

@@ -19,7 +19,9 @@ mod token;
 mod token_key;
 mod verdict;
 
-pub use audit_record::{now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH};
+pub use audit_record::{
+    now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH,
+};
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
 pub use error::{ResourceError, TokenError};
 pub use policy::TokenPolicy;

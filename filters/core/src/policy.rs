@@ -27,7 +27,9 @@ impl TokenPolicy {
                 return Err(TokenError::PlainNotAllowed);
             }
             let revision = Revision::parse(presented).ok_or(TokenError::BadRevision)?;
-            let resource = route.ok_or(TokenError::Malformed("a plain token needs a route that names the resource"))?;
+            let resource = route.ok_or(TokenError::Malformed(
+                "a plain token needs a route that names the resource",
+            ))?;
             return Ok(Token::new(resource.clone(), revision));
         }
         let token = Token::parse(presented)?;
@@ -55,22 +57,45 @@ mod tests {
 
     #[test]
     fn signed_policy_accepts_only_signed_tokens_for_the_route() {
-        let policy = TokenPolicy { key: Some(key()), accept_plain: false };
-        let good = Token::new(job(), Revision::new(5).unwrap()).signed(&key()).to_string();
-        assert_eq!(policy.check(&good, Some(&job())).unwrap().revision().get(), 5);
-        assert_eq!(policy.check("fg1~5~job", Some(&job())), Err(TokenError::Unsigned));
+        let policy = TokenPolicy {
+            key: Some(key()),
+            accept_plain: false,
+        };
+        let good = Token::new(job(), Revision::new(5).unwrap())
+            .signed(&key())
+            .to_string();
+        assert_eq!(
+            policy.check(&good, Some(&job())).unwrap().revision().get(),
+            5
+        );
+        assert_eq!(
+            policy.check("fg1~5~job", Some(&job())),
+            Err(TokenError::Unsigned)
+        );
         let other = Resource::new("other").unwrap();
-        assert_eq!(policy.check(&good, Some(&other)), Err(TokenError::WrongResource));
+        assert_eq!(
+            policy.check(&good, Some(&other)),
+            Err(TokenError::WrongResource)
+        );
     }
 
     #[test]
     fn plain_tokens_need_permission_and_a_route() {
         let strict = TokenPolicy::default();
-        assert_eq!(strict.check("42", Some(&job())), Err(TokenError::PlainNotAllowed));
-        let lenient = TokenPolicy { key: None, accept_plain: true };
+        assert_eq!(
+            strict.check("42", Some(&job())),
+            Err(TokenError::PlainNotAllowed)
+        );
+        let lenient = TokenPolicy {
+            key: None,
+            accept_plain: true,
+        };
         let t = lenient.check("42", Some(&job())).unwrap();
         assert_eq!((t.resource().as_str(), t.revision().get()), ("job", 42));
         assert!(lenient.check("42", None).is_err());
-        assert_eq!(lenient.check("0", Some(&job())), Err(TokenError::BadRevision));
+        assert_eq!(
+            lenient.check("0", Some(&job())),
+            Err(TokenError::BadRevision)
+        );
     }
 }

@@ -80,9 +80,21 @@ mod tests {
     #[test]
     fn refuses_everything_else_with_a_reason() {
         assert_eq!(Resource::new(""), Err(ResourceError::Empty));
-        assert_eq!(Resource::new("x".repeat(257)), Err(ResourceError::TooLong { len: 257 }));
-        assert_eq!(Resource::new("a b"), Err(ResourceError::BadCharacter { position: 1 }));
-        assert_eq!(Resource::new("a~b"), Err(ResourceError::BadCharacter { position: 1 }));
-        assert_eq!(Resource::new("é"), Err(ResourceError::BadCharacter { position: 0 }));
+        assert_eq!(
+            Resource::new("x".repeat(257)),
+            Err(ResourceError::TooLong { len: 257 })
+        );
+        assert_eq!(
+            Resource::new("a b"),
+            Err(ResourceError::BadCharacter { position: 1 })
+        );
+        assert_eq!(
+            Resource::new("a~b"),
+            Err(ResourceError::BadCharacter { position: 1 })
+        );
+        assert_eq!(
+            Resource::new("é"),
+            Err(ResourceError::BadCharacter { position: 0 })
+        );
     }
 }

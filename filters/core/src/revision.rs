@@ -63,8 +63,22 @@ mod tests {
     #[test]
     fn parses_only_canonical_decimals() {
         assert_eq!(Revision::parse("7").map(Revision::get), Some(7));
-        assert_eq!(Revision::parse("9223372036854775807").map(Revision::get), Some(i64::MAX as u64));
-        for bad in ["", "0", "07", "-1", "+1", " 1", "1 ", "9223372036854775808", "18446744073709551616", "1e3"] {
+        assert_eq!(
+            Revision::parse("9223372036854775807").map(Revision::get),
+            Some(i64::MAX as u64)
+        );
+        for bad in [
+            "",
+            "0",
+            "07",
+            "-1",
+            "+1",
+            " 1",
+            "1 ",
+            "9223372036854775808",
+            "18446744073709551616",
+            "1e3",
+        ] {
             assert_eq!(Revision::parse(bad), None, "{bad:?}");
         }
     }

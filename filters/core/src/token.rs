@@ -26,7 +26,11 @@ pub struct Token {
 impl Token {
     /// An unsigned token.
     pub fn new(resource: Resource, revision: Revision) -> Self {
-        Self { resource, revision, signature: None }
+        Self {
+            resource,
+            revision,
+            signature: None,
+        }
     }
 
     /// The resource the lock was taken on.
@@ -60,7 +64,10 @@ impl Token {
 
     /// The text that is signed: the token without its signature.
     pub fn unsigned_form(&self) -> String {
-        format!("{TOKEN_PREFIX}{SEPARATOR}{}{SEPARATOR}{}", self.revision, self.resource)
+        format!(
+            "{TOKEN_PREFIX}{SEPARATOR}{}{SEPARATOR}{}",
+            self.revision, self.resource
+        )
     }
 
     /// Parses a token string. Any input returns a value or an error; nothing panics.
@@ -71,19 +78,33 @@ impl Token {
         if fields.next() != Some(TOKEN_PREFIX) {
             return Err(TokenError::Malformed("it does not start with fg1~"));
         }
-        let revision = fields.next().ok_or(TokenError::Malformed("the revision is missing"))?;
+        let revision = fields
+            .next()
+            .ok_or(TokenError::Malformed("the revision is missing"))?;
         let revision = Revision::parse(revision).ok_or(TokenError::BadRevision)?;
-        let resource = fields.next().ok_or(TokenError::Malformed("the resource is missing"))?;
+        let resource = fields
+            .next()
+            .ok_or(TokenError::Malformed("the resource is missing"))?;
         let resource = Resource::new(resource).map_err(TokenError::BadResource)?;
         let signature = match fields.next() {
             None => None,
-            Some(signature) if TokenKey::is_signature_shaped(signature) => Some(signature.to_owned()),
-            Some(_) => return Err(TokenError::Malformed("the signature is not 43 base64url characters")),
+            Some(signature) if TokenKey::is_signature_shaped(signature) => {
+                Some(signature.to_owned())
+            }
+            Some(_) => {
+                return Err(TokenError::Malformed(
+                    "the signature is not 43 base64url characters",
+                ))
+            }
         };
         if fields.next().is_some() {
             return Err(TokenError::Malformed("it has more than four fields"));
         }
-        Ok(Self { resource, revision, signature })
+        Ok(Self {
+            resource,
+            revision,
+            signature,
+        })
     }
 }
 
@@ -129,7 +150,10 @@ mod tests {
     use super::*;
 
     fn token(resource: &str, revision: u64) -> Token {
-        Token::new(Resource::new(resource).unwrap(), Revision::new(revision).unwrap())
+        Token::new(
+            Resource::new(resource).unwrap(),
+            Revision::new(revision).unwrap(),
+        )
     }
 
     #[test]
@@ -145,7 +169,10 @@ mod tests {
         let t = token("billing:2026-09-28", 7).signed(&key);
         let text = t.to_string();
         // Cross-checked with Python: hmac.new(key, b"fg1~7~billing:2026-09-28", sha256), base64url.
-        assert_eq!(text, "fg1~7~billing:2026-09-28~hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc");
+        assert_eq!(
+            text,
+            "fg1~7~billing:2026-09-28~hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc"
+        );
         let parsed = Token::parse(&text).unwrap();
         assert_eq!(parsed.verify(&key), Ok(()));
     }
@@ -155,9 +182,15 @@ mod tests {
         let key = TokenKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
         let text = token("job", 7).signed(&key).to_string();
         let forged = text.replacen("~7~", "~9000000000~", 1);
-        assert_eq!(Token::parse(&forged).unwrap().verify(&key), Err(TokenError::BadSignature));
+        assert_eq!(
+            Token::parse(&forged).unwrap().verify(&key),
+            Err(TokenError::BadSignature)
+        );
         let other = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
-        assert_eq!(Token::parse(&text).unwrap().verify(&other), Err(TokenError::BadSignature));
+        assert_eq!(
+            Token::parse(&text).unwrap().verify(&other),
+            Err(TokenError::BadSignature)
+        );
         assert_eq!(token("job", 7).verify(&key), Err(TokenError::Unsigned));
     }
 
@@ -166,13 +199,22 @@ mod tests {
         let cases: &[(&str, TokenError)] = &[
             ("", TokenError::Empty),
             ("fg1~7~a b", TokenError::NotPrintable { position: 7 }),
-            ("fg2~7~job", TokenError::Malformed("it does not start with fg1~")),
+            (
+                "fg2~7~job",
+                TokenError::Malformed("it does not start with fg1~"),
+            ),
             ("fg1", TokenError::Malformed("the revision is missing")),
             ("fg1~7", TokenError::Malformed("the resource is missing")),
             ("fg1~0~job", TokenError::BadRevision),
             ("fg1~-1~job", TokenError::BadRevision),
-            ("fg1~7~", TokenError::BadResource(crate::ResourceError::Empty)),
-            ("fg1~7~job~short", TokenError::Malformed("the signature is not 43 base64url characters")),
+            (
+                "fg1~7~",
+                TokenError::BadResource(crate::ResourceError::Empty),
+            ),
+            (
+                "fg1~7~job~short",
+                TokenError::Malformed("the signature is not 43 base64url characters"),
+            ),
         ];
         for (text, want) in cases {
             assert_eq!(Token::parse(text).as_ref().err(), Some(want), "{text:?}");

@@ -26,7 +26,9 @@ impl TokenKey {
 
     /// A key from a secret of at least [`TokenKey::MIN_LEN`] bytes.
     pub fn new(secret: &[u8]) -> Option<Self> {
-        (secret.len() >= Self::MIN_LEN).then(|| Self { secret: secret.to_vec() })
+        (secret.len() >= Self::MIN_LEN).then(|| Self {
+            secret: secret.to_vec(),
+        })
     }
 
     pub(crate) fn sign(&self, message: &str) -> String {
@@ -34,17 +36,25 @@ impl TokenKey {
     }
 
     pub(crate) fn verify(&self, message: &str, signature: &str) -> Result<(), TokenError> {
-        let tag = URL_SAFE_NO_PAD.decode(signature).map_err(|_| TokenError::BadSignature)?;
+        let tag = URL_SAFE_NO_PAD
+            .decode(signature)
+            .map_err(|_| TokenError::BadSignature)?;
         // `verify_slice` compares in constant time.
-        self.mac(message).verify_slice(&tag).map_err(|_| TokenError::BadSignature)
+        self.mac(message)
+            .verify_slice(&tag)
+            .map_err(|_| TokenError::BadSignature)
     }
 
     pub(crate) fn is_signature_shaped(text: &str) -> bool {
-        text.len() == SIGNATURE_LEN && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        text.len() == SIGNATURE_LEN
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     }
 
     fn mac(&self, message: &str) -> HmacSha256 {
-        let mut mac = HmacSha256::new_from_slice(&self.secret).expect("HMAC takes keys of any length");
+        let mut mac =
+            HmacSha256::new_from_slice(&self.secret).expect("HMAC takes keys of any length");
         mac.update(message.as_bytes());
         mac
     }

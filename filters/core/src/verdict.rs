@@ -85,7 +85,12 @@ impl fmt::Display for RejectReason {
 impl Rejection {
     /// A refusal for `reason` with `detail` and no token information.
     pub fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
-        Self { reason, resource: None, revision: None, detail: detail.into() }
+        Self {
+            reason,
+            resource: None,
+            revision: None,
+            detail: detail.into(),
+        }
     }
 
     /// The same refusal, naming the token's resource and revision.
@@ -102,10 +107,22 @@ mod tests {
 
     #[test]
     fn token_errors_map_to_reasons() {
-        assert_eq!(RejectReason::from_token_error(&TokenError::BadSignature), RejectReason::Forged);
-        assert_eq!(RejectReason::from_token_error(&TokenError::Unsigned), RejectReason::Forged);
-        assert_eq!(RejectReason::from_token_error(&TokenError::WrongResource), RejectReason::OutOfScope);
-        assert_eq!(RejectReason::from_token_error(&TokenError::BadRevision), RejectReason::Malformed);
+        assert_eq!(
+            RejectReason::from_token_error(&TokenError::BadSignature),
+            RejectReason::Forged
+        );
+        assert_eq!(
+            RejectReason::from_token_error(&TokenError::Unsigned),
+            RejectReason::Forged
+        );
+        assert_eq!(
+            RejectReason::from_token_error(&TokenError::WrongResource),
+            RejectReason::OutOfScope
+        );
+        assert_eq!(
+            RejectReason::from_token_error(&TokenError::BadRevision),
+            RejectReason::Malformed
+        );
         assert_eq!(RejectReason::Stale { fence: 3 }.label(), "stale");
     }
 }

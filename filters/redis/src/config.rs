@@ -1,0 +1,161 @@
+//! The `[redis]` config section.
+//!
+//! ```toml
+//! [redis]
+//! listen = "127.0.0.1:6380"          # where clients connect
+//! upstream = "127.0.0.1:6379"        # the Redis server the gateway relays to
+//! username = "gateway"               # optional ACL user for the upstream connection
+//! password_env = "REDIS_PASSWORD"    # optional: name of the env var holding its password
+//! max_request_bytes = 67108864       # larger requests are refused and the connection closed
+//!
+//! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
+//! # rule matches are not protected. Default: one rule, `*` enforced (every key).
+//! [[redis.protect]]
+//! pattern = "cache:*"
+//! mode = "off"
+//! [[redis.protect]]
+//! pattern = "*"
+//! mode = "enforce"
+//! ```
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+use crate::error::RedisError;
+use crate::glob;
+
+/// The `[redis]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// Address the gateway listens on for Redis clients.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// The upstream Redis server, `host:port`.
+    #[serde(default = "default_upstream")]
+    pub upstream: String,
+    /// ACL user for upstream connections (with `password_env`).
+    #[serde(default)]
+    pub username: Option<String>,
+    /// Name of an environment variable that holds the upstream password.
+    #[serde(default)]
+    pub password_env: Option<String>,
+    /// The largest request accepted from a client, in bytes.
+    #[serde(default = "default_max_request_bytes")]
+    pub max_request_bytes: usize,
+    /// Protected key patterns; the first match decides.
+    #[serde(default = "default_protect")]
+    pub protect: Vec<ProtectRule>,
+}
+
+/// One protection rule.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProtectRule {
+    /// A Redis-style glob (`*`, `?`, `[a-z]`, `\` escapes) matched against key names.
+    pub pattern: String,
+    /// `enforce` (writes need a current token) or `off` (pass through).
+    #[serde(default)]
+    pub mode: ProtectMode,
+}
+
+/// Whether writes to matching keys are fenced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProtectMode {
+    /// Writes need a current token and run inside the fence script.
+    #[default]
+    Enforce,
+    /// Writes pass through unchanged.
+    Off,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:6380".parse().expect("literal address")
+}
+fn default_upstream() -> String {
+    "127.0.0.1:6379".to_owned()
+}
+fn default_max_request_bytes() -> usize {
+    64 * 1024 * 1024
+}
+fn default_protect() -> Vec<ProtectRule> {
+    vec![ProtectRule { pattern: "*".to_owned(), mode: ProtectMode::Enforce }]
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            upstream: default_upstream(),
+            username: None,
+            password_env: None,
+            max_request_bytes: default_max_request_bytes(),
+            protect: default_protect(),
+        }
+    }
+}
+
+impl RedisConfig {
+    /// Checks values serde cannot: sizes and patterns.
+    pub fn validate(&self) -> Result<(), RedisError> {
+        if self.max_request_bytes < 1024 {
+            return Err(RedisError::Config(format!("max_request_bytes ({}) must be at least 1024", self.max_request_bytes)));
+        }
+        if self.protect.iter().any(|r| r.pattern.is_empty()) {
+            return Err(RedisError::Config("a protect rule has an empty pattern".to_owned()));
+        }
+        if self.username.is_some() && self.password_env.is_none() {
+            return Err(RedisError::Config("username is set but password_env is not".to_owned()));
+        }
+        Ok(())
+    }
+
+    /// The mode for `key`: the first matching rule's, or `Off` when none matches.
+    pub fn mode_for(&self, key: &[u8]) -> ProtectMode {
+        self.protect.iter().find(|r| glob::matches(r.pattern.as_bytes(), key)).map_or(ProtectMode::Off, |r| r.mode)
+    }
+
+    /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
+    pub fn enforces_any(&self) -> bool {
+        self.protect.iter().any(|r| r.mode == ProtectMode::Enforce)
+    }
+
+    /// The upstream password, read from the configured environment variable.
+    pub fn password(&self) -> Result<Option<String>, RedisError> {
+        match &self.password_env {
+            None => Ok(None),
+            Some(name) => std::env::var(name)
+                .map(Some)
+                .map_err(|_| RedisError::Config(format!("password_env names {name}, which is not set"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_protects_every_key() {
+        let c = RedisConfig::default();
+        assert_eq!(c.mode_for(b"anything"), ProtectMode::Enforce);
+        assert_eq!(c.mode_for(b""), ProtectMode::Enforce);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn first_matching_rule_decides() {
+        let c = RedisConfig {
+            protect: vec![
+                ProtectRule { pattern: "cache:*".into(), mode: ProtectMode::Off },
+                ProtectRule { pattern: "billing:*".into(), mode: ProtectMode::Enforce },
+            ],
+            ..RedisConfig::default()
+        };
+        assert_eq!(c.mode_for(b"cache:x"), ProtectMode::Off);
+        assert_eq!(c.mode_for(b"billing:x"), ProtectMode::Enforce);
+        assert_eq!(c.mode_for(b"other"), ProtectMode::Off);
+    }
+}

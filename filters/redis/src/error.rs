@@ -1,0 +1,54 @@
+//! The Redis filter's errors. Refusals are not errors: they are [`fencegate_core::Verdict`]s.
+
+use thiserror::Error;
+
+/// Why a RESP frame could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FrameError {
+    /// More bytes are needed (internal to the parser; never reaches a caller of `parse`).
+    #[error("incomplete frame")]
+    Incomplete,
+    /// The peer sent something that is not RESP.
+    #[error("protocol error: {0}")]
+    Protocol(&'static str),
+    /// The frame is larger than the configured maximum.
+    #[error("request is larger than max_request_bytes ({limit} bytes)")]
+    TooLarge {
+        /// The configured maximum.
+        limit: usize,
+    },
+}
+
+/// Errors of the Redis gateway.
+#[derive(Debug, Error)]
+pub enum RedisError {
+    /// Network I/O failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A peer broke the protocol.
+    #[error("{context}: {source}")]
+    Frame {
+        /// Which peer.
+        context: &'static str,
+        /// The decoding error.
+        source: FrameError,
+    },
+    /// The upstream answered something unexpected (e.g. to `COMMAND` or `AUTH`).
+    #[error("upstream {0}")]
+    Upstream(String),
+    /// The config is invalid.
+    #[error("redis config: {0}")]
+    Config(String),
+}
+
+impl RedisError {
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let context = context.into();
+        move |source| RedisError::Io { context, source }
+    }
+}

@@ -1,0 +1,439 @@
+//! RESP2 and RESP3 frames: check-then-parse decoding and encoding.
+//!
+//! [`parse`] looks at a buffer and returns `Ok(None)` when a whole frame has not arrived yet, so
+//! the caller reads more and tries again (as `tokio-rs/mini-redis` does). Every length is checked
+//! against [`Limits`] before anything is buffered for it, and nesting depth is bounded, so
+//! arbitrary bytes produce a value or an error and never a panic or an unbounded allocation.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::error::FrameError;
+
+/// One RESP value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Frame {
+    /// `+OK`
+    Simple(Bytes),
+    /// `-ERR ...` or RESP3 `!<len>` blob error.
+    Error(Bytes),
+    /// `:42`
+    Integer(i64),
+    /// `$<len>`, or RESP3 `=<len>` verbatim string (kept with its `txt:` prefix).
+    Bulk(Bytes),
+    /// `$-1`, `*-1` or RESP3 `_`.
+    Null,
+    /// `*<n>`
+    Array(Vec<Frame>),
+    /// RESP3 `,<double>`, `(<big number>` kept as text.
+    Number(Bytes),
+    /// RESP3 `#t` / `#f`.
+    Boolean(bool),
+    /// RESP3 `%<n>` map.
+    Map(Vec<(Frame, Frame)>),
+    /// RESP3 `~<n>` set.
+    Set(Vec<Frame>),
+    /// RESP3 `><n>` push (out-of-band: pub/sub messages, invalidations).
+    Push(Vec<Frame>),
+    /// RESP3 `|<n>` attributes followed by the reply they describe.
+    Attributed(Vec<(Frame, Frame)>, Box<Frame>),
+}
+
+/// Bounds on what a peer may make us buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// The largest frame, in bytes (a bulk string's declared length counts at once).
+    pub max_frame_bytes: usize,
+    /// The deepest nesting of aggregates.
+    pub max_depth: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_frame_bytes: 512 * 1024 * 1024, max_depth: 64 }
+    }
+}
+
+/// A client request: a command and its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Command name first, then the arguments, as sent.
+    pub args: Vec<Bytes>,
+    /// Size of the request on the wire.
+    pub wire_len: usize,
+}
+
+impl Request {
+    /// The command name in upper case (lossy for non-UTF-8 names).
+    pub fn name(&self) -> String {
+        self.args.first().map(|a| String::from_utf8_lossy(a).to_ascii_uppercase()).unwrap_or_default()
+    }
+}
+
+/// Parses one frame from the front of `buf`. `Ok(None)`: incomplete, read more.
+pub fn parse(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
+    let mut cursor = Cursor { buf, pos: 0, limits };
+    match cursor.frame(0) {
+        Ok(frame) => Ok(Some((frame, cursor.pos))),
+        Err(FrameError::Incomplete) => {
+            if buf.len() > limits.max_frame_bytes {
+                return Err(FrameError::TooLarge { limit: limits.max_frame_bytes });
+            }
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Parses one client request (a RESP array of bulk strings, or an inline command) from the
+/// front of `buf`. An empty inline line yields a request with no arguments.
+pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
+    let Some(&first) = buf.first() else { return Ok(None) };
+    if first != b'*' {
+        return parse_inline(buf, limits);
+    }
+    let Some((frame, wire_len)) = parse(buf, limits)? else { return Ok(None) };
+    let Frame::Array(items) = frame else {
+        return Err(FrameError::Protocol("expected an array of bulk strings"));
+    };
+    let mut args = Vec::with_capacity(items.len());
+    for item in items {
+        match item {
+            Frame::Bulk(b) => args.push(b),
+            _ => return Err(FrameError::Protocol("expected an array of bulk strings")),
+        }
+    }
+    Ok(Some(Request { args, wire_len }))
+}
+
+fn parse_inline(buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
+    let Some(end) = memchr_newline(buf) else {
+        if buf.len() > limits.max_frame_bytes.min(64 * 1024) {
+            return Err(FrameError::TooLarge { limit: limits.max_frame_bytes.min(64 * 1024) });
+        }
+        return Ok(None);
+    };
+    let line = &buf[..end];
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    if line.iter().any(|&b| b == 0) {
+        return Err(FrameError::Protocol("unbalanced or binary inline request"));
+    }
+    let args = line.split(|b| *b == b' ' || *b == b'\t').filter(|a| !a.is_empty()).map(Bytes::copy_from_slice).collect();
+    Ok(Some(Request { args, wire_len: end + 1 }))
+}
+
+fn memchr_newline(buf: &[u8]) -> Option<usize> {
+    buf.iter().position(|&b| b == b'\n')
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    limits: &'a Limits,
+}
+
+impl Cursor<'_> {
+    fn line(&mut self) -> Result<&[u8], FrameError> {
+        let rest = &self.buf[self.pos..];
+        let Some(end) = rest.windows(2).position(|w| w == b"\r\n") else {
+            if rest.len() > 64 * 1024 {
+                return Err(FrameError::Protocol("header line longer than 64 KiB"));
+            }
+            return Err(FrameError::Incomplete);
+        };
+        self.pos += end + 2;
+        Ok(&rest[..end])
+    }
+
+    fn integer(&mut self) -> Result<i64, FrameError> {
+        let line = self.line()?;
+        parse_i64(line).ok_or(FrameError::Protocol("invalid integer"))
+    }
+
+    fn length(&mut self) -> Result<Option<usize>, FrameError> {
+        let n = self.integer()?;
+        match n {
+            -1 => Ok(None),
+            n if n < 0 => Err(FrameError::Protocol("negative length")),
+            n => {
+                let n = usize::try_from(n).map_err(|_| FrameError::Protocol("length out of range"))?;
+                if n > self.limits.max_frame_bytes {
+                    return Err(FrameError::TooLarge { limit: self.limits.max_frame_bytes });
+                }
+                Ok(Some(n))
+            }
+        }
+    }
+
+    fn blob(&mut self, len: usize) -> Result<Bytes, FrameError> {
+        let end = self.pos.checked_add(len).ok_or(FrameError::Protocol("length out of range"))?;
+        if self.buf.len() < end + 2 {
+            return Err(FrameError::Incomplete);
+        }
+        if &self.buf[end..end + 2] != b"\r\n" {
+            return Err(FrameError::Protocol("bulk string not terminated by CRLF"));
+        }
+        let data = Bytes::copy_from_slice(&self.buf[self.pos..end]);
+        self.pos = end + 2;
+        Ok(data)
+    }
+
+    fn items(&mut self, count: usize, depth: usize) -> Result<Vec<Frame>, FrameError> {
+        // Each element takes at least 3 bytes ("_\r\n"), so a count the limit cannot hold is
+        // refused before anything is allocated for it.
+        if count > self.limits.max_frame_bytes / 3 {
+            return Err(FrameError::TooLarge { limit: self.limits.max_frame_bytes });
+        }
+        let mut items = Vec::with_capacity(count.min(1024));
+        for _ in 0..count {
+            items.push(self.frame(depth + 1)?);
+        }
+        Ok(items)
+    }
+
+    fn pairs(&mut self, count: usize, depth: usize) -> Result<Vec<(Frame, Frame)>, FrameError> {
+        let flat = self.items(count.checked_mul(2).ok_or(FrameError::Protocol("length out of range"))?, depth)?;
+        let mut pairs = Vec::with_capacity(flat.len() / 2);
+        let mut it = flat.into_iter();
+        while let (Some(k), Some(v)) = (it.next(), it.next()) {
+            pairs.push((k, v));
+        }
+        Ok(pairs)
+    }
+
+    fn frame(&mut self, depth: usize) -> Result<Frame, FrameError> {
+        if depth > self.limits.max_depth {
+            return Err(FrameError::Protocol("aggregates nested too deeply"));
+        }
+        let Some(&kind) = self.buf.get(self.pos) else { return Err(FrameError::Incomplete) };
+        self.pos += 1;
+        Ok(match kind {
+            b'+' => Frame::Simple(Bytes::copy_from_slice(self.line()?)),
+            b'-' => Frame::Error(Bytes::copy_from_slice(self.line()?)),
+            b':' => Frame::Integer(self.integer()?),
+            b'$' => match self.length()? {
+                None => Frame::Null,
+                Some(len) => Frame::Bulk(self.blob(len)?),
+            },
+            b'=' => match self.length()? {
+                None => Frame::Null,
+                Some(len) => Frame::Bulk(self.blob(len)?),
+            },
+            b'!' => match self.length()? {
+                None => Frame::Null,
+                Some(len) => Frame::Error(self.blob(len)?),
+            },
+            b'*' => match self.length()? {
+                None => Frame::Null,
+                Some(n) => Frame::Array(self.items(n, depth)?),
+            },
+            b'~' => Frame::Set(self.items(self.length()?.unwrap_or(0), depth)?),
+            b'>' => Frame::Push(self.items(self.length()?.unwrap_or(0), depth)?),
+            b'%' => Frame::Map(self.pairs(self.length()?.unwrap_or(0), depth)?),
+            b'|' => {
+                let attrs = self.pairs(self.length()?.unwrap_or(0), depth)?;
+                Frame::Attributed(attrs, Box::new(self.frame(depth + 1)?))
+            }
+            b'_' => {
+                if !self.line()?.is_empty() {
+                    return Err(FrameError::Protocol("null with a payload"));
+                }
+                Frame::Null
+            }
+            b'#' => match self.line()? {
+                b"t" => Frame::Boolean(true),
+                b"f" => Frame::Boolean(false),
+                _ => return Err(FrameError::Protocol("invalid boolean")),
+            },
+            b',' | b'(' => Frame::Number(Bytes::copy_from_slice(self.line()?)),
+            _ => return Err(FrameError::Protocol("unknown type byte")),
+        })
+    }
+}
+
+fn parse_i64(text: &[u8]) -> Option<i64> {
+    std::str::from_utf8(text).ok()?.parse().ok()
+}
+
+impl Frame {
+    /// A simple string.
+    pub fn simple(text: &str) -> Self {
+        Frame::Simple(Bytes::copy_from_slice(text.as_bytes()))
+    }
+
+    /// An error reply; CR and LF in `text` are replaced by spaces.
+    pub fn error(text: &str) -> Self {
+        Frame::Error(Bytes::from(text.replace(['\r', '\n'], " ")))
+    }
+
+    /// An array of bulk strings (a command).
+    pub fn command<I, B>(args: I) -> Self
+    where
+        I: IntoIterator<Item = B>,
+        B: Into<Bytes>,
+    {
+        Frame::Array(args.into_iter().map(|a| Frame::Bulk(a.into())).collect())
+    }
+
+    /// The error text, if this is an error reply.
+    pub fn as_error(&self) -> Option<&[u8]> {
+        match self {
+            Frame::Error(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Appends the RESP encoding to `out`. RESP3-only types are written as RESP3; only replies
+    /// that came from a RESP3 upstream connection contain them.
+    pub fn encode(&self, out: &mut BytesMut) {
+        match self {
+            Frame::Simple(s) => line(out, b'+', s),
+            Frame::Error(e) => line(out, b'-', e),
+            Frame::Integer(i) => line(out, b':', i.to_string().as_bytes()),
+            Frame::Bulk(b) => {
+                line(out, b'$', b.len().to_string().as_bytes());
+                out.put_slice(b);
+                out.put_slice(b"\r\n");
+            }
+            Frame::Null => out.put_slice(b"$-1\r\n"),
+            Frame::Array(items) => aggregate(out, b'*', items),
+            Frame::Set(items) => aggregate(out, b'~', items),
+            Frame::Push(items) => aggregate(out, b'>', items),
+            Frame::Number(n) => line(out, b',', n),
+            Frame::Boolean(b) => out.put_slice(if *b { b"#t\r\n" } else { b"#f\r\n" }),
+            Frame::Map(pairs) => {
+                line(out, b'%', pairs.len().to_string().as_bytes());
+                for (k, v) in pairs {
+                    k.encode(out);
+                    v.encode(out);
+                }
+            }
+            Frame::Attributed(pairs, inner) => {
+                line(out, b'|', pairs.len().to_string().as_bytes());
+                for (k, v) in pairs {
+                    k.encode(out);
+                    v.encode(out);
+                }
+                inner.encode(out);
+            }
+        }
+    }
+
+    /// The encoding as a new buffer.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        self.encode(&mut out);
+        out.freeze()
+    }
+}
+
+fn line(out: &mut BytesMut, kind: u8, text: &[u8]) {
+    out.put_u8(kind);
+    out.put_slice(text);
+    out.put_slice(b"\r\n");
+}
+
+fn aggregate(out: &mut BytesMut, kind: u8, items: &[Frame]) {
+    line(out, kind, items.len().to_string().as_bytes());
+    for item in items {
+        item.encode(out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits { max_frame_bytes: 1024, max_depth: 8 }
+    }
+
+    #[test]
+    fn parses_every_type_and_reports_length() {
+        let input = b"*3\r\n$3\r\nSET\r\n:-5\r\n_\r\nrest";
+        let (frame, len) = parse(input, &limits()).unwrap().unwrap();
+        assert_eq!(len, input.len() - 4);
+        assert_eq!(frame, Frame::Array(vec![Frame::Bulk("SET".into()), Frame::Integer(-5), Frame::Null]));
+        let resp3 = b"%1\r\n+a\r\n~2\r\n#t\r\n,1.5\r\n";
+        let (frame, _) = parse(resp3, &limits()).unwrap().unwrap();
+        assert_eq!(
+            frame,
+            Frame::Map(vec![(Frame::simple("a"), Frame::Set(vec![Frame::Boolean(true), Frame::Number("1.5".into())]))])
+        );
+        let (frame, _) = parse(b"!5\r\nERR x\r\n", &limits()).unwrap().unwrap();
+        assert_eq!(frame.as_error(), Some(&b"ERR x"[..]));
+    }
+
+    #[test]
+    fn incomplete_input_asks_for_more() {
+        let full = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n";
+        for cut in 0..full.len() {
+            assert_eq!(parse_request(&full[..cut], &limits()).unwrap(), None, "cut at {cut}");
+        }
+        let req = parse_request(full, &limits()).unwrap().unwrap();
+        assert_eq!(req.args, vec![Bytes::from("GET"), Bytes::from("k")]);
+        assert_eq!(req.wire_len, full.len());
+    }
+
+    #[test]
+    fn inline_commands_split_on_spaces() {
+        let req = parse_request(b"SET  k v\r\nPING\r\n", &limits()).unwrap().unwrap();
+        assert_eq!(req.args, vec![Bytes::from("SET"), Bytes::from("k"), Bytes::from("v")]);
+        assert_eq!(req.wire_len, 10);
+        assert_eq!(req.name(), "SET");
+    }
+
+    #[test]
+    fn oversized_lengths_are_refused_before_buffering() {
+        assert_eq!(parse(b"$2000\r\n", &limits()), Err(FrameError::TooLarge { limit: 1024 }));
+        assert_eq!(parse(b"*1000\r\n", &limits()), Err(FrameError::TooLarge { limit: 1024 }));
+        assert!(parse(&[b'*'; 1100], &limits()).is_err());
+        let deep = "*1\r\n".repeat(20);
+        assert!(matches!(parse(deep.as_bytes(), &limits()), Err(FrameError::Protocol(_))));
+    }
+
+    #[test]
+    fn garbage_is_a_protocol_error() {
+        assert!(parse(b"?what\r\n", &limits()).is_err());
+        assert!(parse(b"$3\r\nabcd\r\n", &limits()).is_err());
+        assert!(parse_request(b"*1\r\n:1\r\n", &limits()).is_err());
+    }
+
+    #[test]
+    fn encode_round_trips() {
+        let frame = Frame::Array(vec![
+            Frame::Bulk("a".into()),
+            Frame::Integer(3),
+            Frame::error("ERR x\r\ny"),
+            Frame::Map(vec![(Frame::simple("k"), Frame::Null)]),
+        ]);
+        let bytes = frame.to_bytes();
+        let (back, len) = parse(&bytes, &limits()).unwrap().unwrap();
+        assert_eq!(len, bytes.len());
+        assert_eq!(back, frame);
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = parse(&bytes, &limits());
+            let _ = parse_request(&bytes, &limits());
+        }
+
+        #[test]
+        fn resp_shaped_bytes_never_panic(text in "([*$%~>|:_#,(!=+-][-0-9a-z?]{0,4}\r\n){0,12}") {
+            let _ = parse(text.as_bytes(), &limits());
+            let _ = parse_request(text.as_bytes(), &limits());
+        }
+
+        #[test]
+        fn commands_round_trip(args in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..20), 1..8)) {
+            let frame = Frame::command(args.iter().map(|a| Bytes::copy_from_slice(a)));
+            let bytes = frame.to_bytes();
+            let req = parse_request(&bytes, &Limits::default()).unwrap().unwrap();
+            prop_assert_eq!(req.wire_len, bytes.len());
+            prop_assert_eq!(req.args.iter().map(|a| a.to_vec()).collect::<Vec<_>>(), args);
+        }
+    }
+}

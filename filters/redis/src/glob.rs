@@ -1,0 +1,149 @@
+//! Redis-style glob matching on raw key bytes: `*`, `?`, `[abc]`, `[^a-z]`, and `\` escapes,
+//! with the same meaning as `KEYS` and `SCAN MATCH`.
+
+/// Whether `key` matches `pattern`.
+pub fn matches(pattern: &[u8], key: &[u8]) -> bool {
+    // Iterative matcher with one backtrack point for the last `*` (linear in practice, no
+    // recursion, so hostile patterns cannot blow the stack).
+    let (mut p, mut k) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while k < key.len() {
+        if p < pattern.len() {
+            match pattern[p] {
+                b'*' => {
+                    while p < pattern.len() && pattern[p] == b'*' {
+                        p += 1;
+                    }
+                    if p == pattern.len() {
+                        return true;
+                    }
+                    star = Some((p, k));
+                    continue;
+                }
+                b'?' => {
+                    p += 1;
+                    k += 1;
+                    continue;
+                }
+                b'[' => {
+                    if let Some((hit, next)) = class(pattern, p, key[k]) {
+                        if hit {
+                            p = next;
+                            k += 1;
+                            continue;
+                        }
+                    } else if key[k] == b'[' {
+                        // An unterminated class matches a literal '['.
+                        p += 1;
+                        k += 1;
+                        continue;
+                    }
+                }
+                b'\\' if p + 1 < pattern.len() => {
+                    if pattern[p + 1] == key[k] {
+                        p += 2;
+                        k += 1;
+                        continue;
+                    }
+                }
+                c => {
+                    if c == key[k] {
+                        p += 1;
+                        k += 1;
+                        continue;
+                    }
+                }
+            }
+        }
+        match star {
+            Some((sp, sk)) => {
+                p = sp;
+                k = sk + 1;
+                star = Some((sp, sk + 1));
+            }
+            None => return false,
+        }
+    }
+    pattern[p..].iter().all(|&c| c == b'*')
+}
+
+/// Matches `c` against the class starting at `pattern[start] == b'['`. Returns whether it hit
+/// and the index after the closing `]`, or `None` when the class is not terminated.
+fn class(pattern: &[u8], start: usize, c: u8) -> Option<(bool, usize)> {
+    let mut i = start + 1;
+    let negate = pattern.get(i) == Some(&b'^');
+    if negate {
+        i += 1;
+    }
+    let mut hit = false;
+    let mut first = true;
+    loop {
+        let &b = pattern.get(i)?;
+        if b == b']' && !first {
+            return Some((hit != negate, i + 1));
+        }
+        first = false;
+        if b == b'\\' {
+            let &e = pattern.get(i + 1)?;
+            hit |= e == c;
+            i += 2;
+        } else if pattern.get(i + 1) == Some(&b'-') && pattern.get(i + 2).is_some_and(|&e| e != b']') {
+            let (lo, hi) = (b.min(pattern[i + 2]), b.max(pattern[i + 2]));
+            hit |= (lo..=hi).contains(&c);
+            i += 3;
+        } else {
+            hit |= b == c;
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::matches;
+
+    #[test]
+    fn redis_glob_semantics() {
+        let cases: &[(&str, &str, bool)] = &[
+            ("*", "", true),
+            ("*", "anything", true),
+            ("billing:*", "billing:2026", true),
+            ("billing:*", "billing", false),
+            ("h?llo", "hello", true),
+            ("h?llo", "hllo", false),
+            ("h[ae]llo", "hallo", true),
+            ("h[ae]llo", "hillo", false),
+            ("h[^e]llo", "hallo", true),
+            ("h[^e]llo", "hello", false),
+            ("h[a-b]llo", "hbllo", true),
+            ("h[a-b]llo", "hcllo", false),
+            ("a\\*b", "a*b", true),
+            ("a\\*b", "axb", false),
+            ("*:*:x", "a:b:c:x", true),
+            ("*:*:x", "a:b:c:y", false),
+            ("a*b*c", "aXbYbZc", true),
+            ("[", "[", true),
+            ("", "", true),
+            ("", "a", false),
+        ];
+        for (pattern, key, want) in cases {
+            assert_eq!(matches(pattern.as_bytes(), key.as_bytes()), *want, "{pattern:?} {key:?}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(pattern in proptest::collection::vec(any::<u8>(), 0..20), key in proptest::collection::vec(any::<u8>(), 0..40)) {
+            let _ = matches(&pattern, &key);
+        }
+
+        #[test]
+        fn star_prefix_matches_every_suffix(prefix in "[a-z:]{0,8}", rest in "[a-z:]{0,8}") {
+            let pattern = format!("{prefix}*");
+            let key = format!("{prefix}{rest}");
+            prop_assert!(matches(pattern.as_bytes(), key.as_bytes()));
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! Followers pass client requests to the leader and relay its answer unchanged.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+
+use super::reply::ApiError;
+use super::{ApiState, FORWARDED_HEADER};
+use crate::authority::AuthorityError;
+
+/// The request as received, kept so it can be sent on to the leader.
+pub struct Original {
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// Answers `err`, or, when it says another node leads, forwards `original` there once.
+pub async fn or_forward(
+    state: &ApiState,
+    err: AuthorityError,
+    original: Original,
+    timeout: Duration,
+) -> Response {
+    let AuthorityError::NotLeader {
+        leader: Some(leader),
+    } = &err
+    else {
+        return ApiError::from(err).into_response();
+    };
+    if original.headers.contains_key(FORWARDED_HEADER) {
+        // The node that sent us this believed we lead; we do not. Let the client retry rather
+        // than bounce the request around while an election settles.
+        return ApiError::from(AuthorityError::NotLeader { leader: None }).into_response();
+    }
+    let path = original.uri.path_and_query().map_or("/", |p| p.as_str());
+    let url = format!("http://{leader}{path}");
+    let sent = state
+        .http
+        .request(original.method, url)
+        .header(FORWARDED_HEADER, state.authority_id().to_string())
+        .header("content-type", "application/json")
+        .body(original.body)
+        .timeout(timeout)
+        .send()
+        .await;
+    match sent {
+        Ok(answer) => {
+            let status =
+                StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            match answer.bytes().await {
+                Ok(body) => (status, [("content-type", "application/json")], body).into_response(),
+                Err(e) => ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "forward_failed",
+                    format!("leader's answer was cut off: {e}"),
+                )
+                .into_response(),
+            }
+        }
+        Err(e) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "forward_failed",
+            format!("cannot reach the leader at {leader}: {e}; retry or try another endpoint"),
+        )
+        .into_response(),
+    }
+}
+
+impl ApiState {
+    fn authority_id(&self) -> u64 {
+        self.authority.id()
+    }
+}

@@ -1,0 +1,33 @@
+//! The receiving side of the Raft RPCs in `authority::network`.
+
+use axum::extract::State;
+use axum::Json;
+use openraft::error::{InstallSnapshotError, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+
+use super::ApiState;
+use crate::authority::type_config::{NodeId, TypeConfig};
+
+pub async fn append(
+    State(state): State<ApiState>,
+    Json(req): Json<AppendEntriesRequest<TypeConfig>>,
+) -> Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>> {
+    Json(state.authority.raft().append_entries(req).await)
+}
+
+pub async fn vote(
+    State(state): State<ApiState>,
+    Json(req): Json<VoteRequest<NodeId>>,
+) -> Json<Result<VoteResponse<NodeId>, RaftError<NodeId>>> {
+    Json(state.authority.raft().vote(req).await)
+}
+
+pub async fn snapshot(
+    State(state): State<ApiState>,
+    Json(req): Json<InstallSnapshotRequest<TypeConfig>>,
+) -> Json<Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>> {
+    Json(state.authority.raft().install_snapshot(req).await)
+}

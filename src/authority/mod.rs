@@ -1,0 +1,547 @@
+//! The token authority: a Raft-replicated lease service that hands out fencing tokens.
+//!
+//! Acquire, release, expire and restore go through the Raft log (a majority has them on disk
+//! before anyone is told). Keepalives do not: the leader answers them from memory, but only
+//! after a quorum has confirmed its leadership, so a deposed or partitioned leader extends
+//! nothing.
+
+mod lease_clock;
+pub mod log_store;
+pub mod network;
+pub mod state;
+pub mod state_machine;
+pub mod type_config;
+mod waiters;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fencegate_core::{Resource, Revision, Token, TokenKey};
+use openraft::error::{
+    CheckIsLeaderError, ClientWriteError, ForwardToLeader, InitializeError, RaftError,
+};
+use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use redb::Database;
+use serde::Serialize;
+use thiserror::Error;
+use tokio::sync::RwLock;
+
+use crate::config::{AuthorityConfig, Config, MemberConfig};
+use crate::metrics::Metrics;
+use lease_clock::LeaseClock;
+use log_store::LogStore;
+use network::Network;
+use state::{AuthorityState, Command, Outcome};
+use state_machine::{Applied, StateMachine};
+pub use type_config::{NodeId, Raft};
+use waiters::Waiters;
+
+#[derive(Debug, Error)]
+pub enum AuthorityError {
+    /// This node is not the leader; `leader` is its API address when known.
+    #[error("this node is not the leader")]
+    NotLeader { leader: Option<String> },
+    #[error("the cluster cannot answer now ({0}); retry, or check that a majority of nodes is up")]
+    Unavailable(String),
+    #[error("cannot open the data directory {path}: {message}")]
+    Open { path: String, message: String },
+    #[error(
+        "the revision is at its maximum ({}); no further tokens can be issued",
+        Revision::MAX
+    )]
+    RevisionExhausted,
+}
+
+/// A lock granted to a client.
+#[derive(Debug, Clone, Serialize)]
+pub struct Grant {
+    pub resource: String,
+    pub token: String,
+    pub revision: u64,
+    pub lease_id: u64,
+    pub ttl_ms: u64,
+}
+
+pub enum AcquireOutcome {
+    Granted(Grant),
+    Held { revision: u64 },
+}
+
+/// What `GET /v1/locks/{resource}` shows. The token string is left out on purpose: a signed
+/// token is a credential, and a status reader is not the holder.
+#[derive(Debug, Clone, Serialize)]
+pub struct LockStatus {
+    pub resource: String,
+    pub revision: u64,
+    pub lease_id: u64,
+    pub holder: Option<String>,
+    pub ttl_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Member {
+    pub id: NodeId,
+    pub api: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterStatus {
+    pub node_id: NodeId,
+    pub leader_id: Option<NodeId>,
+    pub state: String,
+    pub term: u64,
+    pub members: Vec<Member>,
+    pub last_applied: Option<u64>,
+    pub revision: u64,
+}
+
+pub struct AcquireRequest {
+    pub resource: Resource,
+    pub ttl: Duration,
+    pub wait: Duration,
+    pub request_id: Option<String>,
+    pub holder: Option<String>,
+}
+
+pub struct Authority {
+    id: NodeId,
+    raft: Raft,
+    applied: Arc<RwLock<Applied>>,
+    clock: Arc<LeaseClock>,
+    waiters: Arc<Waiters>,
+    key: Option<TokenKey>,
+    metrics: Arc<Metrics>,
+    restore_bump: u64,
+}
+
+impl Authority {
+    /// Opens the node's data, starts Raft, forms the cluster on first start, and starts the
+    /// leader's expiry loop.
+    pub async fn start(
+        config: &Config,
+        key: Option<TokenKey>,
+        metrics: Arc<Metrics>,
+        http: reqwest::Client,
+    ) -> Result<Arc<Self>, AuthorityError> {
+        let dir = &config.node.data_dir;
+        let open_err = |message: String| AuthorityError::Open {
+            path: dir.display().to_string(),
+            message,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
+        let db = Arc::new(
+            Database::create(dir.join("authority.redb")).map_err(|e| open_err(e.to_string()))?,
+        );
+        let log = LogStore::open(db.clone()).map_err(|e| open_err(e.to_string()))?;
+        let waiters = Arc::new(Waiters::default());
+        let sm = StateMachine::open(db, waiters.clone()).map_err(|e| open_err(e.to_string()))?;
+        let applied = sm.applied();
+        let raft_config = raft_config(&config.authority).map_err(AuthorityError::Unavailable)?;
+        let raft = Raft::new(
+            config.node.id,
+            Arc::new(raft_config),
+            Network::new(http),
+            log,
+            sm,
+        )
+        .await
+        .map_err(|e| open_err(e.to_string()))?;
+
+        initialize(&raft, &config.members()).await?;
+
+        let authority = Arc::new(Self {
+            id: config.node.id,
+            raft,
+            applied,
+            clock: Arc::new(LeaseClock::default()),
+            waiters,
+            key,
+            metrics,
+            restore_bump: config.authority.restore_bump,
+        });
+        tokio::spawn(watch_leadership(authority.clone()));
+        tokio::spawn(expire_leases(
+            authority.clone(),
+            Duration::from_millis(config.authority.heartbeat_ms),
+        ));
+        Ok(authority)
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    pub fn raft(&self) -> &Raft {
+        &self.raft
+    }
+
+    /// The API address of the leader this node knows of, if it is not itself.
+    pub fn leader_api(&self) -> Option<String> {
+        let metrics = self.raft.metrics().borrow().clone();
+        let leader = metrics.current_leader.filter(|l| *l != self.id)?;
+        metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .map(|n| n.addr.clone())
+    }
+
+    /// Grants the lock, waiting (in arrival order) up to `wait` while it is held.
+    pub async fn acquire(&self, req: AcquireRequest) -> Result<AcquireOutcome, AuthorityError> {
+        let resource = req.resource.as_str().to_owned();
+        if let Some(id) = &req.request_id {
+            let known = self.applied.read().await.state.by_request(id, &resource);
+            if let Some(Outcome::Acquired {
+                token,
+                lease_id,
+                ttl_ms,
+                ..
+            }) = known
+            {
+                return Ok(AcquireOutcome::Granted(self.grant(
+                    &req.resource,
+                    token,
+                    lease_id,
+                    ttl_ms,
+                )));
+            }
+        }
+        let command = Command::Acquire {
+            resource: resource.clone(),
+            ttl_ms: req.ttl.as_millis() as u64,
+            request_id: req.request_id.clone(),
+            holder: req.holder.clone(),
+        };
+        let slot = self.waiters.slot(&resource);
+        let deadline = tokio::time::Instant::now() + req.wait;
+        // Whoever holds the turn is first in line; a later arrival waits behind it or, if it
+        // will not wait, is told the lock is held.
+        let _turn = match slot.turn.try_lock() {
+            Ok(turn) => turn,
+            Err(_) if req.wait.is_zero() => {
+                return Ok(AcquireOutcome::Held {
+                    revision: self.holder_revision(&resource).await,
+                })
+            }
+            Err(_) => match tokio::time::timeout_at(deadline, slot.turn.lock()).await {
+                Ok(turn) => turn,
+                Err(_) => {
+                    return Ok(AcquireOutcome::Held {
+                        revision: self.holder_revision(&resource).await,
+                    })
+                }
+            },
+        };
+        loop {
+            match self.propose(command.clone()).await? {
+                Outcome::Acquired {
+                    token,
+                    lease_id,
+                    ttl_ms,
+                    ..
+                } => {
+                    self.metrics.acquires.inc();
+                    return Ok(AcquireOutcome::Granted(self.grant(
+                        &req.resource,
+                        token,
+                        lease_id,
+                        ttl_ms,
+                    )));
+                }
+                Outcome::Held { revision } => {
+                    if tokio::time::timeout_at(deadline, slot.freed.notified())
+                        .await
+                        .is_err()
+                    {
+                        return Ok(AcquireOutcome::Held { revision });
+                    }
+                }
+                Outcome::RevisionExhausted => return Err(AuthorityError::RevisionExhausted),
+                other => {
+                    return Err(AuthorityError::Unavailable(format!(
+                        "unexpected outcome {other:?}"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Renews a lease; `None` when it has expired or never existed.
+    pub async fn keepalive(&self, lease_id: u64) -> Result<Option<u64>, AuthorityError> {
+        let term = self.confirm_leadership().await?;
+        let ttl_ms = match self.applied.read().await.state.leases.get(&lease_id) {
+            Some(lease) => lease.ttl_ms,
+            None => return Ok(None),
+        };
+        match self.clock.renew(
+            term,
+            lease_id,
+            Duration::from_millis(ttl_ms),
+            Instant::now(),
+        ) {
+            Ok(()) => {
+                self.metrics.keepalives.inc();
+                Ok(Some(ttl_ms))
+            }
+            Err(lease_clock::Expired) => Ok(None),
+        }
+    }
+
+    /// Releases a lease and its locks; `false` when there was no such lease.
+    pub async fn release(&self, lease_id: u64) -> Result<bool, AuthorityError> {
+        match self.propose(Command::Release { lease_id }).await? {
+            Outcome::Released { .. } => {
+                self.metrics.releases.inc();
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    pub async fn status(&self, resource: &Resource) -> Result<Option<LockStatus>, AuthorityError> {
+        self.confirm_leadership().await?;
+        let applied = self.applied.read().await;
+        let Some(lock) = applied.state.locks.get(resource.as_str()) else {
+            return Ok(None);
+        };
+        let ttl = applied
+            .state
+            .leases
+            .get(&lock.lease_id)
+            .map_or(0, |l| l.ttl_ms);
+        let left = self
+            .clock
+            .remaining(lock.lease_id, Duration::from_millis(ttl), Instant::now());
+        Ok(Some(LockStatus {
+            resource: resource.to_string(),
+            revision: lock.token,
+            lease_id: lock.lease_id,
+            holder: lock.holder.clone(),
+            ttl_ms: left.as_millis() as u64,
+        }))
+    }
+
+    /// This node's view of the cluster; answered locally, without asking the leader.
+    pub async fn cluster(&self) -> ClusterStatus {
+        let metrics = self.raft.metrics().borrow().clone();
+        let members = metrics
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, node)| Member {
+                id: *id,
+                api: node.addr.clone(),
+            })
+            .collect();
+        ClusterStatus {
+            node_id: self.id,
+            leader_id: metrics.current_leader,
+            state: format!("{:?}", metrics.state),
+            term: metrics.current_term,
+            members,
+            last_applied: metrics.last_applied.map(|l| l.index),
+            revision: self.applied.read().await.state.revision,
+        }
+    }
+
+    /// The whole state, read linearizably on the leader.
+    pub async fn snapshot(&self) -> Result<AuthorityState, AuthorityError> {
+        self.confirm_leadership().await?;
+        Ok(self.applied.read().await.state.clone())
+    }
+
+    /// Replaces the state with `state` and bumps the revision above both it and the current one.
+    pub async fn restore(&self, state: AuthorityState) -> Result<u64, AuthorityError> {
+        match self
+            .propose(Command::Restore {
+                state: Box::new(state),
+                bump: self.restore_bump,
+            })
+            .await?
+        {
+            Outcome::Bumped { revision } => Ok(revision),
+            Outcome::RevisionExhausted => Err(AuthorityError::RevisionExhausted),
+            other => Err(AuthorityError::Unavailable(format!(
+                "unexpected outcome {other:?}"
+            ))),
+        }
+    }
+
+    /// Refreshes the gauges that are read off Raft and the state at scrape time.
+    pub async fn refresh_gauges(&self) {
+        let m = self.raft.metrics().borrow().clone();
+        self.metrics.term.set(m.current_term as i64);
+        self.metrics
+            .is_leader
+            .set(i64::from(m.state == ServerState::Leader));
+        self.metrics
+            .commit_index
+            .set(m.last_applied.map_or(0, |l| l.index as i64));
+        let applied = self.applied.read().await;
+        self.metrics
+            .active_leases
+            .set(applied.state.leases.len() as i64);
+        self.metrics.revision.set(applied.state.revision as i64);
+    }
+
+    fn grant(&self, resource: &Resource, token: u64, lease_id: u64, ttl_ms: u64) -> Grant {
+        let revision = Revision::new(token).expect("the state machine issues revisions in range");
+        let mut encoded = Token::new(resource.clone(), revision);
+        if let Some(key) = &self.key {
+            encoded = encoded.signed(key);
+        }
+        Grant {
+            resource: resource.to_string(),
+            token: encoded.to_string(),
+            revision: token,
+            lease_id,
+            ttl_ms,
+        }
+    }
+
+    async fn holder_revision(&self, resource: &str) -> u64 {
+        self.applied
+            .read()
+            .await
+            .state
+            .locks
+            .get(resource)
+            .map_or(0, |l| l.token)
+    }
+
+    async fn propose(&self, command: Command) -> Result<Outcome, AuthorityError> {
+        match self.raft.client_write(command).await {
+            Ok(response) => Ok(response.data),
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                Err(self.not_leader(f))
+            }
+            Err(e) => Err(AuthorityError::Unavailable(e.to_string())),
+        }
+    }
+
+    /// Confirms with a quorum that this node still leads, waits until its state machine has
+    /// applied everything committed before, and returns the term.
+    async fn confirm_leadership(&self) -> Result<u64, AuthorityError> {
+        match self.raft.ensure_linearizable().await {
+            Ok(_) => {}
+            Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f))) => {
+                return Err(self.not_leader(f))
+            }
+            Err(e) => return Err(AuthorityError::Unavailable(e.to_string())),
+        }
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics.state != ServerState::Leader {
+            return Err(AuthorityError::NotLeader {
+                leader: self.leader_api(),
+            });
+        }
+        Ok(metrics.current_term)
+    }
+
+    fn not_leader(&self, f: ForwardToLeader<NodeId, BasicNode>) -> AuthorityError {
+        AuthorityError::NotLeader {
+            leader: f.leader_node.map(|n| n.addr).or_else(|| self.leader_api()),
+        }
+    }
+}
+
+fn raft_config(c: &AuthorityConfig) -> Result<openraft::Config, String> {
+    openraft::Config {
+        cluster_name: "fencegate".into(),
+        heartbeat_interval: c.heartbeat_ms,
+        election_timeout_min: c.election_timeout_min_ms,
+        election_timeout_max: c.election_timeout_max_ms,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(c.snapshot_every_logs),
+        max_in_snapshot_log_to_keep: 1000,
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| e.to_string())
+}
+
+/// Forms the cluster on its very first start. Every member may call this with the same
+/// membership (openraft allows it); on a node that has a log or a vote it is refused with
+/// `NotAllowed`, which is what makes a restart safe.
+async fn initialize(raft: &Raft, members: &[MemberConfig]) -> Result<(), AuthorityError> {
+    let nodes: BTreeMap<NodeId, BasicNode> = members
+        .iter()
+        .map(|m| {
+            (
+                m.id,
+                BasicNode {
+                    addr: m.api.to_string(),
+                },
+            )
+        })
+        .collect();
+    match raft.initialize(nodes).await {
+        Ok(()) => {
+            tracing::info!(members = members.len(), "initialized a new cluster");
+            Ok(())
+        }
+        Err(RaftError::APIError(InitializeError::NotAllowed(_))) => Ok(()),
+        Err(e) => Err(AuthorityError::Unavailable(format!(
+            "cannot initialize the cluster: {e}"
+        ))),
+    }
+}
+
+/// Keeps the lease clock's idea of leadership in step with Raft's.
+async fn watch_leadership(authority: Arc<Authority>) {
+    let mut metrics = authority.raft.metrics();
+    loop {
+        let leader_term = {
+            let m = metrics.borrow_and_update();
+            (m.state == ServerState::Leader).then_some(m.current_term)
+        };
+        authority.clock.observe(leader_term);
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// On the leader, proposes an expiry for every lease whose deadline passed.
+async fn expire_leases(authority: Arc<Authority>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let term = {
+            let m = authority.raft.metrics().borrow().clone();
+            if m.running_state.is_err() {
+                return;
+            }
+            if m.state != ServerState::Leader {
+                continue;
+            }
+            m.current_term
+        };
+        let leases: Vec<(u64, Duration)> = {
+            let applied = authority.applied.read().await;
+            applied
+                .state
+                .leases
+                .iter()
+                .map(|(id, l)| (*id, Duration::from_millis(l.ttl_ms)))
+                .collect()
+        };
+        for lease_id in authority.clock.due(term, leases, Instant::now()) {
+            let authority = authority.clone();
+            tokio::spawn(async move {
+                match authority.propose(Command::Expire { lease_id }).await {
+                    Ok(Outcome::Released { revision }) => {
+                        authority.metrics.expiries.inc();
+                        tracing::info!(lease_id, revision, "lease expired");
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(lease_id, error = %e, "could not propose a lease expiry; will retry");
+                        authority.clock.retry_expiry(lease_id);
+                    }
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Raft RPCs between nodes: JSON over HTTP, on the same port as the client API.
+
+use openraft::error::{
+    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::type_config::{NodeId, TypeConfig};
+
+pub const APPEND_PATH: &str = "/raft/append";
+pub const VOTE_PATH: &str = "/raft/vote";
+pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
+
+#[derive(Clone)]
+pub struct Network {
+    http: reqwest::Client,
+}
+
+impl Network {
+    pub fn new(http: reqwest::Client) -> Self {
+        Self { http }
+    }
+}
+
+pub struct Connection {
+    http: reqwest::Client,
+    target: NodeId,
+    addr: String,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Connection;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Connection {
+        Connection {
+            http: self.http.clone(),
+            target,
+            addr: node.addr.clone(),
+        }
+    }
+}
+
+impl Connection {
+    async fn call<Req, Resp, E>(
+        &self,
+        path: &str,
+        req: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let url = format!("http://{}{}", self.addr, path);
+        let sent = self
+            .http
+            .post(url)
+            .json(req)
+            .timeout(option.hard_ttl())
+            .send()
+            .await
+            .map_err(|e| {
+                // A refused connection marks the peer unreachable, so openraft backs off instead of
+                // retrying at once.
+                if e.is_connect() {
+                    RPCError::Unreachable(Unreachable::new(&e))
+                } else {
+                    RPCError::Network(NetworkError::new(&e))
+                }
+            })?;
+        let result: Result<Resp, RaftError<NodeId, E>> = sent
+            .json()
+            .await
+            .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for Connection {
+    async fn append_entries(
+        &mut self,
+        req: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(APPEND_PATH, &req, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        req: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        self.call(SNAPSHOT_PATH, &req, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        req: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call(VOTE_PATH, &req, &option).await
+    }
+}

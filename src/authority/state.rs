@@ -1,0 +1,347 @@
+//! The authority's replicated state and the pure function that applies one command to it.
+//!
+//! Everything here is deterministic: no clocks, no I/O. Every node applies the same commands in
+//! the same order and reaches the same state. Time (lease deadlines) lives only in the leader's
+//! memory, in `lease_clock.rs`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use fencegate_core::Revision;
+use serde::{Deserialize, Serialize};
+
+/// A command as it travels through the Raft log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    /// Grant a lease and create the lock under it, unless the lock is held.
+    Acquire {
+        resource: String,
+        ttl_ms: u64,
+        request_id: Option<String>,
+        holder: Option<String>,
+    },
+    /// The holder gives the lease (and its locks) back.
+    Release { lease_id: u64 },
+    /// The leader's deadline for the lease passed.
+    Expire { lease_id: u64 },
+    /// Raise the revision by `by` without touching any lock.
+    Bump { by: u64 },
+    /// Replace the whole state with a saved one, then raise the revision by `bump` above both
+    /// the saved and the current revision.
+    Restore {
+        state: Box<AuthorityState>,
+        bump: u64,
+    },
+}
+
+/// What applying a command produced; returned to the proposer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    Acquired {
+        resource: String,
+        token: u64,
+        lease_id: u64,
+        ttl_ms: u64,
+    },
+    /// The lock is held; `revision` is the holder's token.
+    Held {
+        revision: u64,
+    },
+    Released {
+        revision: u64,
+    },
+    UnknownLease,
+    Bumped {
+        revision: u64,
+    },
+    /// The revision cannot move further without leaving what stores can keep.
+    RevisionExhausted,
+    /// Blank and membership entries.
+    Nothing,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lock {
+    pub lease_id: u64,
+    /// The revision at which the lock was created: the fencing token.
+    pub token: u64,
+    pub holder: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub ttl_ms: u64,
+    pub resources: BTreeSet<String>,
+    pub request_id: Option<String>,
+}
+
+/// The replicated state: what a snapshot holds and a restore brings back.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthorityState {
+    /// Advances on every create and delete; never goes backwards.
+    pub revision: u64,
+    pub last_lease_id: u64,
+    pub locks: BTreeMap<String, Lock>,
+    pub leases: BTreeMap<u64, Lease>,
+    /// Request ids of live leases, so a retried acquire gets the same lease and token.
+    pub requests: BTreeMap<String, u64>,
+}
+
+impl AuthorityState {
+    /// Applies `command`. Freed resources are pushed to `freed` so the leader can wake the next
+    /// waiter for each.
+    pub fn apply(&mut self, command: &Command, freed: &mut Vec<String>) -> Outcome {
+        match command {
+            Command::Acquire {
+                resource,
+                ttl_ms,
+                request_id,
+                holder,
+            } => self.acquire(resource, *ttl_ms, request_id.as_deref(), holder.as_deref()),
+            Command::Release { lease_id } | Command::Expire { lease_id } => {
+                self.revoke(*lease_id, freed)
+            }
+            Command::Bump { by } => match self.advance(*by) {
+                Some(revision) => Outcome::Bumped { revision },
+                None => Outcome::RevisionExhausted,
+            },
+            Command::Restore { state, bump } => {
+                let floor = self.revision.max(state.revision);
+                freed.extend(
+                    self.locks
+                        .keys()
+                        .filter(|r| !state.locks.contains_key(*r))
+                        .cloned(),
+                );
+                *self = (**state).clone();
+                self.revision = floor;
+                match self.advance(*bump) {
+                    Some(revision) => Outcome::Bumped { revision },
+                    None => Outcome::RevisionExhausted,
+                }
+            }
+        }
+    }
+
+    /// The live lease a retried request already got, with its lock.
+    pub fn by_request(&self, request_id: &str, resource: &str) -> Option<Outcome> {
+        let lease_id = *self.requests.get(request_id)?;
+        let lease = self.leases.get(&lease_id)?;
+        let lock = self
+            .locks
+            .get(resource)
+            .filter(|l| l.lease_id == lease_id)?;
+        Some(Outcome::Acquired {
+            resource: resource.to_owned(),
+            token: lock.token,
+            lease_id,
+            ttl_ms: lease.ttl_ms,
+        })
+    }
+
+    fn acquire(
+        &mut self,
+        resource: &str,
+        ttl_ms: u64,
+        request_id: Option<&str>,
+        holder: Option<&str>,
+    ) -> Outcome {
+        if let Some(done) = request_id.and_then(|id| self.by_request(id, resource)) {
+            return done;
+        }
+        if let Some(lock) = self.locks.get(resource) {
+            return Outcome::Held {
+                revision: lock.token,
+            };
+        }
+        let Some(token) = self.advance(1) else {
+            return Outcome::RevisionExhausted;
+        };
+        self.last_lease_id += 1;
+        let lease_id = self.last_lease_id;
+        self.locks.insert(
+            resource.to_owned(),
+            Lock {
+                lease_id,
+                token,
+                holder: holder.map(str::to_owned),
+            },
+        );
+        self.leases.insert(
+            lease_id,
+            Lease {
+                ttl_ms,
+                resources: BTreeSet::from([resource.to_owned()]),
+                request_id: request_id.map(str::to_owned),
+            },
+        );
+        if let Some(id) = request_id {
+            self.requests.insert(id.to_owned(), lease_id);
+        }
+        Outcome::Acquired {
+            resource: resource.to_owned(),
+            token,
+            lease_id,
+            ttl_ms,
+        }
+    }
+
+    fn revoke(&mut self, lease_id: u64, freed: &mut Vec<String>) -> Outcome {
+        let Some(lease) = self.leases.remove(&lease_id) else {
+            return Outcome::UnknownLease;
+        };
+        if let Some(id) = &lease.request_id {
+            self.requests.remove(id);
+        }
+        for resource in lease.resources {
+            if self.locks.remove(&resource).is_some() {
+                // Every delete advances the revision, as every create does. Saturating: a
+                // delete must never fail, and an exhausted counter already refuses acquires.
+                self.revision = (self.revision + 1).min(Revision::MAX);
+                freed.push(resource);
+            }
+        }
+        Outcome::Released {
+            revision: self.revision,
+        }
+    }
+
+    fn advance(&mut self, by: u64) -> Option<u64> {
+        let next = self
+            .revision
+            .checked_add(by)
+            .filter(|r| *r <= Revision::MAX)?;
+        self.revision = next;
+        Some(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acquire(resource: &str, request_id: Option<&str>) -> Command {
+        Command::Acquire {
+            resource: resource.into(),
+            ttl_ms: 1000,
+            request_id: request_id.map(Into::into),
+            holder: None,
+        }
+    }
+
+    fn apply(state: &mut AuthorityState, command: Command) -> Outcome {
+        state.apply(&command, &mut Vec::new())
+    }
+
+    #[test]
+    fn token_is_the_create_revision_and_deletes_advance_it() {
+        let mut s = AuthorityState::default();
+        assert_eq!(
+            apply(&mut s, acquire("a", None)),
+            Outcome::Acquired {
+                resource: "a".into(),
+                token: 1,
+                lease_id: 1,
+                ttl_ms: 1000
+            }
+        );
+        assert_eq!(
+            apply(&mut s, acquire("a", None)),
+            Outcome::Held { revision: 1 }
+        );
+        let mut freed = Vec::new();
+        assert_eq!(
+            s.apply(&Command::Release { lease_id: 1 }, &mut freed),
+            Outcome::Released { revision: 2 }
+        );
+        assert_eq!(freed, vec!["a".to_string()]);
+        assert_eq!(
+            apply(&mut s, acquire("a", None)),
+            Outcome::Acquired {
+                resource: "a".into(),
+                token: 3,
+                lease_id: 2,
+                ttl_ms: 1000
+            }
+        );
+        assert_eq!(
+            apply(&mut s, Command::Expire { lease_id: 2 }),
+            Outcome::Released { revision: 4 }
+        );
+        assert_eq!(
+            apply(&mut s, Command::Expire { lease_id: 2 }),
+            Outcome::UnknownLease
+        );
+        assert_eq!(s.revision, 4);
+    }
+
+    #[test]
+    fn a_retried_acquire_gets_the_same_lease() {
+        let mut s = AuthorityState::default();
+        let first = apply(&mut s, acquire("a", Some("r1")));
+        assert_eq!(apply(&mut s, acquire("a", Some("r1"))), first);
+        assert_eq!(
+            apply(&mut s, acquire("a", Some("r2"))),
+            Outcome::Held { revision: 1 }
+        );
+        assert_eq!(s.revision, 1);
+        apply(&mut s, Command::Release { lease_id: 1 });
+        assert!(
+            s.requests.is_empty(),
+            "request ids live only as long as their lease"
+        );
+    }
+
+    #[test]
+    fn restore_never_goes_backwards() {
+        let mut old = AuthorityState::default();
+        apply(&mut old, acquire("a", None));
+        let saved = old.clone();
+        let mut live = AuthorityState::default();
+        for _ in 0..10 {
+            apply(&mut live, acquire("b", None));
+            apply(
+                &mut live,
+                Command::Release {
+                    lease_id: live.last_lease_id,
+                },
+            );
+        }
+        assert_eq!(live.revision, 20);
+        let out = apply(
+            &mut live,
+            Command::Restore {
+                state: Box::new(saved),
+                bump: 1_000_000,
+            },
+        );
+        assert_eq!(
+            out,
+            Outcome::Bumped {
+                revision: 1_000_020
+            }
+        );
+        assert!(live.locks.contains_key("a"));
+    }
+
+    #[test]
+    fn revision_stops_at_what_stores_can_keep() {
+        let mut s = AuthorityState {
+            revision: Revision::MAX - 1,
+            ..Default::default()
+        };
+        assert!(
+            matches!(apply(&mut s, acquire("a", None)), Outcome::Acquired { token, .. } if token == Revision::MAX)
+        );
+        assert_eq!(
+            apply(&mut s, acquire("b", None)),
+            Outcome::RevisionExhausted
+        );
+        assert_eq!(
+            apply(&mut s, Command::Bump { by: 1 }),
+            Outcome::RevisionExhausted
+        );
+        assert_eq!(s.revision, Revision::MAX);
+    }
+}

@@ -1,0 +1,222 @@
+//! The Raft state machine: `AuthorityState` in memory, its snapshots on disk.
+//!
+//! The state is rebuilt on start from the last snapshot plus the committed log entries that
+//! openraft re-applies, so only the log and the snapshot need to be durable.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use openraft::storage::{RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, BasicNode, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, RaftSnapshotBuilder,
+    SnapshotMeta, StorageIOError, StoredMembership,
+};
+use redb::{Database, TableDefinition};
+use serde::{Deserialize, Serialize};
+use tokio::sync::RwLock;
+
+use super::state::{AuthorityState, Outcome};
+use super::type_config::{NodeId, StorageError, TypeConfig};
+use super::waiters::Waiters;
+
+const SNAPSHOT: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshot");
+const CURRENT: &str = "current";
+
+/// What the state machine holds besides the application state.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct Applied {
+    pub last_applied: Option<LogId<NodeId>>,
+    pub membership: StoredMembership<NodeId, BasicNode>,
+    pub state: AuthorityState,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, BasicNode>,
+    data: Vec<u8>,
+}
+
+#[derive(Clone)]
+pub struct StateMachine {
+    applied: Arc<RwLock<Applied>>,
+    db: Arc<Database>,
+    waiters: Arc<Waiters>,
+}
+
+fn sm_err(verb: ErrorVerb, e: impl std::error::Error + 'static) -> StorageError {
+    StorageIOError::new(ErrorSubject::StateMachine, verb, AnyError::new(&e)).into()
+}
+
+impl StateMachine {
+    /// Opens the state machine, loading the last snapshot from `db` if there is one.
+    pub fn open(db: Arc<Database>, waiters: Arc<Waiters>) -> Result<Self, StorageError> {
+        let mut applied = Applied::default();
+        if let Some(stored) = Self::load(&db)? {
+            applied.state =
+                serde_json::from_slice(&stored.data).map_err(|e| sm_err(ErrorVerb::Read, e))?;
+            applied.last_applied = stored.meta.last_log_id;
+            applied.membership = stored.meta.last_membership;
+        }
+        Ok(Self {
+            applied: Arc::new(RwLock::new(applied)),
+            db,
+            waiters,
+        })
+    }
+
+    /// A read handle on the applied state.
+    pub fn applied(&self) -> Arc<RwLock<Applied>> {
+        self.applied.clone()
+    }
+
+    fn load(db: &Database) -> Result<Option<StoredSnapshot>, StorageError> {
+        let tx = db.begin_read().map_err(|e| sm_err(ErrorVerb::Read, e))?;
+        let table = match tx.open_table(SNAPSHOT) {
+            Ok(table) => table,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(sm_err(ErrorVerb::Read, e)),
+        };
+        let Some(bytes) = table.get(CURRENT).map_err(|e| sm_err(ErrorVerb::Read, e))? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(bytes.value())
+            .map(Some)
+            .map_err(|e| sm_err(ErrorVerb::Read, e))
+    }
+
+    async fn save(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec(stored).map_err(|e| sm_err(ErrorVerb::Write, e))?;
+        let db = self.db.clone();
+        tokio::task::spawn_blocking(move || {
+            let tx = db.begin_write().map_err(|e| sm_err(ErrorVerb::Write, e))?;
+            tx.open_table(SNAPSHOT)
+                .map_err(|e| sm_err(ErrorVerb::Write, e))?
+                .insert(CURRENT, bytes.as_slice())
+                .map_err(|e| sm_err(ErrorVerb::Write, e))?;
+            tx.commit().map_err(|e| sm_err(ErrorVerb::Write, e))
+        })
+        .await
+        .map_err(|e| sm_err(ErrorVerb::Write, e))?
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
+        let (data, meta) = {
+            let applied = self.applied.read().await;
+            let data =
+                serde_json::to_vec(&applied.state).map_err(|e| sm_err(ErrorVerb::Read, e))?;
+            let snapshot_id = match applied.last_applied {
+                Some(last) => format!(
+                    "{}-{}-{}",
+                    last.leader_id, last.index, applied.state.revision
+                ),
+                None => format!("none-{}", applied.state.revision),
+            };
+            let meta = SnapshotMeta {
+                last_log_id: applied.last_applied,
+                last_membership: applied.membership.clone(),
+                snapshot_id,
+            };
+            (data, meta)
+        };
+        self.save(&StoredSnapshot {
+            meta: meta.clone(),
+            data: data.clone(),
+        })
+        .await?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(data)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachine {
+    type SnapshotBuilder = Self;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError> {
+        let applied = self.applied.read().await;
+        Ok((applied.last_applied, applied.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + openraft::OptionalSend,
+        I::IntoIter: openraft::OptionalSend,
+    {
+        let mut outcomes = Vec::new();
+        let mut freed = Vec::new();
+        {
+            let mut applied = self.applied.write().await;
+            for entry in entries {
+                applied.last_applied = Some(entry.log_id);
+                let outcome = match entry.payload {
+                    EntryPayload::Blank => Outcome::Nothing,
+                    EntryPayload::Normal(command) => applied.state.apply(&command, &mut freed),
+                    EntryPayload::Membership(membership) => {
+                        applied.membership = StoredMembership::new(Some(entry.log_id), membership);
+                        Outcome::Nothing
+                    }
+                };
+                outcomes.push(outcome);
+            }
+        }
+        for resource in freed {
+            self.waiters.freed(&resource);
+        }
+        Ok(outcomes)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        let data = snapshot.into_inner();
+        let state: AuthorityState = serde_json::from_slice(&data)
+            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        self.save(&StoredSnapshot {
+            meta: meta.clone(),
+            data,
+        })
+        .await?;
+        let freed: Vec<String> = {
+            let mut applied = self.applied.write().await;
+            let freed = applied
+                .state
+                .locks
+                .keys()
+                .filter(|r| !state.locks.contains_key(*r))
+                .cloned()
+                .collect();
+            *applied = Applied {
+                last_applied: meta.last_log_id,
+                membership: meta.last_membership.clone(),
+                state,
+            };
+            freed
+        };
+        for resource in freed {
+            self.waiters.freed(&resource);
+        }
+        Ok(())
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
+        Ok(Self::load(&self.db)?.map(|stored| Snapshot {
+            meta: stored.meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        }))
+    }
+}
