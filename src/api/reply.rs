@@ -60,6 +60,7 @@ impl From<AuthorityError> for ApiError {
                 "unavailable",
                 e.to_string(),
             ),
+            AuthorityError::BadSnapshot(_) => Self::bad_request(e.to_string()),
             AuthorityError::RevisionExhausted => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "revision_exhausted",

@@ -10,6 +10,8 @@ pub mod log_store;
 pub mod network;
 pub mod state;
 pub mod state_machine;
+#[cfg(test)]
+mod store_test;
 pub mod type_config;
 mod waiters;
 
@@ -51,6 +53,8 @@ pub enum AuthorityError {
         Revision::MAX
     )]
     RevisionExhausted,
+    #[error("the snapshot is not consistent: {0}")]
+    BadSnapshot(String),
 }
 
 /// A lock granted to a client.
@@ -113,6 +117,7 @@ pub struct Authority {
     key: Option<TokenKey>,
     metrics: Arc<Metrics>,
     restore_bump: u64,
+    max_ttl_ms: u64,
 }
 
 impl Authority {
@@ -159,6 +164,7 @@ impl Authority {
             key,
             metrics,
             restore_bump: config.authority.restore_bump,
+            max_ttl_ms: config.authority.max_ttl_ms,
         });
         tokio::spawn(watch_leadership(authority.clone()));
         tokio::spawn(expire_leases(
@@ -353,6 +359,9 @@ impl Authority {
 
     /// Replaces the state with `state` and bumps the revision above both it and the current one.
     pub async fn restore(&self, state: AuthorityState) -> Result<u64, AuthorityError> {
+        state
+            .validate(self.max_ttl_ms)
+            .map_err(AuthorityError::BadSnapshot)?;
         match self
             .propose(Command::Restore {
                 state: Box::new(state),

@@ -10,8 +10,11 @@ use fencegate_core::Revision;
 use serde::{Deserialize, Serialize};
 
 /// A command as it travels through the Raft log.
+///
+/// Externally tagged on purpose: serde's internally tagged enums cannot read back maps with
+/// integer keys (`leases`), and a log entry that cannot be read stops the Raft node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Command {
     /// Grant a lease and create the lock under it, unless the lock is held.
     Acquire {
@@ -36,7 +39,7 @@ pub enum Command {
 
 /// What applying a command produced; returned to the proposer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Acquired {
         resource: String,
@@ -122,6 +125,73 @@ impl AuthorityState {
                 }
             }
         }
+    }
+
+    /// Checks a state from outside (a snapshot file) before it may enter the log: every lock
+    /// belongs to a live lease that lists it, every name and number is in range.
+    pub fn validate(&self, max_ttl_ms: u64) -> Result<(), String> {
+        if self.revision > Revision::MAX {
+            return Err(format!(
+                "revision {} is above {}",
+                self.revision,
+                Revision::MAX
+            ));
+        }
+        for (resource, lock) in &self.locks {
+            fencegate_core::Resource::new(resource.as_str())
+                .map_err(|e| format!("lock {resource:?}: {e}"))?;
+            if lock.token == 0 || lock.token > self.revision {
+                return Err(format!(
+                    "lock {resource}: token {} is not in 1..={}",
+                    lock.token, self.revision
+                ));
+            }
+            let lease = self
+                .leases
+                .get(&lock.lease_id)
+                .ok_or_else(|| format!("lock {resource}: lease {} is missing", lock.lease_id))?;
+            if !lease.resources.contains(resource) {
+                return Err(format!(
+                    "lock {resource}: lease {} does not list it",
+                    lock.lease_id
+                ));
+            }
+        }
+        for (id, lease) in &self.leases {
+            if *id == 0 || *id > self.last_lease_id {
+                return Err(format!("lease {id} is not in 1..={}", self.last_lease_id));
+            }
+            if lease.ttl_ms == 0 || lease.ttl_ms > max_ttl_ms {
+                return Err(format!(
+                    "lease {id}: ttl_ms {} is not in 1..={max_ttl_ms}",
+                    lease.ttl_ms
+                ));
+            }
+            if let Some(missing) = lease
+                .resources
+                .iter()
+                .find(|r| self.locks.get(*r).map(|l| l.lease_id) != Some(*id))
+            {
+                return Err(format!(
+                    "lease {id} lists {missing}, which it does not hold"
+                ));
+            }
+            if let Some(request_id) = &lease.request_id {
+                if self.requests.get(request_id) != Some(id) {
+                    return Err(format!("lease {id}: its request id is not indexed"));
+                }
+            }
+        }
+        if let Some((request_id, _)) = self
+            .requests
+            .iter()
+            .find(|(_, id)| !self.leases.contains_key(*id))
+        {
+            return Err(format!(
+                "request {request_id} names a lease that does not exist"
+            ));
+        }
+        Ok(())
     }
 
     /// The live lease a retried request already got, with its lock.
@@ -301,12 +371,8 @@ mod tests {
         let mut live = AuthorityState::default();
         for _ in 0..10 {
             apply(&mut live, acquire("b", None));
-            apply(
-                &mut live,
-                Command::Release {
-                    lease_id: live.last_lease_id,
-                },
-            );
+            let lease_id = live.last_lease_id;
+            apply(&mut live, Command::Release { lease_id });
         }
         assert_eq!(live.revision, 20);
         let out = apply(
@@ -323,6 +389,47 @@ mod tests {
             }
         );
         assert!(live.locks.contains_key("a"));
+    }
+
+    #[test]
+    fn every_command_reads_back_from_the_log() {
+        let mut state = AuthorityState::default();
+        apply(&mut state, acquire("a", Some("r1")));
+        let commands = [
+            acquire("a", Some("r1")),
+            Command::Release { lease_id: 1 },
+            Command::Expire { lease_id: 1 },
+            Command::Bump { by: 5 },
+            Command::Restore {
+                state: Box::new(state),
+                bump: 1_000_000,
+            },
+        ];
+        for command in commands {
+            let bytes = serde_json::to_vec(&command).unwrap();
+            assert_eq!(serde_json::from_slice::<Command>(&bytes).unwrap(), command);
+        }
+    }
+
+    #[test]
+    fn validation_refuses_inconsistent_snapshots() {
+        let mut good = AuthorityState::default();
+        apply(&mut good, acquire("a", Some("r1")));
+        assert_eq!(good.validate(10_000), Ok(()));
+        let mut orphan = good.clone();
+        orphan.leases.clear();
+        assert!(orphan
+            .validate(10_000)
+            .unwrap_err()
+            .contains("lease 1 is missing"));
+        let mut future = good.clone();
+        future.locks.get_mut("a").unwrap().token = 99;
+        assert!(future.validate(10_000).is_err());
+        let mut bad_name = good.clone();
+        let lock = bad_name.locks.remove("a").unwrap();
+        bad_name.locks.insert("a b".into(), lock);
+        assert!(bad_name.validate(10_000).is_err());
+        assert!(good.validate(10).unwrap_err().contains("ttl_ms"));
     }
 
     #[test]

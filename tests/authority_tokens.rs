@@ -1,0 +1,150 @@
+//! Tokens only grow: over many cycles, across a full restart, and across a restore.
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+use support::cluster::Cluster;
+
+fn token_of(grant: &Value) -> u64 {
+    let revision = grant["revision"].as_u64().expect("revision");
+    let token = grant["token"].as_str().expect("token");
+    assert_eq!(
+        token,
+        format!("fg1~{revision}~{}", grant["resource"].as_str().unwrap())
+    );
+    revision
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_strictly_increase_over_1000_acquire_release_cycles() {
+    let cluster = Cluster::start(3, "").await;
+    let mut last = 0;
+    for cycle in 0..1000u64 {
+        // Spread the calls over every node: followers forward to the leader.
+        let via = cycle % 3 + 1;
+        let grant = cluster.acquire(via, "billing:2026-09-28", 10_000).await;
+        let token = token_of(&grant);
+        assert!(token > last, "cycle {cycle}: token {token} after {last}");
+        last = token;
+        cluster
+            .release((cycle + 1) % 3 + 1, grant["lease_id"].as_u64().unwrap())
+            .await;
+    }
+    println!("1000 cycles: last token {last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_restart_keeps_locks_leases_and_the_revision() {
+    let mut cluster = Cluster::start(3, "").await;
+    let held = cluster.acquire(1, "held", 60_000).await;
+    let mut issued = BTreeSet::from([token_of(&held)]);
+    for _ in 0..20 {
+        let grant = cluster.acquire(2, "churn", 60_000).await;
+        issued.insert(token_of(&grant));
+        cluster
+            .release(3, grant["lease_id"].as_u64().unwrap())
+            .await;
+    }
+    let (_, before) = cluster.get(1, "/v1/cluster").await.unwrap();
+    let revision_before = before["revision"].as_u64().unwrap();
+
+    // kill -9 every node: nothing gets a chance to flush anything it has not already.
+    for id in cluster.ids() {
+        cluster.kill(id);
+    }
+    for id in cluster.ids() {
+        cluster.spawn(id);
+    }
+    let leader = cluster.wait_for_leader(&cluster.ids()).await;
+
+    let (status, lock) = cluster.get(leader, "/v1/locks/held").await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{lock}");
+    assert_eq!(lock["revision"], held["revision"]);
+    assert_eq!(lock["lease_id"], held["lease_id"]);
+    // The lease survived with its id: its holder can still renew it.
+    let path = format!("/v1/leases/{}/keepalive", held["lease_id"]);
+    let (status, body) = cluster.call(leader, Method::POST, &path, None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    let (_, after) = cluster.get(leader, "/v1/cluster").await.unwrap();
+    assert_eq!(
+        after["revision"].as_u64().unwrap(),
+        revision_before,
+        "the revision survives a restart"
+    );
+    let next = token_of(&cluster.acquire(1, "fresh", 10_000).await);
+    assert!(
+        next > *issued.last().unwrap() && next > revision_before,
+        "token {next} reissued? issued {issued:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_snapshot_bumps_the_revision_above_everything_issued() {
+    let mut cluster = Cluster::start(3, "").await;
+    let endpoints = cluster.endpoints();
+    let snapshot_file = cluster.path().join("backup.json");
+    let held = cluster.acquire(1, "held", 60_000).await;
+    let (code, out) = cluster.cli(&[
+        "snapshot",
+        "save",
+        snapshot_file.to_str().unwrap(),
+        "--endpoint",
+        &endpoints,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let saved: Value = serde_json::from_str(&out).unwrap();
+    let snapshot_revision = saved["revision"].as_u64().unwrap();
+    assert!(snapshot_revision >= token_of(&held));
+
+    // Tokens keep being issued after the backup was taken...
+    let mut highest = 0;
+    for _ in 0..10 {
+        let grant = cluster.acquire(2, "after-backup", 10_000).await;
+        highest = highest.max(token_of(&grant));
+        cluster
+            .release(2, grant["lease_id"].as_u64().unwrap())
+            .await;
+    }
+    assert!(highest > snapshot_revision);
+
+    // ...then the whole cluster is lost and rebuilt from empty data directories.
+    for id in cluster.ids() {
+        cluster.kill(id);
+        std::fs::remove_dir_all(cluster.data_dir(id)).unwrap();
+    }
+    for id in cluster.ids() {
+        cluster.spawn(id);
+    }
+    cluster.wait_for_leader(&cluster.ids()).await;
+    let (_, fresh) = cluster.get(1, "/v1/cluster").await.unwrap();
+    assert_eq!(fresh["revision"], 0, "the new cluster starts from nothing");
+
+    let (code, out) = cluster.cli(&[
+        "snapshot",
+        "restore",
+        snapshot_file.to_str().unwrap(),
+        "--endpoint",
+        &endpoints,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let restored: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        restored["revision"].as_u64().unwrap(),
+        snapshot_revision + 1_000_000
+    );
+
+    // The restored lock is back, and the next token clears every token ever issued.
+    let (status, lock) = cluster.get(3, "/v1/locks/held").await.unwrap();
+    assert!(
+        status == StatusCode::OK || status == StatusCode::SERVICE_UNAVAILABLE,
+        "{lock}"
+    );
+    let next = token_of(&cluster.acquire(3, "after-restore", 10_000).await);
+    assert_eq!(next, snapshot_revision + 1_000_000 + 1);
+    assert!(next > highest);
+    println!("snapshot revision {snapshot_revision}, highest issued {highest}, first token after restore {next}");
+}

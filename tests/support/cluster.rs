@@ -1,0 +1,277 @@
+//! Starts `fencegate serve` nodes as real processes on free loopback ports, each with its own
+//! data directory, and stops them on drop.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tempfile::TempDir;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_fencegate");
+
+/// Election timeout used by test clusters (upper bound).
+pub const ELECTION_MAX: Duration = Duration::from_millis(1000);
+
+pub struct Node {
+    pub id: u64,
+    pub port: u16,
+    pub config: PathBuf,
+    child: Option<Child>,
+}
+
+/// Clusters in one test binary run one at a time: three Raft nodes per test on a 2-core
+/// machine is the load these timing-sensitive scenarios are written for.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+pub struct Cluster {
+    _turn: tokio::sync::MutexGuard<'static, ()>,
+    pub dir: TempDir,
+    pub nodes: Vec<Node>,
+    pub http: reqwest::Client,
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Cluster {
+    /// Starts `n` nodes forming one cluster; `extra` is appended to each node's `[authority]`.
+    pub async fn start(n: usize, extra: &str) -> Self {
+        let turn = ONE_AT_A_TIME.lock().await;
+        let dir = TempDir::new().unwrap();
+        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let members: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1))
+            .collect();
+        let mut nodes = Vec::new();
+        for (i, port) in ports.iter().enumerate() {
+            let id = i as u64 + 1;
+            let config = dir.path().join(format!("node{id}.toml"));
+            let text = format!(
+                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n",
+                dir.path().join(format!("data{id}")).display(),
+                members.join(", "),
+            );
+            std::fs::write(&config, text).unwrap();
+            nodes.push(Node {
+                id,
+                port: *port,
+                config,
+                child: None,
+            });
+        }
+        let mut cluster = Self {
+            _turn: turn,
+            dir,
+            nodes,
+            http: reqwest::Client::new(),
+        };
+        for id in 1..=n as u64 {
+            cluster.spawn(id);
+        }
+        cluster.wait_for_leader(&cluster.ids()).await;
+        cluster
+    }
+
+    pub fn ids(&self) -> Vec<u64> {
+        self.nodes.iter().map(|n| n.id).collect()
+    }
+
+    fn node(&self, id: u64) -> &Node {
+        &self.nodes[id as usize - 1]
+    }
+
+    pub fn url(&self, id: u64) -> String {
+        format!("http://127.0.0.1:{}", self.node(id).port)
+    }
+
+    /// Every node's API, comma-separated, as the CLI takes them.
+    pub fn endpoints(&self) -> String {
+        self.ids()
+            .iter()
+            .map(|id| self.url(*id))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn log_path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node{id}.log"))
+    }
+
+    pub fn data_dir(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("data{id}"))
+    }
+
+    pub fn spawn(&mut self, id: u64) {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.log_path(id))
+            .unwrap();
+        let node = &mut self.nodes[id as usize - 1];
+        assert!(node.child.is_none(), "node {id} is already running");
+        let child = Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&node.config)
+            .env("FENCEGATE_LOG", "info,openraft=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start fencegate serve");
+        node.child = Some(child);
+    }
+
+    pub fn pid(&self, id: u64) -> Pid {
+        Pid::from_raw(self.node(id).child.as_ref().expect("node is running").id() as i32)
+    }
+
+    pub fn signal(&self, id: u64, signal: Signal) {
+        kill(self.pid(id), signal).unwrap();
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self, id: u64) {
+        let node = &mut self.nodes[id as usize - 1];
+        if let Some(mut child) = node.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// GET `path` on node `id`; `None` when the node does not answer.
+    pub async fn get(&self, id: u64, path: &str) -> Option<(StatusCode, Value)> {
+        let answer = self
+            .http
+            .get(format!("{}{path}", self.url(id)))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        let status = answer.status();
+        Some((status, answer.json().await.unwrap_or(Value::Null)))
+    }
+
+    /// POST/DELETE helpers return status and JSON body.
+    pub async fn call(
+        &self,
+        id: u64,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url(id)))
+            .timeout(Duration::from_secs(30));
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let answer = req
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("node {id} did not answer {path}: {e}"));
+        let status = answer.status();
+        (status, answer.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Waits until every node in `among` names the same leader, itself one of `among`.
+    pub async fn wait_for_leader(&self, among: &[u64]) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut seen = Vec::new();
+            for id in among {
+                if let Some((StatusCode::OK, v)) = self.get(*id, "/v1/cluster").await {
+                    seen.push(v["leader_id"].as_u64());
+                }
+            }
+            if seen.len() == among.len() {
+                if let Some(Some(leader)) = seen.first() {
+                    if seen.iter().all(|s| *s == Some(*leader)) && among.contains(leader) {
+                        return *leader;
+                    }
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no agreed leader among {among:?} after 30 s; saw {seen:?}; logs in {}",
+                self.dir.path().display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Acquires `resource` through node `id` and returns the grant's JSON.
+    pub async fn acquire(&self, id: u64, resource: &str, ttl_ms: u64) -> Value {
+        let (status, body) = self
+            .call(
+                id,
+                reqwest::Method::POST,
+                &format!("/v1/locks/{resource}"),
+                Some(json!({ "ttl_ms": ttl_ms })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "acquire {resource}: {body}");
+        body
+    }
+
+    pub async fn release(&self, id: u64, lease_id: u64) {
+        let (status, body) = self
+            .call(
+                id,
+                reqwest::Method::DELETE,
+                &format!("/v1/leases/{lease_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "release {lease_id}: {body}");
+    }
+
+    /// Runs the CLI with `args` and returns (exit code, stdout as JSON or text).
+    pub fn cli(&self, args: &[&str]) -> (i32, String) {
+        let out = Command::new(BIN)
+            .args(args)
+            .env_remove("FENCEGATE_ENDPOINT")
+            .output()
+            .expect("run fencegate");
+        let code = out.status.code().unwrap_or(-1);
+        let mut text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if code != 0 {
+            text.push_str(&format!(
+                "\nstderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        (code, text)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                // A stopped process ignores SIGKILL until resumed on some kernels' accounting;
+                // resume first so it dies now.
+                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGCONT);
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! Test harness: real processes and real servers on free loopback ports.
+// Each test binary uses only part of the harness.
+#![allow(dead_code)]
+
+pub mod cluster;
