@@ -3,3 +3,4 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod redis_server;

@@ -81,7 +81,10 @@ fn default_max_request_bytes() -> usize {
     64 * 1024 * 1024
 }
 fn default_protect() -> Vec<ProtectRule> {
-    vec![ProtectRule { pattern: "*".to_owned(), mode: ProtectMode::Enforce }]
+    vec![ProtectRule {
+        pattern: "*".to_owned(),
+        mode: ProtectMode::Enforce,
+    }]
 }
 
 impl Default for RedisConfig {
@@ -101,20 +104,30 @@ impl RedisConfig {
     /// Checks values serde cannot: sizes and patterns.
     pub fn validate(&self) -> Result<(), RedisError> {
         if self.max_request_bytes < 1024 {
-            return Err(RedisError::Config(format!("max_request_bytes ({}) must be at least 1024", self.max_request_bytes)));
+            return Err(RedisError::Config(format!(
+                "max_request_bytes ({}) must be at least 1024",
+                self.max_request_bytes
+            )));
         }
         if self.protect.iter().any(|r| r.pattern.is_empty()) {
-            return Err(RedisError::Config("a protect rule has an empty pattern".to_owned()));
+            return Err(RedisError::Config(
+                "a protect rule has an empty pattern".to_owned(),
+            ));
         }
         if self.username.is_some() && self.password_env.is_none() {
-            return Err(RedisError::Config("username is set but password_env is not".to_owned()));
+            return Err(RedisError::Config(
+                "username is set but password_env is not".to_owned(),
+            ));
         }
         Ok(())
     }
 
     /// The mode for `key`: the first matching rule's, or `Off` when none matches.
     pub fn mode_for(&self, key: &[u8]) -> ProtectMode {
-        self.protect.iter().find(|r| glob::matches(r.pattern.as_bytes(), key)).map_or(ProtectMode::Off, |r| r.mode)
+        self.protect
+            .iter()
+            .find(|r| glob::matches(r.pattern.as_bytes(), key))
+            .map_or(ProtectMode::Off, |r| r.mode)
     }
 
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
@@ -126,9 +139,9 @@ impl RedisConfig {
     pub fn password(&self) -> Result<Option<String>, RedisError> {
         match &self.password_env {
             None => Ok(None),
-            Some(name) => std::env::var(name)
-                .map(Some)
-                .map_err(|_| RedisError::Config(format!("password_env names {name}, which is not set"))),
+            Some(name) => std::env::var(name).map(Some).map_err(|_| {
+                RedisError::Config(format!("password_env names {name}, which is not set"))
+            }),
         }
     }
 }
@@ -149,8 +162,14 @@ mod tests {
     fn first_matching_rule_decides() {
         let c = RedisConfig {
             protect: vec![
-                ProtectRule { pattern: "cache:*".into(), mode: ProtectMode::Off },
-                ProtectRule { pattern: "billing:*".into(), mode: ProtectMode::Enforce },
+                ProtectRule {
+                    pattern: "cache:*".into(),
+                    mode: ProtectMode::Off,
+                },
+                ProtectRule {
+                    pattern: "billing:*".into(),
+                    mode: ProtectMode::Enforce,
+                },
             ],
             ..RedisConfig::default()
         };

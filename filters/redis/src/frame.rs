@@ -49,7 +49,10 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { max_frame_bytes: 512 * 1024 * 1024, max_depth: 64 }
+        Self {
+            max_frame_bytes: 512 * 1024 * 1024,
+            max_depth: 64,
+        }
     }
 }
 
@@ -65,18 +68,27 @@ pub struct Request {
 impl Request {
     /// The command name in upper case (lossy for non-UTF-8 names).
     pub fn name(&self) -> String {
-        self.args.first().map(|a| String::from_utf8_lossy(a).to_ascii_uppercase()).unwrap_or_default()
+        self.args
+            .first()
+            .map(|a| String::from_utf8_lossy(a).to_ascii_uppercase())
+            .unwrap_or_default()
     }
 }
 
 /// Parses one frame from the front of `buf`. `Ok(None)`: incomplete, read more.
 pub fn parse(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
-    let mut cursor = Cursor { buf, pos: 0, limits };
+    let mut cursor = Cursor {
+        buf,
+        pos: 0,
+        limits,
+    };
     match cursor.frame(0) {
         Ok(frame) => Ok(Some((frame, cursor.pos))),
         Err(FrameError::Incomplete) => {
             if buf.len() > limits.max_frame_bytes {
-                return Err(FrameError::TooLarge { limit: limits.max_frame_bytes });
+                return Err(FrameError::TooLarge {
+                    limit: limits.max_frame_bytes,
+                });
             }
             Ok(None)
         }
@@ -87,11 +99,15 @@ pub fn parse(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, Fram
 /// Parses one client request (a RESP array of bulk strings, or an inline command) from the
 /// front of `buf`. An empty inline line yields a request with no arguments.
 pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
-    let Some(&first) = buf.first() else { return Ok(None) };
+    let Some(&first) = buf.first() else {
+        return Ok(None);
+    };
     if first != b'*' {
         return parse_inline(buf, limits);
     }
-    let Some((frame, wire_len)) = parse(buf, limits)? else { return Ok(None) };
+    let Some((frame, wire_len)) = parse(buf, limits)? else {
+        return Ok(None);
+    };
     let Frame::Array(items) = frame else {
         return Err(FrameError::Protocol("expected an array of bulk strings"));
     };
@@ -108,17 +124,26 @@ pub fn parse_request(buf: &[u8], limits: &Limits) -> Result<Option<Request>, Fra
 fn parse_inline(buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
     let Some(end) = memchr_newline(buf) else {
         if buf.len() > limits.max_frame_bytes.min(64 * 1024) {
-            return Err(FrameError::TooLarge { limit: limits.max_frame_bytes.min(64 * 1024) });
+            return Err(FrameError::TooLarge {
+                limit: limits.max_frame_bytes.min(64 * 1024),
+            });
         }
         return Ok(None);
     };
     let line = &buf[..end];
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    if line.iter().any(|&b| b == 0) {
+    if line.contains(&0) {
         return Err(FrameError::Protocol("unbalanced or binary inline request"));
     }
-    let args = line.split(|b| *b == b' ' || *b == b'\t').filter(|a| !a.is_empty()).map(Bytes::copy_from_slice).collect();
-    Ok(Some(Request { args, wire_len: end + 1 }))
+    let args = line
+        .split(|b| *b == b' ' || *b == b'\t')
+        .filter(|a| !a.is_empty())
+        .map(Bytes::copy_from_slice)
+        .collect();
+    Ok(Some(Request {
+        args,
+        wire_len: end + 1,
+    }))
 }
 
 fn memchr_newline(buf: &[u8]) -> Option<usize> {
@@ -155,9 +180,12 @@ impl Cursor<'_> {
             -1 => Ok(None),
             n if n < 0 => Err(FrameError::Protocol("negative length")),
             n => {
-                let n = usize::try_from(n).map_err(|_| FrameError::Protocol("length out of range"))?;
+                let n =
+                    usize::try_from(n).map_err(|_| FrameError::Protocol("length out of range"))?;
                 if n > self.limits.max_frame_bytes {
-                    return Err(FrameError::TooLarge { limit: self.limits.max_frame_bytes });
+                    return Err(FrameError::TooLarge {
+                        limit: self.limits.max_frame_bytes,
+                    });
                 }
                 Ok(Some(n))
             }
@@ -165,7 +193,10 @@ impl Cursor<'_> {
     }
 
     fn blob(&mut self, len: usize) -> Result<Bytes, FrameError> {
-        let end = self.pos.checked_add(len).ok_or(FrameError::Protocol("length out of range"))?;
+        let end = self
+            .pos
+            .checked_add(len)
+            .ok_or(FrameError::Protocol("length out of range"))?;
         if self.buf.len() < end + 2 {
             return Err(FrameError::Incomplete);
         }
@@ -181,7 +212,9 @@ impl Cursor<'_> {
         // Each element takes at least 3 bytes ("_\r\n"), so a count the limit cannot hold is
         // refused before anything is allocated for it.
         if count > self.limits.max_frame_bytes / 3 {
-            return Err(FrameError::TooLarge { limit: self.limits.max_frame_bytes });
+            return Err(FrameError::TooLarge {
+                limit: self.limits.max_frame_bytes,
+            });
         }
         let mut items = Vec::with_capacity(count.min(1024));
         for _ in 0..count {
@@ -191,7 +224,12 @@ impl Cursor<'_> {
     }
 
     fn pairs(&mut self, count: usize, depth: usize) -> Result<Vec<(Frame, Frame)>, FrameError> {
-        let flat = self.items(count.checked_mul(2).ok_or(FrameError::Protocol("length out of range"))?, depth)?;
+        let flat = self.items(
+            count
+                .checked_mul(2)
+                .ok_or(FrameError::Protocol("length out of range"))?,
+            depth,
+        )?;
         let mut pairs = Vec::with_capacity(flat.len() / 2);
         let mut it = flat.into_iter();
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -204,7 +242,9 @@ impl Cursor<'_> {
         if depth > self.limits.max_depth {
             return Err(FrameError::Protocol("aggregates nested too deeply"));
         }
-        let Some(&kind) = self.buf.get(self.pos) else { return Err(FrameError::Incomplete) };
+        let Some(&kind) = self.buf.get(self.pos) else {
+            return Err(FrameError::Incomplete);
+        };
         self.pos += 1;
         Ok(match kind {
             b'+' => Frame::Simple(Bytes::copy_from_slice(self.line()?)),
@@ -226,11 +266,21 @@ impl Cursor<'_> {
                 None => Frame::Null,
                 Some(n) => Frame::Array(self.items(n, depth)?),
             },
-            b'~' => Frame::Set(self.items(self.length()?.unwrap_or(0), depth)?),
-            b'>' => Frame::Push(self.items(self.length()?.unwrap_or(0), depth)?),
-            b'%' => Frame::Map(self.pairs(self.length()?.unwrap_or(0), depth)?),
+            b'~' => {
+                let n = self.length()?.unwrap_or(0);
+                Frame::Set(self.items(n, depth)?)
+            }
+            b'>' => {
+                let n = self.length()?.unwrap_or(0);
+                Frame::Push(self.items(n, depth)?)
+            }
+            b'%' => {
+                let n = self.length()?.unwrap_or(0);
+                Frame::Map(self.pairs(n, depth)?)
+            }
             b'|' => {
-                let attrs = self.pairs(self.length()?.unwrap_or(0), depth)?;
+                let n = self.length()?.unwrap_or(0);
+                let attrs = self.pairs(n, depth)?;
                 Frame::Attributed(attrs, Box::new(self.frame(depth + 1)?))
             }
             b'_' => {
@@ -346,7 +396,10 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits { max_frame_bytes: 1024, max_depth: 8 }
+        Limits {
+            max_frame_bytes: 1024,
+            max_depth: 8,
+        }
     }
 
     #[test]
@@ -354,12 +407,22 @@ mod tests {
         let input = b"*3\r\n$3\r\nSET\r\n:-5\r\n_\r\nrest";
         let (frame, len) = parse(input, &limits()).unwrap().unwrap();
         assert_eq!(len, input.len() - 4);
-        assert_eq!(frame, Frame::Array(vec![Frame::Bulk("SET".into()), Frame::Integer(-5), Frame::Null]));
+        assert_eq!(
+            frame,
+            Frame::Array(vec![
+                Frame::Bulk("SET".into()),
+                Frame::Integer(-5),
+                Frame::Null
+            ])
+        );
         let resp3 = b"%1\r\n+a\r\n~2\r\n#t\r\n,1.5\r\n";
         let (frame, _) = parse(resp3, &limits()).unwrap().unwrap();
         assert_eq!(
             frame,
-            Frame::Map(vec![(Frame::simple("a"), Frame::Set(vec![Frame::Boolean(true), Frame::Number("1.5".into())]))])
+            Frame::Map(vec![(
+                Frame::simple("a"),
+                Frame::Set(vec![Frame::Boolean(true), Frame::Number("1.5".into())])
+            )])
         );
         let (frame, _) = parse(b"!5\r\nERR x\r\n", &limits()).unwrap().unwrap();
         assert_eq!(frame.as_error(), Some(&b"ERR x"[..]));
@@ -369,7 +432,11 @@ mod tests {
     fn incomplete_input_asks_for_more() {
         let full = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n";
         for cut in 0..full.len() {
-            assert_eq!(parse_request(&full[..cut], &limits()).unwrap(), None, "cut at {cut}");
+            assert_eq!(
+                parse_request(&full[..cut], &limits()).unwrap(),
+                None,
+                "cut at {cut}"
+            );
         }
         let req = parse_request(full, &limits()).unwrap().unwrap();
         assert_eq!(req.args, vec![Bytes::from("GET"), Bytes::from("k")]);
@@ -378,19 +445,33 @@ mod tests {
 
     #[test]
     fn inline_commands_split_on_spaces() {
-        let req = parse_request(b"SET  k v\r\nPING\r\n", &limits()).unwrap().unwrap();
-        assert_eq!(req.args, vec![Bytes::from("SET"), Bytes::from("k"), Bytes::from("v")]);
+        let req = parse_request(b"SET  k v\r\nPING\r\n", &limits())
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            req.args,
+            vec![Bytes::from("SET"), Bytes::from("k"), Bytes::from("v")]
+        );
         assert_eq!(req.wire_len, 10);
         assert_eq!(req.name(), "SET");
     }
 
     #[test]
     fn oversized_lengths_are_refused_before_buffering() {
-        assert_eq!(parse(b"$2000\r\n", &limits()), Err(FrameError::TooLarge { limit: 1024 }));
-        assert_eq!(parse(b"*1000\r\n", &limits()), Err(FrameError::TooLarge { limit: 1024 }));
+        assert_eq!(
+            parse(b"$2000\r\n", &limits()),
+            Err(FrameError::TooLarge { limit: 1024 })
+        );
+        assert_eq!(
+            parse(b"*1000\r\n", &limits()),
+            Err(FrameError::TooLarge { limit: 1024 })
+        );
         assert!(parse(&[b'*'; 1100], &limits()).is_err());
         let deep = "*1\r\n".repeat(20);
-        assert!(matches!(parse(deep.as_bytes(), &limits()), Err(FrameError::Protocol(_))));
+        assert!(matches!(
+            parse(deep.as_bytes(), &limits()),
+            Err(FrameError::Protocol(_))
+        ));
     }
 
     #[test]

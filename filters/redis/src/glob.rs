@@ -87,7 +87,9 @@ fn class(pattern: &[u8], start: usize, c: u8) -> Option<(bool, usize)> {
             let &e = pattern.get(i + 1)?;
             hit |= e == c;
             i += 2;
-        } else if pattern.get(i + 1) == Some(&b'-') && pattern.get(i + 2).is_some_and(|&e| e != b']') {
+        } else if pattern.get(i + 1) == Some(&b'-')
+            && pattern.get(i + 2).is_some_and(|&e| e != b']')
+        {
             let (lo, hi) = (b.min(pattern[i + 2]), b.max(pattern[i + 2]));
             hit |= (lo..=hi).contains(&c);
             i += 3;
@@ -129,7 +131,11 @@ mod tests {
             ("", "a", false),
         ];
         for (pattern, key, want) in cases {
-            assert_eq!(matches(pattern.as_bytes(), key.as_bytes()), *want, "{pattern:?} {key:?}");
+            assert_eq!(
+                matches(pattern.as_bytes(), key.as_bytes()),
+                *want,
+                "{pattern:?} {key:?}"
+            );
         }
     }
 

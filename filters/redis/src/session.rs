@@ -1,0 +1,812 @@
+//! One client connection relayed to one upstream connection: the only I/O of the filter.
+//!
+//! The reader task parses client requests, decides each one (relay, rewrite into the fence
+//! script call, answer locally, refuse), writes the batch upstream with one write, and queues a
+//! *slot* per request, in order, for the writer task. The writer takes slots in order: a local
+//! reply is written at once, an upstream slot takes the next upstream reply. So pipelined
+//! requests keep their order even when some are answered by the gateway. Client output is
+//! flushed once per batch: whenever the writer would wait.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes, BytesMut};
+use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Token};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Mutex};
+
+use crate::classify::{classify, Class};
+use crate::error::{FrameError, RedisError};
+use crate::frame::{self, Frame, Request};
+use crate::gateway::Gateway;
+use crate::rewrite::rewrite;
+use crate::upstream::{self, UpstreamInfo};
+
+const STORE: &str = "redis";
+const SLOT_QUEUE: usize = 4096;
+
+/// Runs one client session to completion; errors are logged, never returned.
+pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: SocketAddr) {
+    let id = gateway.next_connection_id();
+    client.set_nodelay(true).ok();
+    let ready = async {
+        Ok::<_, RedisError>((
+            gateway.info().await?,
+            upstream::connect(&gateway.config).await?,
+        ))
+    };
+    let (info, upstream) = match ready.await {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::warn!(conn = id, %peer, error = %e, "upstream unavailable; closing client");
+            let reply = Frame::error(&format!("ERR fencegate: upstream unavailable: {e}"));
+            let _ = client.write_all(&reply.to_bytes()).await;
+            return;
+        }
+    };
+    tracing::debug!(conn = id, %peer, "session started");
+    let (client_r, client_w) = client.into_split();
+    let (up_r, up_w) = upstream.into_split();
+    let up_w = Arc::new(Mutex::new(UpstreamWriter {
+        half: up_w,
+        sent: 0,
+    }));
+    let resp3 = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::channel(SLOT_QUEUE);
+    let reader = Reader {
+        gateway: gateway.clone(),
+        info,
+        id,
+        peer,
+        client: client_r,
+        buf: BytesMut::with_capacity(16 * 1024),
+        upstream: up_w.clone(),
+        slots: tx,
+        resp3: resp3.clone(),
+        token: None,
+        multi: None,
+        relay: false,
+        identity: None,
+        requests: 0,
+    };
+    let writer = Writer {
+        gateway,
+        id,
+        client: client_w,
+        out: BytesMut::with_capacity(16 * 1024),
+        upstream: up_r,
+        ubuf: BytesMut::with_capacity(16 * 1024),
+        upstream_w: up_w,
+        stash: VecDeque::new(),
+        received: 0,
+        resp3,
+        relay: false,
+        slots: rx,
+    };
+    let mut reader = tokio::spawn(reader.run());
+    let mut writer = tokio::spawn(writer.run());
+    let result = tokio::select! {
+        r = &mut reader => { let w = writer.await; r.ok().and(w.ok()) }
+        w = &mut writer => { reader.abort(); w.ok() }
+    };
+    if let Some(Err(e)) = result {
+        tracing::debug!(conn = id, %peer, error = %e, "session ended with an error");
+    }
+    tracing::debug!(conn = id, %peer, "session ended");
+}
+
+struct UpstreamWriter {
+    half: OwnedWriteHalf,
+    /// Requests written so far (for the writer's reload-and-retry bookkeeping).
+    sent: u64,
+}
+
+/// What the writer does for one request, in request order.
+enum Slot {
+    /// Answer with this frame.
+    Local(Frame),
+    /// Log this refusal (and wait until it is durable), then answer with the frame.
+    Refuse(Frame, Box<AuditEvent>),
+    /// Take the next upstream reply and handle it as said.
+    Upstream(Expect),
+    /// Flush and close the client connection.
+    Close,
+}
+
+enum Expect {
+    /// Relay the reply unchanged.
+    Plain,
+    /// Read the reply and answer with this frame instead.
+    Replace(Frame),
+    /// A `HELLO`: when it fails, the protocol stays what it was.
+    Hello { previous: bool },
+    /// The reply to `SUBSCRIBE`/`MONITOR`: relay it and every later upstream frame as it comes.
+    EnterRelay,
+    /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
+    /// script if it is missing.
+    Fenced(Box<FenceContext>),
+    /// The `EXEC` of a fenced transaction.
+    Exec(Box<FenceContext>),
+}
+
+struct FenceContext {
+    /// The audit event to complete if the store refuses.
+    event: AuditEvent,
+    /// The rewritten call, to send again after a reload.
+    call: Vec<Bytes>,
+}
+
+struct Multi {
+    /// The token in force at `MULTI`: every queued command then runs under the fence.
+    token: Option<Token>,
+    /// A queued command was refused: `EXEC` becomes `DISCARD` and answers `EXECABORT`.
+    dirty: bool,
+    /// Commands queued, for the audit summary.
+    commands: Vec<String>,
+    objects: Vec<String>,
+    bytes: usize,
+}
+
+struct Reader {
+    gateway: Arc<Gateway>,
+    info: Arc<UpstreamInfo>,
+    id: u64,
+    peer: SocketAddr,
+    client: OwnedReadHalf,
+    buf: BytesMut,
+    upstream: Arc<Mutex<UpstreamWriter>>,
+    slots: mpsc::Sender<Slot>,
+    resp3: Arc<AtomicBool>,
+    token: Option<Token>,
+    multi: Option<Multi>,
+    relay: bool,
+    identity: Option<String>,
+    requests: u64,
+}
+
+/// One batch of work from one read: bytes for the upstream and slots for the writer.
+#[derive(Default)]
+struct Batch {
+    upstream: BytesMut,
+    requests: u64,
+    slots: Vec<Slot>,
+}
+
+impl Batch {
+    fn forward(&mut self, args: &[Bytes]) {
+        Frame::command(args.iter().cloned()).encode(&mut self.upstream);
+        self.requests += 1;
+    }
+}
+
+impl Reader {
+    async fn run(mut self) -> Result<(), RedisError> {
+        loop {
+            let n = self
+                .client
+                .read_buf(&mut self.buf)
+                .await
+                .map_err(RedisError::io("reading from client"))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let mut batch = Batch::default();
+            let mut fatal = None;
+            loop {
+                match frame::parse_request(&self.buf, &self.gateway.limits) {
+                    Ok(Some(request)) => {
+                        self.buf.advance(request.wire_len);
+                        self.handle(request, &mut batch);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        fatal = Some(e);
+                        break;
+                    }
+                }
+            }
+            if !batch.upstream.is_empty() {
+                let mut up = self.upstream.lock().await;
+                up.half
+                    .write_all(&batch.upstream)
+                    .await
+                    .map_err(RedisError::io("writing to upstream"))?;
+                up.sent += batch.requests;
+            }
+            for slot in batch.slots {
+                if self.slots.send(slot).await.is_err() {
+                    return Ok(());
+                }
+            }
+            if let Some(e) = fatal {
+                tracing::info!(conn = self.id, peer = %self.peer, error = %e, "client broke the protocol; closing");
+                let text = match e {
+                    FrameError::TooLarge { .. } => format!("ERR fencegate: {e}"),
+                    _ => format!("ERR Protocol error: {e}"),
+                };
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return Err(RedisError::Frame {
+                    context: "client request",
+                    source: e,
+                });
+            }
+        }
+    }
+
+    fn handle(&mut self, request: Request, batch: &mut Batch) {
+        if request.args.is_empty() {
+            return;
+        }
+        self.requests += 1;
+        let name = request.name();
+        let args = &request.args;
+        match name.as_str() {
+            "FENCE" => return self.fence(&request, batch),
+            "MULTI" if self.multi.is_none() => {
+                self.multi = Some(Multi {
+                    token: self.token.clone(),
+                    dirty: false,
+                    commands: Vec::new(),
+                    objects: Vec::new(),
+                    bytes: 0,
+                });
+                return self.pass(args, batch);
+            }
+            "EXEC" if self.multi.is_some() => return self.exec(batch),
+            "DISCARD" | "RESET" => {
+                self.multi = None;
+                if name == "RESET" {
+                    self.token = None;
+                    self.resp3.store(false, Ordering::Relaxed);
+                }
+                return self.pass(args, batch);
+            }
+            "AUTH" => {
+                self.identity = Some(if args.len() >= 3 {
+                    lossy(&args[1], 64)
+                } else {
+                    "default".to_owned()
+                });
+                return self.pass(args, batch);
+            }
+            "HELLO" if self.multi.is_none() => {
+                let previous = self.resp3.load(Ordering::Relaxed);
+                match args.get(1).map(|v| v.as_ref()) {
+                    Some(b"3") => self.resp3.store(true, Ordering::Relaxed),
+                    Some(b"2") => self.resp3.store(false, Ordering::Relaxed),
+                    _ => {}
+                }
+                if let Some(i) = args.iter().position(|a| a.eq_ignore_ascii_case(b"AUTH")) {
+                    if let Some(user) = args.get(i + 1) {
+                        self.identity = Some(lossy(user, 64));
+                    }
+                }
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::Hello { previous }));
+                return;
+            }
+            "SUBSCRIBE" | "PSUBSCRIBE" | "SSUBSCRIBE" | "MONITOR"
+                if self.multi.is_none() && !self.relay =>
+            {
+                self.relay = true;
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::EnterRelay));
+                return;
+            }
+            _ => {}
+        }
+        let class = classify(&self.info.table, &self.gateway.config, args);
+        if let Some(multi) = &mut self.multi {
+            multi.commands.push(name.clone());
+            multi.bytes += request.wire_len;
+            if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
+                return self.queue_fenced(&request, class, batch);
+            }
+        }
+        match class {
+            Class::Pass => self.pass(args, batch),
+            Class::Unknown => self.unknown(&request, batch),
+            Class::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
+            Class::Fence { .. } if self.relay => {
+                let detail =
+                    "protected writes are not accepted on a connection in pub/sub or MONITOR mode";
+                self.refuse(&request, RejectReason::Unsupported, detail, batch)
+            }
+            Class::Fence { keys } => match self.token.clone() {
+                None => {
+                    let detail = format!("{name} writes a protected key; send FENCE <token> on this connection first");
+                    self.refuse(&request, RejectReason::Missing, &detail, batch)
+                }
+                Some(token) => {
+                    let resp3 = self.resp3.load(Ordering::Relaxed);
+                    let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
+                    let event = self.event(&request, &keys, Some(&token));
+                    batch.forward(&call);
+                    batch
+                        .slots
+                        .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                            event,
+                            call,
+                        }))));
+                }
+            },
+        }
+    }
+
+    /// A command inside a transaction that began with a token: it runs inside the fence script
+    /// whatever it is, so the whole `EXEC` applies under the fence or not at all.
+    fn queue_fenced(&mut self, request: &Request, class: Class, batch: &mut Batch) {
+        let args = &request.args;
+        match class {
+            Class::Refuse { reason, detail } => {
+                return self.refuse(request, reason, &detail, batch)
+            }
+            Class::Unknown => return self.unknown(request, batch),
+            _ => {}
+        }
+        let Some(info) = self.info.table.lookup(args) else {
+            return self.pass(args, batch);
+        };
+        if !info.arity_ok(args.len()) {
+            // Redis refuses it at queue time and aborts the transaction itself.
+            return self.pass(args, batch);
+        }
+        if info.noscript {
+            let detail = format!(
+                "{} cannot run under the fence inside a fenced transaction",
+                request.name()
+            );
+            return self.refuse(request, RejectReason::Unsupported, &detail, batch);
+        }
+        let keys: Vec<Bytes> = info
+            .keys(args)
+            .map(|k| k.into_iter().cloned().collect())
+            .unwrap_or_default();
+        if let Some(multi) = &mut self.multi {
+            for key in keys.iter().take(4) {
+                if multi.objects.len() < 8 {
+                    multi.objects.push(lossy(key, 64));
+                }
+            }
+        }
+        let token = self
+            .multi
+            .as_ref()
+            .and_then(|m| m.token.clone())
+            .expect("fenced transaction has a token");
+        let call = rewrite(
+            &self.info.mode,
+            &token,
+            args,
+            &keys,
+            self.resp3.load(Ordering::Relaxed),
+        );
+        batch.forward(&call);
+        batch.slots.push(Slot::Upstream(Expect::Plain));
+    }
+
+    fn exec(&mut self, batch: &mut Batch) {
+        let multi = self.multi.take().expect("checked by the caller");
+        if multi.dirty {
+            batch.forward(&[Bytes::from_static(b"DISCARD")]);
+            let abort = Frame::error("EXECABORT Transaction discarded because of previous errors.");
+            batch.slots.push(Slot::Upstream(Expect::Replace(abort)));
+            return;
+        }
+        batch.forward(&[Bytes::from_static(b"EXEC")]);
+        match &multi.token {
+            None => batch.slots.push(Slot::Upstream(Expect::Plain)),
+            Some(token) => {
+                let mut event = self.base_event(Some(token));
+                event.operation = OperationSummary {
+                    command: format!("MULTI/EXEC({})", multi.commands.join(",")),
+                    objects: multi.objects,
+                    args: multi.commands.len(),
+                    bytes: multi.bytes,
+                };
+                batch
+                    .slots
+                    .push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
+                        event,
+                        call: Vec::new(),
+                    }))));
+            }
+        }
+    }
+
+    fn fence(&mut self, request: &Request, batch: &mut Batch) {
+        let args = &request.args;
+        let reply = if self.multi.is_some() {
+            Frame::error("ERR fencegate: FENCE is not allowed inside MULTI; send it before MULTI")
+        } else if args.len() == 1 {
+            self.token = None;
+            Frame::simple("OK")
+        } else if args.len() > 2 {
+            Frame::error("ERR wrong number of arguments for 'fence' command; use FENCE <token>, or FENCE alone to clear")
+        } else {
+            let text = String::from_utf8_lossy(&args[1]);
+            match self.gateway.policy.check(&text, None) {
+                Ok(token) => {
+                    tracing::debug!(conn = self.id, resource = %token.resource(), revision = %token.revision(), "token set");
+                    self.token = Some(token);
+                    Frame::simple("OK")
+                }
+                Err(e) => {
+                    let reason = RejectReason::from_token_error(&e);
+                    let mut event = self.event(request, &[], None);
+                    if let Ok(parsed) = Token::parse(&text) {
+                        fill_token(&mut event, &parsed);
+                    }
+                    event.reason = reason.label().to_owned();
+                    event.detail = e.to_string();
+                    tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
+                    batch.slots.push(Slot::Refuse(
+                        Frame::error(&format!("BADFENCE {e}")),
+                        Box::new(event),
+                    ));
+                    return;
+                }
+            }
+        };
+        batch.slots.push(Slot::Local(reply));
+    }
+
+    /// A command the upstream did not list: answered like Redis answers an unknown command. Not
+    /// a refused write, so not audited; inside `MULTI` it aborts the transaction, as in Redis.
+    fn unknown(&mut self, request: &Request, batch: &mut Batch) {
+        if let Some(multi) = &mut self.multi {
+            multi.dirty = true;
+        }
+        let name = lossy(request.args.first().map_or(&[][..], |a| a.as_ref()), 64);
+        let sub = request
+            .args
+            .get(1)
+            .map(|a| lossy(a, 64))
+            .unwrap_or_default();
+        let text = format!(
+            "ERR unknown command '{name} {sub}' (fencegate relays only commands the upstream listed in COMMAND)"
+        );
+        batch.slots.push(Slot::Local(Frame::error(&text)));
+    }
+
+    fn pass(&mut self, args: &[Bytes], batch: &mut Batch) {
+        batch.forward(args);
+        if !self.relay {
+            batch.slots.push(Slot::Upstream(Expect::Plain));
+        }
+    }
+
+    fn refuse(&mut self, request: &Request, reason: RejectReason, detail: &str, batch: &mut Batch) {
+        if let Some(multi) = &mut self.multi {
+            multi.dirty = true;
+        }
+        let keys = self
+            .info
+            .table
+            .lookup(&request.args)
+            .and_then(|i| i.keys(&request.args).ok())
+            .map(|k| k.into_iter().cloned().collect::<Vec<_>>())
+            .unwrap_or_default();
+        let token = self.token.clone();
+        let mut event = self.event(request, &keys, token.as_ref());
+        event.reason = reason.label().to_owned();
+        event.detail = detail.to_owned();
+        let word = match reason {
+            RejectReason::Missing => "NOFENCE",
+            RejectReason::Malformed | RejectReason::Forged | RejectReason::OutOfScope => "BADFENCE",
+            RejectReason::Stale { .. } => "FENCED",
+            RejectReason::Unsupported => "UNFENCEABLE",
+        };
+        tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
+        batch.slots.push(Slot::Refuse(
+            Frame::error(&format!("{word} {detail}")),
+            Box::new(event),
+        ));
+    }
+
+    fn base_event(&self, token: Option<&Token>) -> AuditEvent {
+        let mut event = AuditEvent {
+            store: STORE.to_owned(),
+            client_addr: self.peer.to_string(),
+            client_identity: self.identity.clone(),
+            resource: None,
+            token: None,
+            token_signed: false,
+            revision: None,
+            fence: None,
+            reason: String::new(),
+            detail: String::new(),
+            operation: OperationSummary::default(),
+            request_id: format!("redis-{}-{}", self.id, self.requests),
+        };
+        if let Some(token) = token {
+            fill_token(&mut event, token);
+        }
+        event
+    }
+
+    fn event(&self, request: &Request, keys: &[Bytes], token: Option<&Token>) -> AuditEvent {
+        let mut event = self.base_event(token);
+        event.operation = OperationSummary {
+            command: request.name(),
+            objects: keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
+            args: request.args.len(),
+            bytes: request.wire_len,
+        };
+        event
+    }
+}
+
+fn fill_token(event: &mut AuditEvent, token: &Token) {
+    event.resource = Some(token.resource().to_string());
+    event.token = Some(token.unsigned_form());
+    event.token_signed = token.is_signed();
+    event.revision = Some(token.revision().get());
+}
+
+/// Text for logs and audit records: lossy UTF-8, at most `max` bytes.
+fn lossy(bytes: &[u8], max: usize) -> String {
+    let mut text = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]).into_owned();
+    if bytes.len() > max {
+        text.push('…');
+    }
+    text
+}
+
+struct Writer {
+    gateway: Arc<Gateway>,
+    id: u64,
+    client: OwnedWriteHalf,
+    out: BytesMut,
+    upstream: OwnedReadHalf,
+    ubuf: BytesMut,
+    upstream_w: Arc<Mutex<UpstreamWriter>>,
+    /// Replies read ahead during a reload-and-retry, delivered before anything newer.
+    stash: VecDeque<(Frame, Bytes)>,
+    /// Replies read so far (not counting push frames).
+    received: u64,
+    resp3: Arc<AtomicBool>,
+    relay: bool,
+    slots: mpsc::Receiver<Slot>,
+}
+
+impl Writer {
+    async fn run(mut self) -> Result<(), RedisError> {
+        let result = self.work().await;
+        let _ = self.flush().await;
+        let _ = self.client.shutdown().await;
+        result
+    }
+
+    async fn work(&mut self) -> Result<(), RedisError> {
+        loop {
+            let slot = match self.slots.try_recv() {
+                Ok(slot) => slot,
+                Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    self.flush().await?;
+                    if self.relay {
+                        match self.relay_until_slot().await? {
+                            Some(slot) => slot,
+                            None => return Ok(()),
+                        }
+                    } else {
+                        match self.slots.recv().await {
+                            Some(slot) => slot,
+                            None => return Ok(()),
+                        }
+                    }
+                }
+            };
+            match slot {
+                Slot::Local(frame) => frame.encode(&mut self.out),
+                Slot::Refuse(frame, event) => {
+                    self.audit(*event).await;
+                    frame.encode(&mut self.out);
+                }
+                Slot::Close => return Ok(()),
+                Slot::Upstream(_) if self.relay => {}
+                Slot::Upstream(expect) => {
+                    let reply = self.next_reply().await?;
+                    self.deliver(expect, reply).await?;
+                }
+            }
+        }
+    }
+
+    /// In pub/sub or MONITOR mode: forward upstream frames as they come until a slot arrives.
+    async fn relay_until_slot(&mut self) -> Result<Option<Slot>, RedisError> {
+        loop {
+            while let Some((_, raw)) = self.parse_upstream()? {
+                self.out.extend_from_slice(&raw);
+            }
+            self.flush().await?;
+            tokio::select! {
+                slot = self.slots.recv() => return Ok(slot),
+                n = self.upstream.read_buf(&mut self.ubuf) => {
+                    if n.map_err(RedisError::io("reading from upstream"))? == 0 {
+                        return Err(RedisError::Upstream("closed the connection".into()));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn deliver(
+        &mut self,
+        expect: Expect,
+        (frame, raw): (Frame, Bytes),
+    ) -> Result<(), RedisError> {
+        match expect {
+            Expect::Plain => self.out.extend_from_slice(&raw),
+            Expect::Replace(replacement) => replacement.encode(&mut self.out),
+            Expect::Hello { previous } => {
+                if frame.as_error().is_some() {
+                    self.resp3.store(previous, Ordering::Relaxed);
+                }
+                self.out.extend_from_slice(&raw);
+            }
+            Expect::EnterRelay => {
+                self.relay = true;
+                self.out.extend_from_slice(&raw);
+            }
+            Expect::Fenced(ctx) => {
+                let (frame, raw) = if frame.as_error().is_some_and(is_missing_script) {
+                    self.retry(&ctx.call).await?
+                } else {
+                    (frame, raw)
+                };
+                match frame.as_error().and_then(stale_fence) {
+                    Some(fence) => self.audit_stale(ctx.event, fence).await,
+                    None => self.gateway.sink.applied(STORE),
+                }
+                self.out.extend_from_slice(&raw);
+            }
+            Expect::Exec(ctx) => {
+                if let Frame::Array(items) = &frame {
+                    let errors = items.iter().filter_map(Frame::as_error);
+                    if let Some(fence) = errors.clone().find_map(stale_fence) {
+                        self.audit_stale(ctx.event, fence).await;
+                    } else if errors.clone().any(is_missing_script) {
+                        // The transaction did not apply (every command in it runs under the
+                        // fence); reload so the client's retry works.
+                        if let Err(e) = self.gateway.reload_fence().await {
+                            tracing::error!(conn = self.id, error = %e, "reloading the fence script failed");
+                        }
+                    } else {
+                        self.gateway.sink.applied(STORE);
+                    }
+                }
+                self.out.extend_from_slice(&raw);
+            }
+        }
+        Ok(())
+    }
+
+    /// The fence script was missing (flush or restart): load it again and resend the call.
+    /// Replies to requests pipelined behind it are read ahead and kept, so the client still gets
+    /// every reply in order.
+    async fn retry(&mut self, call: &[Bytes]) -> Result<(Frame, Bytes), RedisError> {
+        self.gateway.reload_fence().await?;
+        let upstream_w = self.upstream_w.clone();
+        let mut up = upstream_w.lock().await;
+        while self.received < up.sent {
+            let reply = self.read_reply().await?;
+            self.stash.push_back(reply);
+        }
+        up.half
+            .write_all(&Frame::command(call.iter().cloned()).to_bytes())
+            .await
+            .map_err(RedisError::io("writing to upstream"))?;
+        up.sent += 1;
+        drop(up);
+        self.read_reply().await
+    }
+
+    async fn audit_stale(&mut self, mut event: AuditEvent, fence: u64) {
+        event.fence = Some(fence);
+        event.reason = RejectReason::Stale { fence }.label().to_owned();
+        event.detail = format!(
+            "token {} is below fence {fence}",
+            event.revision.map(|r| r.to_string()).unwrap_or_default()
+        );
+        tracing::info!(conn = self.id, resource = ?event.resource, revision = ?event.revision, fence, command = %event.operation.command, "stale write refused by the store");
+        self.audit(event).await;
+    }
+
+    async fn audit(&mut self, event: AuditEvent) {
+        // The refusal stands whether or not it could be logged; a failure is loud.
+        if let Err(e) = self.gateway.sink.refused(event).await {
+            tracing::error!(conn = self.id, error = %e, "could not write an audit record for a refusal");
+        }
+    }
+
+    async fn next_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
+        match self.stash.pop_front() {
+            Some(reply) => Ok(reply),
+            None => self.read_reply().await,
+        }
+    }
+
+    /// The next upstream reply; RESP3 push frames met on the way go straight to the client.
+    async fn read_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
+        loop {
+            while let Some((frame, raw)) = self.parse_upstream()? {
+                if matches!(frame, Frame::Push(_)) {
+                    self.out.extend_from_slice(&raw);
+                    continue;
+                }
+                self.received += 1;
+                return Ok((frame, raw));
+            }
+            self.flush().await?;
+            let n = self
+                .upstream
+                .read_buf(&mut self.ubuf)
+                .await
+                .map_err(RedisError::io("reading from upstream"))?;
+            if n == 0 {
+                return Err(RedisError::Upstream("closed the connection".into()));
+            }
+        }
+    }
+
+    fn parse_upstream(&mut self) -> Result<Option<(Frame, Bytes)>, RedisError> {
+        let limits = frame::Limits {
+            max_frame_bytes: usize::MAX / 4,
+            max_depth: 1024,
+        };
+        match frame::parse(&self.ubuf, &limits).map_err(|source| RedisError::Frame {
+            context: "upstream reply",
+            source,
+        })? {
+            None => Ok(None),
+            Some((frame, len)) => Ok(Some((frame, self.ubuf.split_to(len).freeze()))),
+        }
+    }
+
+    async fn flush(&mut self) -> Result<(), RedisError> {
+        if !self.out.is_empty() {
+            self.client
+                .write_all(&self.out)
+                .await
+                .map_err(RedisError::io("writing to client"))?;
+            self.out.clear();
+        }
+        Ok(())
+    }
+}
+
+fn is_missing_script(error: &[u8]) -> bool {
+    error.starts_with(b"NOSCRIPT") || error.starts_with(b"ERR Function not found")
+}
+
+/// The fence from `FENCED <resource> token <n> is below fence <m>`.
+fn stale_fence(error: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(error).ok()?;
+    let rest = text.strip_prefix("FENCED ")?;
+    rest.rsplit_once(" is below fence ")?.1.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_fence_from_the_script_error() {
+        assert_eq!(
+            stale_fence(b"FENCED job token 7 is below fence 12"),
+            Some(12)
+        );
+        assert_eq!(stale_fence(b"ERR other"), None);
+        assert!(is_missing_script(
+            b"NOSCRIPT No matching script. Please use EVAL."
+        ));
+        assert!(is_missing_script(b"ERR Function not found"));
+    }
+}

@@ -1,0 +1,140 @@
+//! Connecting to the upstream Redis: authentication, learning the command table, and loading
+//! the fence script.
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::command_table::CommandTable;
+use crate::config::RedisConfig;
+use crate::error::RedisError;
+use crate::frame::{self, Frame, Limits};
+use crate::rewrite::{function_source, script_source, ScriptMode};
+
+/// What the gateway learned from the upstream at connect time.
+#[derive(Debug, Clone)]
+pub struct UpstreamInfo {
+    /// Commands, flags and key specs from `COMMAND`.
+    pub table: CommandTable,
+    /// How to call the fence script.
+    pub mode: ScriptMode,
+}
+
+/// A connection used for one request at a time (setup and reloads, not client traffic).
+pub struct ControlConnection {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+/// Opens a TCP connection to the upstream and authenticates it when the config says so.
+pub async fn connect(config: &RedisConfig) -> Result<TcpStream, RedisError> {
+    let mut stream = TcpStream::connect(&config.upstream)
+        .await
+        .map_err(RedisError::io(format!(
+            "connecting to upstream {}",
+            config.upstream
+        )))?;
+    stream.set_nodelay(true).ok();
+    if let Some(password) = config.password()? {
+        let mut args = vec![Bytes::from_static(b"AUTH")];
+        if let Some(user) = &config.username {
+            args.push(Bytes::from(user.clone()));
+        }
+        args.push(Bytes::from(password));
+        let mut buf = BytesMut::new();
+        let reply = request_on(&mut stream, &mut buf, args).await?;
+        if let Frame::Error(e) = reply {
+            return Err(RedisError::Upstream(format!(
+                "refused AUTH: {}",
+                String::from_utf8_lossy(&e)
+            )));
+        }
+    }
+    Ok(stream)
+}
+
+async fn request_on(
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    args: Vec<Bytes>,
+) -> Result<Frame, RedisError> {
+    stream
+        .write_all(&Frame::command(args).to_bytes())
+        .await
+        .map_err(RedisError::io("writing to upstream"))?;
+    let limits = Limits::default();
+    loop {
+        if let Some((frame, len)) =
+            frame::parse(buf, &limits).map_err(|source| RedisError::Frame {
+                context: "upstream reply",
+                source,
+            })?
+        {
+            buf.advance(len);
+            return Ok(frame);
+        }
+        if stream
+            .read_buf(buf)
+            .await
+            .map_err(RedisError::io("reading from upstream"))?
+            == 0
+        {
+            return Err(RedisError::Upstream("closed the connection".into()));
+        }
+    }
+}
+
+impl ControlConnection {
+    /// Connects and authenticates.
+    pub async fn open(config: &RedisConfig) -> Result<Self, RedisError> {
+        Ok(Self {
+            stream: connect(config).await?,
+            buf: BytesMut::new(),
+        })
+    }
+
+    /// Sends one command and returns its reply.
+    pub async fn request(&mut self, args: &[&str]) -> Result<Frame, RedisError> {
+        let args = args
+            .iter()
+            .map(|a| Bytes::copy_from_slice(a.as_bytes()))
+            .collect();
+        request_on(&mut self.stream, &mut self.buf, args).await
+    }
+
+    /// Loads the fence script: as a Redis Function where the server has them, else as a cached
+    /// script. Safe to repeat (the function is loaded with `REPLACE`).
+    pub async fn load_fence(&mut self) -> Result<ScriptMode, RedisError> {
+        let source = function_source();
+        match self
+            .request(&["FUNCTION", "LOAD", "REPLACE", &source])
+            .await?
+        {
+            Frame::Error(e) => {
+                let text = String::from_utf8_lossy(&e).to_ascii_lowercase();
+                if !text.contains("unknown command") {
+                    return Err(RedisError::Upstream(format!(
+                        "refused FUNCTION LOAD: {text}"
+                    )));
+                }
+            }
+            _ => return Ok(ScriptMode::Function),
+        }
+        match self.request(&["SCRIPT", "LOAD", &script_source()]).await? {
+            Frame::Bulk(sha) => Ok(ScriptMode::Script {
+                sha: String::from_utf8_lossy(&sha).into_owned(),
+            }),
+            other => Err(RedisError::Upstream(format!(
+                "answered SCRIPT LOAD with {other:?}"
+            ))),
+        }
+    }
+
+    /// Learns the command table and loads the fence script.
+    pub async fn learn(&mut self) -> Result<UpstreamInfo, RedisError> {
+        let reply = self.request(&["COMMAND"]).await?;
+        let table = CommandTable::from_reply(&reply)?;
+        let mode = self.load_fence().await?;
+        Ok(UpstreamInfo { table, mode })
+    }
+}
