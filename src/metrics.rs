@@ -17,6 +17,7 @@ pub struct Metrics {
     pub commit_index: Gauge,
     pub active_leases: Gauge,
     pub revision: Gauge,
+    pub waiting_acquires: Gauge,
 }
 
 impl Default for Metrics {
@@ -32,6 +33,7 @@ impl Default for Metrics {
             commit_index: Gauge::default(),
             active_leases: Gauge::default(),
             revision: Gauge::default(),
+            waiting_acquires: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -74,6 +76,11 @@ impl Default for Metrics {
             "authority_revision",
             "The authority's revision on this node",
             metrics.revision.clone(),
+        );
+        registry.register(
+            "authority_waiting_acquires",
+            "Acquires on this node waiting for a held lock",
+            metrics.waiting_acquires.clone(),
         );
         Self {
             registry,

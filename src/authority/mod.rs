@@ -220,6 +220,7 @@ impl Authority {
             holder: req.holder.clone(),
         };
         let slot = self.waiters.slot(&resource);
+        let _waiting = (!req.wait.is_zero()).then(|| Waiting::new(&self.metrics));
         let deadline = tokio::time::Instant::now() + req.wait;
         // Whoever holds the turn is first in line; a later arrival waits behind it or, if it
         // will not wait, is told the lock is held.
@@ -452,6 +453,22 @@ impl Authority {
         AuthorityError::NotLeader {
             leader: f.leader_node.map(|n| n.addr).or_else(|| self.leader_api()),
         }
+    }
+}
+
+/// Counts an acquire in `waiting_acquires` for as long as it lives.
+struct Waiting<'a>(&'a Metrics);
+
+impl<'a> Waiting<'a> {
+    fn new(metrics: &'a Metrics) -> Self {
+        metrics.waiting_acquires.inc();
+        Self(metrics)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting_acquires.dec();
     }
 }
 

@@ -1,0 +1,97 @@
+//! The log's files, in chain order, and reading their lines.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use fencegate_core::AuditRecord;
+
+use super::{io_error, AuditError};
+
+/// The file being written.
+pub const ACTIVE: &str = "audit.jsonl";
+
+/// One file of the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogFile {
+    /// Its path.
+    pub path: PathBuf,
+}
+
+/// The name a rotated file gets: `audit-<first seq>.jsonl`.
+pub fn rotated_name(first_seq: u64) -> String {
+    format!("audit-{first_seq:020}.jsonl")
+}
+
+/// The log's files in chain order: rotated files by first seq, then the active file.
+pub fn list(dir: &Path) -> Result<Vec<LogFile>, AuditError> {
+    let mut rotated = Vec::new();
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_error(dir)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io_error(dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("audit-") && name.ends_with(".jsonl") {
+            rotated.push(name);
+        }
+    }
+    rotated.sort();
+    let mut files: Vec<LogFile> = rotated
+        .into_iter()
+        .map(|name| LogFile {
+            path: dir.join(name),
+        })
+        .collect();
+    let active = dir.join(ACTIVE);
+    if active.exists() {
+        files.push(LogFile { path: active });
+    }
+    Ok(files)
+}
+
+/// One line of a file, parsed or not.
+pub struct Line {
+    /// The file.
+    pub path: PathBuf,
+    /// 1-based line number in it.
+    pub number: usize,
+    /// The text, without the newline.
+    pub text: String,
+}
+
+/// Every complete line of every file, in chain order. A last line without its newline (a write
+/// cut by a crash, never acknowledged) is left out.
+pub fn lines(dir: &Path) -> Result<Vec<Line>, AuditError> {
+    let mut out = Vec::new();
+    for file in list(dir)? {
+        let text = fs::read_to_string(&file.path).map_err(io_error(&file.path))?;
+        let complete = match text.rfind('\n') {
+            Some(end) => &text[..=end],
+            None => "",
+        };
+        for (i, line) in complete.lines().enumerate() {
+            out.push(Line {
+                path: file.path.clone(),
+                number: i + 1,
+                text: line.to_owned(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Every record of the log, in order; the first unparseable line is an error.
+pub fn read_records(dir: &Path) -> Result<Vec<AuditRecord>, AuditError> {
+    lines(dir)?
+        .into_iter()
+        .map(|line| {
+            serde_json::from_str(&line.text).map_err(|e| AuditError::Parse {
+                path: line.path.clone(),
+                line: line.number,
+                message: e.to_string(),
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,255 @@
+//! Bad input is refused with 400 and a reason; the CLI finds a live endpoint; config errors
+//! name the line.
+
+mod support;
+
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use support::cluster::{free_port, Cluster, BIN};
+
+async fn raw(cluster: &Cluster, method: Method, path: &str, body: &str) -> (StatusCode, Value) {
+    let answer = cluster
+        .http
+        .request(method, format!("{}{path}", cluster.url(1)))
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    let status = answer.status();
+    (status, answer.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_400_with_a_reason_and_the_node_keeps_serving() {
+    let cluster = Cluster::start(1, "max_ttl_ms = 60000").await;
+    let long = format!("/v1/locks/{}", "x".repeat(257));
+    let cases: Vec<(Method, String, &str, &str)> = vec![
+        (
+            Method::POST,
+            "/v1/locks/bad%20name".into(),
+            r#"{"ttl_ms":1000}"#,
+            "character outside",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/bad~name".into(),
+            r#"{"ttl_ms":1000}"#,
+            "character outside",
+        ),
+        (Method::POST, long, r#"{"ttl_ms":1000}"#, "257 bytes long"),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl_ms":0}"#,
+            "ttl_ms must be from 1 to 60000",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl_ms":60001}"#,
+            "ttl_ms must be from 1 to 60000",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl_ms":1000"#,
+            "invalid JSON body",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            "",
+            "invalid JSON body",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl":1000}"#,
+            "unknown field `ttl`",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl_ms":"10s"}"#,
+            "invalid type",
+        ),
+        (
+            Method::POST,
+            "/v1/locks/job".into(),
+            r#"{"ttl_ms":1000,"holder":"a b"}"#,
+            "holder must be",
+        ),
+        (
+            Method::POST,
+            "/v1/leases/abc/keepalive".into(),
+            "",
+            "lease id \"abc\" is not a number",
+        ),
+        (
+            Method::DELETE,
+            "/v1/leases/-1".into(),
+            "",
+            "is not a number",
+        ),
+        (
+            Method::GET,
+            "/v1/locks/a%20b".into(),
+            "",
+            "character outside",
+        ),
+        (
+            Method::POST,
+            "/v1/snapshot/restore".into(),
+            r#"{"format":"x","revision":1,"state":{}}"#,
+            "invalid JSON body",
+        ),
+    ];
+    for (method, path, body, reason) in cases {
+        let (status, answer) = raw(&cluster, method.clone(), &path, body).await;
+        assert_eq!(
+            status,
+            StatusCode::BAD_REQUEST,
+            "{method} {path} {body}: {answer}"
+        );
+        assert_eq!(answer["error"], "bad_request");
+        let message = answer["message"].as_str().unwrap();
+        assert!(
+            message.contains(reason),
+            "{method} {path} {body}: {message:?} lacks {reason:?}"
+        );
+    }
+    // An inconsistent snapshot never reaches the log (a log entry that cannot be applied would
+    // stop the node).
+    let orphan = json!({
+        "format": "fencegate-snapshot/1", "revision": 5,
+        "state": { "revision": 5, "last_lease_id": 1, "locks": { "a": { "lease_id": 9, "token": 3, "holder": null } },
+                   "leases": {}, "requests": {} }
+    });
+    let (status, answer) = raw(
+        &cluster,
+        Method::POST,
+        "/v1/snapshot/restore",
+        &orphan.to_string(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert!(
+        answer["message"]
+            .as_str()
+            .unwrap()
+            .contains("lease 9 is missing"),
+        "{answer}"
+    );
+
+    let (status, answer) = raw(&cluster, Method::POST, "/v1/leases/424242/keepalive", "").await;
+    assert_eq!(
+        (status, answer["error"].as_str()),
+        (StatusCode::NOT_FOUND, Some("expired"))
+    );
+    let grant = cluster.acquire(1, "job", 1000).await;
+    assert_eq!(grant["revision"], 1, "nothing above moved the revision");
+    let (status, _) = cluster.get(1, "/healthz").await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_tries_the_next_endpoint_and_follows_the_leader() {
+    let cluster = Cluster::start(3, "").await;
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let endpoints = format!("{dead},{}", cluster.endpoints());
+    let (code, out) = cluster.cli(&[
+        "lock",
+        "acquire",
+        "cli:job",
+        "--ttl",
+        "5s",
+        "--holder",
+        "me",
+        "--endpoint",
+        &endpoints,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let grant: Value = serde_json::from_str(&out).unwrap();
+    let lease = grant["lease_id"].to_string();
+    let (code, out) = cluster.cli(&["lock", "acquire", "cli:job", "--endpoint", &endpoints]);
+    assert_eq!(code, 1, "a held lock exits 1: {out}");
+    assert_eq!(
+        serde_json::from_str::<Value>(out.lines().next().unwrap()).unwrap()["error"],
+        "held"
+    );
+    let (code, out) = cluster.cli(&["lock", "status", "cli:job", "--endpoint", &endpoints]);
+    assert_eq!(code, 0, "{out}");
+    let status: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (status["holder"].as_str(), &status["revision"]),
+        (Some("me"), &grant["revision"])
+    );
+    assert!(
+        status.get("token").is_none(),
+        "status must not reveal the holder's token"
+    );
+    let (code, out) = cluster.cli(&["lock", "keepalive", &lease, "--endpoint", &endpoints]);
+    assert_eq!(
+        (
+            code,
+            serde_json::from_str::<Value>(&out).unwrap()["ttl_ms"].as_u64()
+        ),
+        (0, Some(5000)),
+        "{out}"
+    );
+    let (code, out) = cluster.cli(&["lock", "release", &lease, "--endpoint", &endpoints]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cluster.cli(&["lock", "keepalive", &lease, "--endpoint", &endpoints]);
+    assert_eq!(code, 1, "{out}");
+    let (code, out) = cluster.cli(&["cluster", "status", "--endpoint", &endpoints]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["members"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+}
+
+#[test]
+fn check_config_names_the_line_of_an_error() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(
+        &path,
+        "[node]\nid = 1\n\n[authority]\nheartbeat_ms = 100\nelection_timeout_mn_ms = 5\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("line 6") && stderr.contains("unknown field `election_timeout_mn_ms`"),
+        "{stderr}"
+    );
+
+    for shipped in [
+        "config/fencegate.toml",
+        "config/fencegate.example.toml",
+        "config/cluster/node1.toml",
+        "config/cluster/node2.toml",
+        "config/cluster/node3.toml",
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(["check-config", "--config", shipped])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{shipped}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
