@@ -35,6 +35,12 @@ pub struct Config {
     pub authority: AuthorityConfig,
     #[serde(default)]
     pub log: LogConfig,
+    /// The Redis gateway; absent: no Redis listener.
+    #[serde(default)]
+    pub redis: Option<fencegate_redis::RedisConfig>,
+    /// The audit log of refused writes.
+    #[serde(default)]
+    pub audit: crate::audit::AuditConfig,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -75,6 +81,10 @@ pub struct AuthorityConfig {
     /// Raft log entries between automatic snapshots (log compaction).
     #[serde(default = "default_snapshot_logs")]
     pub snapshot_every_logs: u64,
+    /// Log entries kept after a snapshot, so a briefly lagging follower catches up from the
+    /// log rather than by a full snapshot transfer.
+    #[serde(default = "default_snapshot_keep_logs")]
+    pub snapshot_keep_logs: u64,
     /// Name of an environment variable holding the token signing secret (32+ bytes). When set,
     /// tokens are signed and gateways can refuse forged ones offline.
     #[serde(default)]
@@ -126,6 +136,9 @@ fn default_restore_bump() -> u64 {
 fn default_snapshot_logs() -> u64 {
     10_000
 }
+fn default_snapshot_keep_logs() -> u64 {
+    1000
+}
 fn default_log_level() -> String {
     "info,openraft=warn".to_owned()
 }
@@ -141,6 +154,7 @@ impl Default for AuthorityConfig {
             max_wait_ms: default_max_wait_ms(),
             restore_bump: default_restore_bump(),
             snapshot_every_logs: default_snapshot_logs(),
+            snapshot_keep_logs: default_snapshot_keep_logs(),
             token_key_env: None,
         }
     }
@@ -246,7 +260,12 @@ impl Config {
                         format!("node id {} is not among the members", self.node.id),
                     ))
                 }
-                Some(me) if me.api != self.node.api => {
+                // Binding 0.0.0.0 (or ::) is fine as long as the port is the one peers use.
+                Some(me)
+                    if me.api != self.node.api
+                        && !(self.node.api.ip().is_unspecified()
+                            && me.api.port() == self.node.api.port()) =>
+                {
                     return Err((
                         "members",
                         format!(
@@ -314,6 +333,13 @@ mod tests {
             err,
             "test.toml:4: election_timeout_max_ms: election_timeout_max_ms (800) must be above election_timeout_min_ms (900)"
         );
+    }
+
+    #[test]
+    fn a_node_may_bind_every_interface_on_its_member_port() {
+        let members = "[[authority.members]]\nid = 1\napi = \"10.0.0.1:7071\"\n";
+        assert!(parse(&format!("[node]\napi = \"0.0.0.0:7071\"\n{members}")).is_ok());
+        assert!(parse(&format!("[node]\napi = \"0.0.0.0:7072\"\n{members}")).is_err());
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `fencegate serve`: assembles a node from its config and runs it until SIGINT or SIGTERM.
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 
 use fencegate_core::TokenKey;
@@ -26,6 +27,10 @@ pub enum ServeError {
     Authority(#[from] AuthorityError),
     #[error("the API server failed: {0}")]
     Http(std::io::Error),
+    #[error("audit log: {0}")]
+    Audit(#[from] crate::audit::AuditError),
+    #[error(transparent)]
+    Redis(#[from] fencegate_redis::RedisError),
 }
 
 /// Reads the token signing key named by `authority.token_key_env`, if any.
@@ -39,9 +44,31 @@ pub fn token_key(config: &Config) -> Result<Option<TokenKey>, ServeError> {
         .ok_or_else(|| ServeError::KeyShort(var.clone()))
 }
 
+/// How long in-flight requests may finish after SIGINT or SIGTERM.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub async fn serve(config: Config) -> Result<(), ServeError> {
     let key = token_key(&config)?;
     let metrics = Arc::new(Metrics::default());
+    let audit = crate::audit::AuditWriter::start(
+        &config.audit,
+        &config.node.data_dir,
+        &config.node.id.to_string(),
+        metrics.fences.clone(),
+    )?;
+    if let Some(redis) = config.redis.clone() {
+        let policy = fencegate_core::TokenPolicy {
+            key: key.clone(),
+            accept_plain: false,
+        };
+        let gateway = fencegate_redis::Gateway::new(redis, policy, audit.sink())?;
+        let listener = gateway.bind().await?;
+        tokio::spawn(async move {
+            if let Err(e) = gateway.serve(listener).await {
+                tracing::error!(error = %e, "the Redis gateway stopped");
+            }
+        });
+    }
     let http = reqwest::Client::builder()
         .build()
         .expect("a plain HTTP client always builds");
@@ -60,11 +87,23 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         http,
     };
     tracing::info!(node_id = config.node.id, api = %addr, data_dir = %config.node.data_dir.display(), "node started");
-    axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .map_err(ServeError::Http)?;
-    tracing::info!("shutting down");
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async {
+        let _ = stop_rx.await;
+    });
+    let mut server = std::pin::pin!(server.into_future());
+    tokio::select! {
+        result = &mut server => result.map_err(ServeError::Http)?,
+        () = shutdown_signal() => {
+            tracing::info!(grace = ?SHUTDOWN_GRACE, "shutting down; finishing requests in flight");
+            let _ = stop_tx.send(());
+            // Waiting acquires can run for minutes; they are cut off after the grace period
+            // (their clients retry elsewhere).
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await.is_err() {
+                tracing::warn!("requests still in flight after the grace period; closing them");
+            }
+        }
+    }
     let _ = authority.raft().shutdown().await;
     Ok(())
 }

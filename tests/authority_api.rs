@@ -253,3 +253,42 @@ fn check_config_names_the_line_of_an_error() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_signed_with_the_cluster_key() {
+    let secret = "a cluster secret of at least 32 bytes";
+    let cluster = Cluster::start_with_env(
+        3,
+        "token_key_env = \"FG_TEST_KEY\"",
+        &[("FG_TEST_KEY", secret)],
+    )
+    .await;
+    let grant = cluster.acquire(2, "signed:job", 5000).await;
+    let token = fencegate_core::Token::parse(grant["token"].as_str().unwrap()).unwrap();
+    assert_eq!(token.revision().get(), grant["revision"].as_u64().unwrap());
+    let key = fencegate_core::TokenKey::new(secret.as_bytes()).unwrap();
+    assert_eq!(token.verify(&key), Ok(()));
+    let other = fencegate_core::TokenKey::new(b"some other cluster's secret, 32b").unwrap();
+    assert!(token.verify(&other).is_err());
+}
+
+#[test]
+fn a_node_refuses_to_start_without_its_configured_key() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("node.toml");
+    let port = free_port();
+    std::fs::write(
+        &path,
+        format!("[node]\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n[authority]\ntoken_key_env = \"FG_UNSET_KEY\"\n", dir.path().join("d").display()),
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env_remove("FG_UNSET_KEY")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("FG_UNSET_KEY is not set"), "{stderr}");
+}

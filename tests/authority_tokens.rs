@@ -148,3 +148,54 @@ async fn a_restored_snapshot_bumps_the_revision_above_everything_issued() {
     assert!(next > highest);
     println!("snapshot revision {snapshot_revision}, highest issued {highest}, first token after restore {next}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_node_catches_up_from_a_snapshot() {
+    // Snapshot often and keep no log behind it, so a node that was away can only catch up
+    // through a snapshot transfer.
+    let mut cluster = Cluster::start(3, "snapshot_every_logs = 20\nsnapshot_keep_logs = 0").await;
+    let leader = cluster.wait_for_leader(&cluster.ids()).await;
+    let away = cluster.ids().into_iter().find(|id| *id != leader).unwrap();
+    let other = cluster
+        .ids()
+        .into_iter()
+        .find(|id| *id != leader && *id != away)
+        .unwrap();
+    cluster.kill(away);
+    for _ in 0..60 {
+        let grant = cluster.acquire(leader, "churn", 10_000).await;
+        cluster
+            .release(leader, grant["lease_id"].as_u64().unwrap())
+            .await;
+    }
+    let held = cluster.acquire(leader, "held", 60_000).await;
+    let (_, view) = cluster.get(leader, "/v1/cluster").await.unwrap();
+    let revision = view["revision"].as_u64().unwrap();
+
+    cluster.spawn(away);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
+            if v["revision"].as_u64() == Some(revision) {
+                assert!(
+                    v["snapshot"].as_u64().is_some(),
+                    "caught up without a snapshot? {v}"
+                );
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node {away} never caught up to revision {revision}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // With the other follower gone, the returning node is part of every majority: the
+    // cluster still works and still knows the held lock.
+    cluster.kill(other);
+    let (status, lock) = cluster.get(away, "/v1/locks/held").await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{lock}");
+    assert_eq!(lock["revision"], held["revision"]);
+    let next = token_of(&cluster.acquire(away, "after", 10_000).await);
+    assert!(next > revision);
+}

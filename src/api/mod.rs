@@ -9,6 +9,7 @@ mod reply;
 
 use std::sync::Arc;
 
+use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post};
 use axum::Router;
 
@@ -28,7 +29,17 @@ pub struct ApiState {
     pub http: reqwest::Client,
 }
 
+/// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
+/// state: all can be far above axum's 2 MiB default body limit.
+const LARGE_BODY: usize = 256 * 1024 * 1024;
+
 pub fn router(state: ApiState) -> Router {
+    let peer = Router::new()
+        .route(APPEND_PATH, post(raft_rpc::append))
+        .route(VOTE_PATH, post(raft_rpc::vote))
+        .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
+        .route("/v1/snapshot/restore", post(ops::restore))
+        .layer(DefaultBodyLimit::max(LARGE_BODY));
     Router::new()
         .route(
             "/v1/locks/{*resource}",
@@ -38,11 +49,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/leases/{lease_id}", delete(lock::release))
         .route("/v1/cluster", get(ops::cluster))
         .route("/v1/snapshot", get(ops::snapshot))
-        .route("/v1/snapshot/restore", post(ops::restore))
         .route("/healthz", get(ops::healthz))
         .route("/metrics", get(ops::metrics))
-        .route(APPEND_PATH, post(raft_rpc::append))
-        .route(VOTE_PATH, post(raft_rpc::vote))
-        .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
+        .merge(peer)
         .with_state(state)
 }

@@ -97,6 +97,8 @@ pub struct ClusterStatus {
     pub term: u64,
     pub members: Vec<Member>,
     pub last_applied: Option<u64>,
+    /// Last log index covered by this node's latest snapshot.
+    pub snapshot: Option<u64>,
     pub revision: u64,
 }
 
@@ -348,6 +350,7 @@ impl Authority {
             term: metrics.current_term,
             members,
             last_applied: metrics.last_applied.map(|l| l.index),
+            snapshot: metrics.snapshot.map(|l| l.index),
             revision: self.applied.read().await.state.revision,
         }
     }
@@ -479,7 +482,7 @@ fn raft_config(c: &AuthorityConfig) -> Result<openraft::Config, String> {
         election_timeout_min: c.election_timeout_min_ms,
         election_timeout_max: c.election_timeout_max_ms,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(c.snapshot_every_logs),
-        max_in_snapshot_log_to_keep: 1000,
+        max_in_snapshot_log_to_keep: c.snapshot_keep_logs,
         ..Default::default()
     }
     .validate()

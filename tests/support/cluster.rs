@@ -33,6 +33,8 @@ pub struct Cluster {
     _turn: tokio::sync::MutexGuard<'static, ()>,
     pub dir: TempDir,
     pub nodes: Vec<Node>,
+    /// Environment given to every node process.
+    pub env: Vec<(String, String)>,
     pub http: reqwest::Client,
 }
 
@@ -48,6 +50,11 @@ pub fn free_port() -> u16 {
 impl Cluster {
     /// Starts `n` nodes forming one cluster; `extra` is appended to each node's `[authority]`.
     pub async fn start(n: usize, extra: &str) -> Self {
+        Self::start_with_env(n, extra, &[]).await
+    }
+
+    /// Like `start`, with extra environment variables for every node.
+    pub async fn start_with_env(n: usize, extra: &str, env: &[(&str, &str)]) -> Self {
         let turn = ONE_AT_A_TIME.lock().await;
         let dir = TempDir::new().unwrap();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -73,10 +80,15 @@ impl Cluster {
                 child: None,
             });
         }
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let mut cluster = Self {
             _turn: turn,
             dir,
             nodes,
+            env,
             http: reqwest::Client::new(),
         };
         for id in 1..=n as u64 {
@@ -121,12 +133,14 @@ impl Cluster {
             .append(true)
             .open(self.log_path(id))
             .unwrap();
+        let env = self.env.clone();
         let node = &mut self.nodes[id as usize - 1];
         assert!(node.child.is_none(), "node {id} is already running");
         let child = Command::new(BIN)
             .args(["serve", "--config"])
             .arg(&node.config)
             .env("FENCEGATE_LOG", "info,openraft=warn")
+            .envs(env)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
