@@ -32,6 +32,7 @@ impl StoreBuilder<TypeConfig, LogStore, StateMachine, TempDir> for Builder {
 }
 
 #[test]
+#[allow(clippy::result_large_err)] // openraft's error type, returned as the suite gives it
 fn openraft_storage_suite() -> Result<(), StorageError> {
     Suite::test_all(Builder)
 }
