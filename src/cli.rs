@@ -67,6 +67,35 @@ pub enum LockCommand {
         #[command(flatten)]
         endpoint: EndpointArg,
     },
+    /// Hold RESOURCE exactly while a command runs. The command gets FENCING_TOKEN,
+    /// FENCING_RESOURCE, FENCING_LEASE_ID and FENCING_REVISION in its environment; the lease is
+    /// renewed every ttl/3 and, if renewals fail, the command is sent SIGTERM at the stop time
+    /// (last renewal's send time + ttl - margin), then SIGKILL after --grace. Exits with the
+    /// command's code, 75 if the lock stayed held past --wait, 124 if the lease was lost.
+    Run {
+        /// Resource name, 1-256 characters from [A-Za-z0-9._:/-].
+        resource: String,
+        /// Lease length.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// Safety margin: stop the command this long before the lease could end.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        margin: Duration,
+        /// How long to wait for a held lock (0s: fail at once).
+        #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+        wait: Duration,
+        /// Time between SIGTERM and SIGKILL when the command must stop.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        grace: Duration,
+        /// A label for the holder, shown by `lock status`.
+        #[arg(long)]
+        holder: Option<String>,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Renew a lease; prints the remaining ttl.
     Keepalive {
         lease_id: u64,

@@ -50,6 +50,15 @@ impl Client {
         }
     }
 
+    /// The same endpoints and connection pool, trying for at most `patience`.
+    pub fn with_patience(&self, patience: Duration) -> Self {
+        Self {
+            endpoints: self.endpoints.clone(),
+            http: self.http.clone(),
+            patience,
+        }
+    }
+
     /// Sends the request to each endpoint in turn until one answers with anything but "no
     /// leader / unavailable", for up to `patience` (plus the request's own `timeout`).
     pub async fn call(

@@ -3,6 +3,7 @@ mod authority;
 mod cli;
 mod client;
 mod config;
+mod lock_run;
 mod metrics;
 mod server;
 
@@ -65,6 +66,28 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
     let answer = match command {
+        LockCommand::Run {
+            resource,
+            ttl,
+            margin,
+            wait,
+            grace,
+            holder,
+            endpoint,
+            command,
+        } => {
+            let opts = lock_run::RunOptions {
+                resource,
+                ttl,
+                margin,
+                wait,
+                grace,
+                holder,
+                endpoints: endpoint.endpoint,
+                command,
+            };
+            return Ok(ExitCode::from(lock_run::run(opts).await?));
+        }
         LockCommand::Acquire {
             resource,
             ttl,

@@ -1,0 +1,222 @@
+//! `fencegate lock run`: hold a lock for exactly as long as a command runs.
+//!
+//! The runner acquires the lock, starts the command with the token in its environment, renews
+//! the lease every ttl/3 and, if renewals stop succeeding, stops the command at its own stop
+//! time: `sent_at + ttl - margin`, where `sent_at` is read on this process's monotonic clock
+//! *before* the last successful renewal was sent. It never compares its clock with another
+//! machine's.
+//!
+//! Its limit: the runner renews for a command it cannot see inside. A command that is frozen
+//! (SIGSTOP, a GC pause) while the runner keeps running keeps its lease alive. What protects the
+//! data in that case is the fence at the store, not the runner.
+
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use reqwest::{Method, StatusCode};
+use serde_json::json;
+use thiserror::Error;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+use crate::client::{request_id, Client, ClientError};
+
+/// Exit code when the lock could not be acquired (held past `--wait`): try again later
+/// (sysexits' EX_TEMPFAIL).
+pub const EXIT_NOT_ACQUIRED: u8 = 75;
+/// Exit code when the lease was lost and the command was stopped (as `timeout(1)` does).
+pub const EXIT_LEASE_LOST: u8 = 124;
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error("--margin ({margin:?}) must be shorter than --ttl ({ttl:?})")]
+    Margin { ttl: Duration, margin: Duration },
+    #[error("no command given; usage: fencegate lock run RESOURCE [options] -- CMD ARGS...")]
+    NoCommand,
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("the authority refused the acquire ({status}): {body}")]
+    Refused {
+        status: StatusCode,
+        body: serde_json::Value,
+    },
+    #[error("waiting for the command failed: {0}")]
+    Wait(std::io::Error),
+}
+
+pub struct RunOptions {
+    pub resource: String,
+    pub ttl: Duration,
+    pub margin: Duration,
+    pub wait: Duration,
+    pub grace: Duration,
+    pub holder: Option<String>,
+    pub endpoints: Vec<String>,
+    pub command: Vec<String>,
+}
+
+/// What ended the run.
+enum End {
+    Exited(ExitStatus),
+    LeaseLost(ExitStatus),
+}
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
+    if opts.margin >= opts.ttl {
+        return Err(RunError::Margin {
+            ttl: opts.ttl,
+            margin: opts.margin,
+        });
+    }
+    let (program, args) = opts.command.split_first().ok_or(RunError::NoCommand)?;
+    let client = Client::new(&opts.endpoints, Duration::from_secs(10));
+
+    let sent_at = Instant::now();
+    let body = json!({
+        "ttl_ms": opts.ttl.as_millis() as u64,
+        "wait_ms": opts.wait.as_millis() as u64,
+        "request_id": request_id(),
+        "holder": opts.holder,
+    });
+    let answer = client
+        .call(
+            Method::POST,
+            &format!("/v1/locks/{}", opts.resource),
+            Some(&body),
+            opts.wait + REQUEST_TIMEOUT,
+        )
+        .await?;
+    if answer.status == StatusCode::CONFLICT {
+        eprintln!(
+            "fencegate lock run: {} is held (revision {}); not running the command",
+            opts.resource, answer.body["revision"]
+        );
+        return Ok(EXIT_NOT_ACQUIRED);
+    }
+    if !answer.status.is_success() {
+        return Err(RunError::Refused {
+            status: answer.status,
+            body: answer.body,
+        });
+    }
+    let grant = answer.body;
+    let lease_id = grant["lease_id"].as_u64().unwrap_or_default();
+    let granted_ttl = grant["ttl_ms"]
+        .as_u64()
+        .map_or(opts.ttl, Duration::from_millis);
+    let mut stop_time = sent_at + granted_ttl - opts.margin;
+
+    let mut child = Command::new(program)
+        .args(args)
+        .env("FENCING_TOKEN", grant["token"].as_str().unwrap_or_default())
+        .env("FENCING_RESOURCE", &opts.resource)
+        .env("FENCING_LEASE_ID", lease_id.to_string())
+        .env("FENCING_REVISION", grant["revision"].to_string())
+        // Its own process group, so stopping it reaches whatever it started too.
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| RunError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+
+    let renew_every = granted_ttl / 3;
+    let keepalive = format!("/v1/leases/{lease_id}/keepalive");
+    let mut next_renewal = sent_at + renew_every;
+    let mut term = signal(tokio::signal::unix::SignalKind::terminate());
+    let mut int = signal(tokio::signal::unix::SignalKind::interrupt());
+
+    let end = loop {
+        tokio::select! {
+            status = child.wait() => break End::Exited(status.map_err(RunError::Wait)?),
+            _ = tokio::time::sleep_until(stop_time) => {
+                eprintln!("fencegate lock run: lease {lease_id} not renewed in time; stopping the command");
+                break End::LeaseLost(stop(&mut child, opts.grace).await?);
+            }
+            _ = tokio::time::sleep_until(next_renewal) => {
+                // Read before sending: the lease can only be longer than what we assume.
+                let renew_sent = Instant::now();
+                let patience = stop_time.saturating_duration_since(renew_sent);
+                // Bounded by the stop time: a hung authority must not keep us past it.
+                let renewer = client.with_patience(patience);
+                let call = renewer.call(Method::POST, &keepalive, None, REQUEST_TIMEOUT);
+                let answer = tokio::time::timeout_at(stop_time, call).await;
+                match answer {
+                    Ok(Ok(a)) if a.status.is_success() => {
+                        let ttl = a.body["ttl_ms"].as_u64().map_or(granted_ttl, Duration::from_millis);
+                        stop_time = renew_sent + ttl - opts.margin.min(ttl);
+                        next_renewal = renew_sent + renew_every;
+                    }
+                    Ok(Ok(a)) if a.status == StatusCode::NOT_FOUND => {
+                        eprintln!("fencegate lock run: lease {lease_id} has expired; stopping the command");
+                        break End::LeaseLost(stop(&mut child, opts.grace).await?);
+                    }
+                    // Unreachable or refused for now: keep trying until the stop time.
+                    _ => next_renewal = Instant::now() + Duration::from_millis(200),
+                }
+            }
+            _ = term.recv() => forward(&child, Signal::SIGTERM),
+            _ = int.recv() => forward(&child, Signal::SIGINT),
+        }
+    };
+
+    let path = format!("/v1/leases/{lease_id}");
+    match &end {
+        End::Exited(_) => {
+            if let Err(e) = client
+                .with_patience(Duration::from_secs(5))
+                .call(Method::DELETE, &path, None, REQUEST_TIMEOUT)
+                .await
+            {
+                eprintln!("fencegate lock run: could not release lease {lease_id} ({e}); it expires by itself");
+            }
+        }
+        End::LeaseLost(_) => {}
+    }
+    Ok(match end {
+        End::Exited(status) => exit_code(status),
+        End::LeaseLost(_) => EXIT_LEASE_LOST,
+    })
+}
+
+fn signal(kind: tokio::signal::unix::SignalKind) -> tokio::signal::unix::Signal {
+    tokio::signal::unix::signal(kind).expect("installing a signal handler")
+}
+
+fn forward(child: &Child, signal: Signal) {
+    if let Some(pid) = child.id() {
+        let _ = killpg(Pid::from_raw(pid as i32), signal);
+    }
+}
+
+/// SIGTERM to the command's process group, then SIGKILL after `grace`.
+async fn stop(child: &mut Child, grace: Duration) -> Result<ExitStatus, RunError> {
+    forward(child, Signal::SIGTERM);
+    match tokio::time::timeout(grace, child.wait()).await {
+        Ok(status) => status.map_err(RunError::Wait),
+        Err(_) => {
+            forward(child, Signal::SIGKILL);
+            child.wait().await.map_err(RunError::Wait)
+        }
+    }
+}
+
+/// The command's exit code, or 128 + signal as shells report a death by signal.
+fn exit_code(status: ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code as u8,
+        (None, Some(signal)) => 128u8.saturating_add(signal as u8),
+        (None, None) => 1,
+    }
+}
