@@ -95,7 +95,18 @@ pub struct AuthorityConfig {
 #[serde(deny_unknown_fields)]
 pub struct MemberConfig {
     pub id: u64,
-    pub api: SocketAddr,
+    /// `host:port` peers and clients reach the member at: an IP address, or a DNS name
+    /// (Docker Compose service, Kubernetes StatefulSet pod).
+    pub api: String,
+}
+
+impl MemberConfig {
+    /// The port of `api`, if `api` is `host:port` with a non-empty host.
+    fn port(&self) -> Option<u16> {
+        let (host, port) = self.api.rsplit_once(':')?;
+        (!host.is_empty()).then_some(())?;
+        port.parse().ok()
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -201,7 +212,7 @@ impl Config {
         if self.authority.members.is_empty() {
             vec![MemberConfig {
                 id: self.node.id,
-                api: self.node.api,
+                api: self.node.api.to_string(),
             }]
         } else {
             self.authority.members.clone()
@@ -253,6 +264,15 @@ impl Config {
             if ids.len() != a.members.len() {
                 return Err(("members", "two members share an id".into()));
             }
+            if let Some(bad) = a.members.iter().find(|m| m.port().is_none()) {
+                return Err((
+                    "members",
+                    format!(
+                        "member {} has api {:?}; expected host:port",
+                        bad.id, bad.api
+                    ),
+                ));
+            }
             match a.members.iter().find(|m| m.id == self.node.id) {
                 None => {
                     return Err((
@@ -260,12 +280,9 @@ impl Config {
                         format!("node id {} is not among the members", self.node.id),
                     ))
                 }
-                // Binding 0.0.0.0 (or ::) is fine as long as the port is the one peers use.
-                Some(me)
-                    if me.api != self.node.api
-                        && !(self.node.api.ip().is_unspecified()
-                            && me.api.port() == self.node.api.port()) =>
-                {
+                // Binding 0.0.0.0 (or ::), or naming the member by DNS, is fine as long as the
+                // port is the one peers use.
+                Some(me) if !self.binds(me) => {
                     return Err((
                         "members",
                         format!(
@@ -278,6 +295,17 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+impl Config {
+    /// Whether `node.api` is where peers reach `member`.
+    fn binds(&self, member: &MemberConfig) -> bool {
+        let bind = self.node.api;
+        match member.api.parse::<SocketAddr>() {
+            Ok(addr) => addr == bind || (bind.ip().is_unspecified() && addr.port() == bind.port()),
+            Err(_) => member.port() == Some(bind.port()),
+        }
     }
 }
 
@@ -309,7 +337,7 @@ mod tests {
             c.members(),
             vec![MemberConfig {
                 id: 1,
-                api: "127.0.0.1:7070".parse().unwrap()
+                api: "127.0.0.1:7070".into()
             }]
         );
         assert_eq!(c.authority.restore_bump, 1_000_000);
@@ -340,6 +368,20 @@ mod tests {
         let members = "[[authority.members]]\nid = 1\napi = \"10.0.0.1:7071\"\n";
         assert!(parse(&format!("[node]\napi = \"0.0.0.0:7071\"\n{members}")).is_ok());
         assert!(parse(&format!("[node]\napi = \"0.0.0.0:7072\"\n{members}")).is_err());
+    }
+
+    #[test]
+    fn members_may_be_named_by_dns() {
+        let text = "[node]\nid = 2\napi = \"0.0.0.0:7070\"\n[authority]\nmembers = [\n  { id = 1, api = \"fencegate-0.fencegate:7070\" },\n  { id = 2, api = \"fencegate-1.fencegate:7070\" },\n]\n";
+        assert_eq!(
+            parse(text).unwrap().members()[1].api,
+            "fencegate-1.fencegate:7070"
+        );
+        let err = parse(&text.replace("fencegate-1.fencegate:7070", "fencegate-1"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("expected host:port"), "{err}");
+        assert!(parse(&text.replace("fencegate-1.fencegate:7070", "fencegate-1:7071")).is_err());
     }
 
     #[test]

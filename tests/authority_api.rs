@@ -252,6 +252,55 @@ fn check_config_names_the_line_of_an_error() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+
+    // Deployment configs: Compose nodes, and the Kubernetes template as each pod renders it.
+    let key = [("FENCEGATE_TOKEN_KEY", "a test secret of 32 or more bytes")];
+    let manifest = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/kubernetes/fencegate.yaml"
+    ))
+    .unwrap();
+    let template: String = manifest
+        .split("node.toml.in: |\n")
+        .nth(1)
+        .unwrap()
+        .split("---")
+        .next()
+        .unwrap()
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut configs = vec![];
+    for ordinal in 0..3 {
+        let rendered = dir.path().join(format!("pod{ordinal}.toml"));
+        std::fs::write(
+            &rendered,
+            template.replace("NODE_ID", &(ordinal + 1).to_string()),
+        )
+        .unwrap();
+        configs.push(rendered);
+    }
+    for n in 1..=3 {
+        configs.push(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("deploy/docker/node{n}.toml")),
+        );
+    }
+    for config in configs {
+        let out = std::process::Command::new(BIN)
+            .args(["check-config", "--config"])
+            .arg(&config)
+            .envs(key)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            config.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,10 @@ use reqwest::StatusCode;
 use support::cluster::{Cluster, BIN};
 
 /// Starts `fencegate lock run` with stdout piped; returns the child and a reader of its lines.
-fn run(endpoint: &str, args: &[&str]) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
+fn run(
+    endpoint: &str,
+    args: &[&str],
+) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(BIN)
         .args(["lock", "run"])
         .args(args)
@@ -24,7 +27,9 @@ fn run(endpoint: &str, args: &[&str]) -> (std::process::Child, BufReader<std::pr
     (child, out)
 }
 
-async fn line(mut out: BufReader<std::process::ChildStdout>) -> (String, BufReader<std::process::ChildStdout>) {
+async fn line(
+    mut out: BufReader<std::process::ChildStdout>,
+) -> (String, BufReader<std::process::ChildStdout>) {
     tokio::task::spawn_blocking(move || {
         let mut text = String::new();
         out.read_line(&mut text).unwrap();
@@ -39,7 +44,19 @@ async fn the_command_runs_with_the_token_past_its_ttl_and_the_lock_is_released_a
     let cluster = Cluster::start(1, "").await;
     let script = r#"echo "$FENCING_TOKEN $FENCING_RESOURCE $FENCING_LEASE_ID"; read _; exit 7"#;
     let mut child = Command::new(BIN)
-        .args(["lock", "run", "billing:job", "--ttl", "1500ms", "--margin", "300ms", "--", "sh", "-c", script])
+        .args([
+            "lock",
+            "run",
+            "billing:job",
+            "--ttl",
+            "1500ms",
+            "--margin",
+            "300ms",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
         .env("FENCEGATE_ENDPOINT", cluster.url(1))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -54,16 +71,31 @@ async fn the_command_runs_with_the_token_past_its_ttl_and_the_lock_is_released_a
     // Three ttls later the command still holds the lock: the runner renewed it.
     while started.elapsed() < Duration::from_millis(4500) {
         let (status, lock) = cluster.get(1, "/v1/locks/billing:job").await.unwrap();
-        assert_eq!(status, StatusCode::OK, "lost after {:?}: {lock}", started.elapsed());
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "lost after {:?}: {lock}",
+            started.elapsed()
+        );
         assert_eq!(lock["revision"].as_u64(), Some(token.revision().get()));
         assert_eq!(lock["lease_id"].to_string(), fields[2]);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     drop(child.stdin.take()); // the script's `read` returns; it exits 7
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
-    assert_eq!(status.code(), Some(7), "the runner exits with the command's code");
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        status.code(),
+        Some(7),
+        "the runner exits with the command's code"
+    );
     let (status, _) = cluster.get(1, "/v1/locks/billing:job").await.unwrap();
-    assert_eq!(status, StatusCode::NOT_FOUND, "released when the command exited");
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "released when the command exited"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,8 +109,16 @@ async fn a_held_lock_exits_75_without_running_the_command() {
         .env("FENCEGATE_ENDPOINT", cluster.url(1))
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(75), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(!marker.exists(), "the command must not run without the lock");
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !marker.exists(),
+        "the command must not run without the lock"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,7 +126,19 @@ async fn a_command_that_outlives_its_lease_is_stopped_at_the_stop_time() {
     let cluster = Cluster::start(1, "").await;
     let (mut child, out) = run(
         &cluster.url(1),
-        &["doomed", "--ttl", "2s", "--margin", "500ms", "--grace", "1s", "--", "sh", "-c", "echo started; exec sleep 60"],
+        &[
+            "doomed",
+            "--ttl",
+            "2s",
+            "--margin",
+            "500ms",
+            "--grace",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            "echo started; exec sleep 60",
+        ],
     );
     let (first, _out) = line(out).await;
     assert_eq!(first, "started");
@@ -95,11 +147,19 @@ async fn a_command_that_outlives_its_lease_is_stopped_at_the_stop_time() {
     // no later than ttl - margin after its last successful renewal.
     cluster.signal(1, Signal::SIGSTOP);
     let frozen_at = Instant::now();
-    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
     let took = frozen_at.elapsed();
     cluster.signal(1, Signal::SIGCONT);
     println!("runner stopped the command {took:?} after the authority froze");
     assert_eq!(status.code(), Some(124), "the documented lease-lost code");
-    assert!(took <= Duration::from_millis(1500 + 500), "stopped too late: {took:?}");
-    assert!(took >= Duration::from_millis(500), "stopped before any stop time could pass: {took:?}");
+    assert!(
+        took <= Duration::from_millis(1500 + 500),
+        "stopped too late: {took:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(500),
+        "stopped before any stop time could pass: {took:?}"
+    );
 }

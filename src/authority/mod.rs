@@ -499,7 +499,7 @@ async fn initialize(raft: &Raft, members: &[MemberConfig]) -> Result<(), Authori
             (
                 m.id,
                 BasicNode {
-                    addr: m.api.to_string(),
+                    addr: m.api.clone(),
                 },
             )
         })
