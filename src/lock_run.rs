@@ -65,7 +65,8 @@ pub struct RunOptions {
 /// What ended the run.
 enum End {
     Exited(ExitStatus),
-    LeaseLost(ExitStatus),
+    /// The command was stopped because the lease could not be kept.
+    LeaseLost,
 }
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -141,7 +142,10 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             status = child.wait() => break End::Exited(status.map_err(RunError::Wait)?),
             _ = tokio::time::sleep_until(stop_time) => {
                 eprintln!("fencegate lock run: lease {lease_id} not renewed in time; stopping the command");
-                break End::LeaseLost(stop(&mut child, opts.grace).await?);
+                {
+                    stop(&mut child, opts.grace).await?;
+                    break End::LeaseLost;
+                }
             }
             _ = tokio::time::sleep_until(next_renewal) => {
                 // Read before sending: the lease can only be longer than what we assume.
@@ -159,7 +163,10 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
                     }
                     Ok(Ok(a)) if a.status == StatusCode::NOT_FOUND => {
                         eprintln!("fencegate lock run: lease {lease_id} has expired; stopping the command");
-                        break End::LeaseLost(stop(&mut child, opts.grace).await?);
+                        {
+                    stop(&mut child, opts.grace).await?;
+                    break End::LeaseLost;
+                }
                     }
                     // Unreachable or refused for now: keep trying until the stop time.
                     _ => next_renewal = Instant::now() + Duration::from_millis(200),
@@ -171,8 +178,8 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
     };
 
     let path = format!("/v1/leases/{lease_id}");
-    match &end {
-        End::Exited(_) => {
+    match end {
+        End::Exited(status) => {
             if let Err(e) = client
                 .with_patience(Duration::from_secs(5))
                 .call(Method::DELETE, &path, None, REQUEST_TIMEOUT)
@@ -180,13 +187,10 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             {
                 eprintln!("fencegate lock run: could not release lease {lease_id} ({e}); it expires by itself");
             }
+            Ok(exit_code(status))
         }
-        End::LeaseLost(_) => {}
+        End::LeaseLost => Ok(EXIT_LEASE_LOST),
     }
-    Ok(match end {
-        End::Exited(status) => exit_code(status),
-        End::LeaseLost(_) => EXIT_LEASE_LOST,
-    })
 }
 
 fn signal(kind: tokio::signal::unix::SignalKind) -> tokio::signal::unix::Signal {

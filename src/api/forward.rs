@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 
@@ -10,12 +11,45 @@ use super::reply::ApiError;
 use super::{ApiState, FORWARDED_HEADER};
 use crate::authority::AuthorityError;
 
-/// The request as received, kept so it can be sent on to the leader.
+/// The request as received, kept so it can be sent on to the leader. An extractor: it takes
+/// the body, so it comes last in a handler's arguments.
 pub struct Original {
     pub method: Method,
     pub uri: Uri,
     pub headers: HeaderMap,
     pub body: Bytes,
+}
+
+impl<S: Send + Sync> FromRequest<S> for Original {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let body = Bytes::from_request(Request::from_parts(parts.clone(), body), state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self {
+            method: parts.method,
+            uri: parts.uri,
+            headers: parts.headers,
+            body,
+        })
+    }
+}
+
+/// Renders a successful result with `render`; on a "not the leader" error forwards the
+/// request to the leader; otherwise answers the error.
+pub async fn answer<T>(
+    state: &ApiState,
+    original: Original,
+    timeout: Duration,
+    result: Result<T, AuthorityError>,
+    render: impl FnOnce(T) -> Response,
+) -> Response {
+    match result {
+        Ok(value) => render(value),
+        Err(e) => or_forward(state, e, original, timeout).await,
+    }
 }
 
 /// Answers `err`, or, when it says another node leads, forwards `original` there once.

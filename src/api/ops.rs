@@ -2,14 +2,13 @@
 
 use std::time::Duration;
 
-use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::forward::{or_forward, Original};
+use super::forward::{answer, Original};
 use super::reply::{ok, parse_body, ApiError};
 use super::ApiState;
 use crate::authority::state::AuthorityState;
@@ -31,76 +30,41 @@ pub async fn cluster(State(state): State<ApiState>) -> Response {
     ok(state.authority.cluster().await)
 }
 
-pub async fn snapshot(
-    State(state): State<ApiState>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-) -> Response {
-    match state.authority.snapshot().await {
-        Ok(s) => ok(SnapshotFile {
+pub async fn snapshot(State(state): State<ApiState>, original: Original) -> Response {
+    let result = state.authority.snapshot().await;
+    answer(&state, original, FORWARD_TIMEOUT, result, |s| {
+        ok(SnapshotFile {
             format: SNAPSHOT_FORMAT.into(),
             revision: s.revision,
             state: s,
-        }),
-        Err(e) => {
-            or_forward(
-                &state,
-                e,
-                Original {
-                    method,
-                    uri,
-                    headers,
-                    body: Bytes::new(),
-                },
-                FORWARD_TIMEOUT,
-            )
-            .await
-        }
-    }
+        })
+    })
+    .await
 }
 
 pub async fn restore(
     State(state): State<ApiState>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    let file: SnapshotFile = match parse_body(&body) {
-        Ok(f) => f,
-        Err(e) => return e.into_response(),
-    };
+    original: Original,
+) -> Result<Response, ApiError> {
+    let file: SnapshotFile = parse_body(&original.body)?;
     if file.format != SNAPSHOT_FORMAT {
-        return ApiError::bad_request(format!(
+        return Err(ApiError::bad_request(format!(
             "unknown snapshot format {:?}; expected {SNAPSHOT_FORMAT:?}",
             file.format
-        ))
-        .into_response();
+        )));
     }
     if file.revision != file.state.revision {
-        return ApiError::bad_request(
+        return Err(ApiError::bad_request(
             "snapshot file is inconsistent: its revision does not match its state",
-        )
-        .into_response();
+        ));
     }
-    match state.authority.restore(file.state).await {
-        Ok(revision) => ok(json!({ "restored": true, "revision": revision })),
-        Err(e) => {
-            or_forward(
-                &state,
-                e,
-                Original {
-                    method,
-                    uri,
-                    headers,
-                    body,
-                },
-                FORWARD_TIMEOUT,
-            )
-            .await
-        }
-    }
+    let result = state.authority.restore(file.state).await;
+    Ok(
+        answer(&state, original, FORWARD_TIMEOUT, result, |revision| {
+            ok(json!({ "restored": true, "revision": revision }))
+        })
+        .await,
+    )
 }
 
 pub async fn healthz(State(state): State<ApiState>) -> Response {
