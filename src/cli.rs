@@ -28,6 +28,57 @@ pub enum Command {
     /// Save the authority's state to a file, or restore it (bumping the revision).
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
+    /// Read and check the audit log of refused writes.
+    #[command(subcommand)]
+    Audit(AuditCommand),
+}
+
+/// Where `fencegate audit` finds the log.
+#[derive(Debug, Args)]
+pub struct AuditSource {
+    /// The audit log directory (default: the config's `[audit] dir`, or `<data_dir>/audit`).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Path of the TOML config file, read when --dir is not given.
+    #[arg(long, short, default_value = "config/fencegate.toml")]
+    pub config: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Show the last records.
+    Tail {
+        /// How many records.
+        #[arg(short = 'n', long = "lines", default_value_t = 10)]
+        n: usize,
+        /// Print JSON lines instead of one summary line per record.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        source: AuditSource,
+    },
+    /// Show records by resource, store and age.
+    Query {
+        /// Only this resource.
+        #[arg(long)]
+        resource: Option<String>,
+        /// Only this store: redis, s3 or postgres.
+        #[arg(long)]
+        store: Option<String>,
+        /// Only records from this long ago until now, e.g. 10m, 2h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        since: Option<Duration>,
+        /// Print JSON lines instead of one summary line per record.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        source: AuditSource,
+    },
+    /// Check the hash chain; exits 1 and names the first broken record if it is broken.
+    Verify {
+        #[command(flatten)]
+        source: AuditSource,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -1,6 +1,8 @@
 mod api;
+mod audit;
 mod authority;
 mod cli;
+mod cli_audit;
 mod client;
 mod config;
 mod lock_run;
@@ -61,6 +63,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?,
         ),
         Command::Snapshot(command) => snapshot(command).await,
+        Command::Audit(command) => cli_audit::run(command),
     }
 }
 

@@ -18,6 +18,8 @@ pub struct Metrics {
     pub active_leases: Gauge,
     pub revision: Gauge,
     pub waiting_acquires: Gauge,
+    /// Fenced writes applied and refused, by store and reason (every filter).
+    pub fences: crate::audit::FenceCounters,
 }
 
 impl Default for Metrics {
@@ -34,8 +36,10 @@ impl Default for Metrics {
             active_leases: Gauge::default(),
             revision: Gauge::default(),
             waiting_acquires: Gauge::default(),
+            fences: crate::audit::FenceCounters::default(),
             registry: Registry::default(),
         };
+        metrics.fences.register(&mut registry);
         registry.register(
             "authority_acquires",
             "Locks granted by this node as leader",

@@ -20,9 +20,9 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-pub use files::{read_records, LogFile};
+pub use files::read_records;
 pub use metrics::FenceCounters;
-pub use writer::{AuditHandle, AuditWriter};
+pub use writer::AuditWriter;
 
 /// The `[audit]` config section.
 #[derive(Debug, Clone, Deserialize)]

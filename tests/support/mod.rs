@@ -3,4 +3,5 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod redis_gateway;
 pub mod redis_server;

@@ -1,0 +1,164 @@
+//! Checks the whole chain: every line parses, seqs follow without gaps from 1, every `prev` is
+//! the previous record's `hash`, every `hash` matches the record.
+
+use std::path::{Path, PathBuf};
+
+use fencegate_core::{AuditRecord, GENESIS_HASH};
+
+use super::files::lines;
+use super::AuditError;
+
+/// A chain that verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Records checked.
+    pub records: u64,
+    /// Files checked.
+    pub files: usize,
+    /// The last record's hash (the value to anchor elsewhere).
+    pub head: String,
+}
+
+/// The first broken record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}:{line}: {problem}", path.display())]
+pub struct Broken {
+    /// The file.
+    pub path: PathBuf,
+    /// 1-based line number in it.
+    pub line: usize,
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// Why verification did not pass.
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    /// The chain is broken here.
+    #[error("audit chain broken at {0}")]
+    Broken(Broken),
+    /// The files could not be read.
+    #[error(transparent)]
+    Io(#[from] AuditError),
+}
+
+/// Verifies the log in `dir`.
+pub fn verify(dir: &Path) -> Result<Report, VerifyError> {
+    let lines = lines(dir)?;
+    let mut files: Vec<&PathBuf> = lines.iter().map(|l| &l.path).collect();
+    files.dedup();
+    let files = files.len();
+    let mut expected_seq = 1u64;
+    let mut prev = GENESIS_HASH.to_owned();
+    for line in &lines {
+        let broken = |problem: String| {
+            VerifyError::Broken(Broken {
+                path: line.path.clone(),
+                line: line.number,
+                problem,
+            })
+        };
+        let record: AuditRecord = serde_json::from_str(&line.text)
+            .map_err(|e| broken(format!("not an audit record ({e})")))?;
+        if record.hash != record.compute_hash() {
+            return Err(broken(format!(
+                "record seq {} was altered: its hash does not match its content",
+                record.seq
+            )));
+        }
+        if record.prev != prev {
+            return Err(broken(format!(
+                "record seq {} does not follow the previous record (a record before it was removed, reordered or altered)",
+                record.seq
+            )));
+        }
+        if record.seq != expected_seq {
+            return Err(broken(format!(
+                "record seq {} where seq {expected_seq} was expected",
+                record.seq
+            )));
+        }
+        expected_seq += 1;
+        prev = record.hash;
+    }
+    Ok(Report {
+        records: expected_seq - 1,
+        files,
+        head: prev,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use fencegate_core::{AuditEvent, OperationSummary};
+
+    use super::*;
+
+    fn write_log(dir: &Path, n: u64) -> Vec<String> {
+        let mut prev = GENESIS_HASH.to_owned();
+        let mut lines = Vec::new();
+        for seq in 1..=n {
+            let event = AuditEvent {
+                store: "redis".into(),
+                client_addr: "c".into(),
+                client_identity: None,
+                resource: Some("job".into()),
+                token: None,
+                token_signed: false,
+                revision: None,
+                fence: None,
+                reason: "missing".into(),
+                detail: String::new(),
+                operation: OperationSummary::default(),
+                request_id: seq.to_string(),
+            };
+            let record = AuditRecord::chain(seq, 1000 + seq, "1", event, &prev);
+            prev = record.hash.clone();
+            lines.push(serde_json::to_string(&record).unwrap());
+        }
+        std::fs::write(dir.join("audit.jsonl"), lines.join("\n") + "\n").unwrap();
+        lines
+    }
+
+    #[test]
+    fn intact_log_passes() {
+        let dir = tempfile::tempdir().unwrap();
+        write_log(dir.path(), 5);
+        let report = verify(dir.path()).unwrap();
+        assert_eq!((report.records, report.files), (5, 1));
+    }
+
+    #[test]
+    fn edited_deleted_and_reordered_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let lines = write_log(dir.path(), 5);
+
+        let mut edited = lines.clone();
+        edited[2] = edited[2].replace("\"missing\"", "\"stale\"");
+        std::fs::write(&path, edited.join("\n") + "\n").unwrap();
+        let err = verify(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("audit.jsonl:3: record seq 3 was altered"),
+            "{err}"
+        );
+
+        let mut deleted = lines.clone();
+        deleted.remove(1);
+        std::fs::write(&path, deleted.join("\n") + "\n").unwrap();
+        let err = verify(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("audit.jsonl:2: record seq 3 does not follow"),
+            "{err}"
+        );
+
+        let mut reordered = lines.clone();
+        reordered.swap(3, 4);
+        std::fs::write(&path, reordered.join("\n") + "\n").unwrap();
+        let err = verify(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("audit.jsonl:4: record seq 5 does not follow"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,330 @@
+//! Done-means 1 to 4 of the Redis filter, through a real `fencegate serve` process in front of
+//! a real `redis-server`.
+
+mod support;
+
+use redis::aio::MultiplexedConnection;
+use redis::RedisResult;
+use support::redis_gateway::RedisGateway;
+
+async fn connect(url: &str) -> MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn fence(con: &mut MultiplexedConnection, token: &str) -> RedisResult<()> {
+    redis::cmd("FENCE").arg(token).query_async(con).await
+}
+
+async fn q<T: redis::FromRedisValue>(
+    con: &mut MultiplexedConnection,
+    args: &[&str],
+) -> RedisResult<T> {
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query_async(con).await
+}
+
+fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
+    gw.audit_records()
+        .into_iter()
+        .filter(|r| r["reason"] == "stale")
+        .collect()
+}
+
+#[tokio::test]
+async fn current_token_applies_and_equal_token_applies_again() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let mut a = connect(&gw.url()).await;
+    fence(&mut a, "fg1~7~billing").await.unwrap();
+    let _: () = q(&mut a, &["SET", "invoice:1", "first"]).await.unwrap();
+    let _: () = q(&mut a, &["SET", "invoice:1", "second"]).await.unwrap();
+    let _: i64 = q(&mut a, &["HSET", "customer:1", "billed", "yes"])
+        .await
+        .unwrap();
+    // A second connection with the same (equal) token is accepted too.
+    let mut a2 = connect(&gw.url()).await;
+    fence(&mut a2, "fg1~7~billing").await.unwrap();
+    let n: i64 = q(&mut a2, &["INCR", "counter"]).await.unwrap();
+    assert_eq!(n, 1);
+
+    let v: String = q(&mut direct, &["GET", "invoice:1"]).await.unwrap();
+    assert_eq!(v, "second");
+    let fence_value: String = q(&mut direct, &["GET", "fencegate:fence:{billing}"])
+        .await
+        .unwrap();
+    assert_eq!(fence_value, "7");
+    let ttl: i64 = q(&mut direct, &["TTL", "fencegate:fence:{billing}"])
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1, "the fence key never gets a TTL");
+    // Reads pass through unchanged, with or without a token.
+    let mut reader = connect(&gw.url()).await;
+    let v: String = q(&mut reader, &["GET", "invoice:1"]).await.unwrap();
+    assert_eq!(v, "second");
+    assert!(gw.audit_records().is_empty());
+    println!(
+        "done-means 1: writes with token 7 applied, equal token 7 applied again, fence=7, ttl=-1"
+    );
+}
+
+#[tokio::test]
+async fn lower_token_is_refused_after_a_higher_one_wrote() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let mut old = connect(&gw.url()).await;
+    fence(&mut old, "fg1~7~billing").await.unwrap();
+    let _: () = q(&mut old, &["SET", "s", "old"]).await.unwrap();
+    let _: i64 = q(&mut old, &["HSET", "h", "f", "old"]).await.unwrap();
+    let _: () = q(&mut old, &["SET", "d", "keep"]).await.unwrap();
+    let _: () = q(&mut old, &["SET", "n", "10"]).await.unwrap();
+
+    let mut new = connect(&gw.url()).await;
+    fence(&mut new, "fg1~12~billing").await.unwrap();
+    let _: () = q(&mut new, &["SET", "s", "new"]).await.unwrap();
+
+    let snapshot = |direct: &mut MultiplexedConnection| {
+        let mut direct = direct.clone();
+        async move {
+            let s: String = q(&mut direct, &["GET", "s"]).await.unwrap();
+            let h: String = q(&mut direct, &["HGET", "h", "f"]).await.unwrap();
+            let d: i64 = q(&mut direct, &["EXISTS", "d"]).await.unwrap();
+            let n: String = q(&mut direct, &["GET", "n"]).await.unwrap();
+            let m: Option<String> = q(&mut direct, &["GET", "m"]).await.unwrap();
+            (s, h, d, n, m)
+        }
+    };
+    let before = snapshot(&mut direct).await;
+
+    let cases: &[&[&str]] = &[
+        &["SET", "s", "late"],
+        &["HSET", "h", "f", "late"],
+        &["DEL", "d"],
+        &["INCR", "n"],
+    ];
+    for (i, args) in cases.iter().enumerate() {
+        let err = q::<redis::Value>(&mut old, args).await.unwrap_err();
+        assert_eq!(err.code(), Some("FENCED"), "{args:?}: {err}");
+        assert!(
+            err.to_string()
+                .contains("billing token 7 is below fence 12"),
+            "{err}"
+        );
+        assert_eq!(
+            stale_records(&gw).len(),
+            i + 1,
+            "exactly one audit record per refusal"
+        );
+    }
+    // A MULTI/EXEC block: every queued command runs under the fence; none applies.
+    let exec: RedisResult<redis::Value> = redis::pipe()
+        .atomic()
+        .cmd("SET")
+        .arg("m")
+        .arg("late")
+        .cmd("INCR")
+        .arg("n")
+        .cmd("GET")
+        .arg("s")
+        .query_async(&mut old)
+        .await;
+    match exec {
+        Err(e) => assert_eq!(e.code(), Some("FENCED"), "{e}"),
+        Ok(v) => assert!(format!("{v:?}").contains("is below fence 12"), "{v:?}"),
+    }
+    assert_eq!(
+        snapshot(&mut direct).await,
+        before,
+        "no refused write changed the data"
+    );
+    let records = stale_records(&gw);
+    assert_eq!(
+        records.len(),
+        5,
+        "exactly one audit record per refusal: {records:#?}"
+    );
+    let ops: Vec<&str> = records
+        .iter()
+        .map(|r| r["operation"]["command"].as_str().unwrap())
+        .collect();
+    assert_eq!(&ops[..4], ["SET", "HSET", "DEL", "INCR"]);
+    assert!(ops[4].starts_with("MULTI/EXEC("), "{ops:?}");
+    for r in &records {
+        assert_eq!(
+            (
+                r["resource"].as_str(),
+                r["revision"].as_u64(),
+                r["fence"].as_u64()
+            ),
+            (Some("billing"), Some(7), Some(12))
+        );
+        assert!(
+            !r.to_string().contains("late"),
+            "no data values in the audit log: {r}"
+        );
+    }
+    println!("done-means 2: SET, HSET, DEL, INCR and MULTI/EXEC with token 7 refused after 12; data unchanged; 5 audit records");
+}
+
+#[tokio::test]
+async fn missing_and_malformed_tokens_are_refused() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let mut c = connect(&gw.url()).await;
+    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    assert_eq!(err.code(), Some("NOFENCE"), "{err}");
+    for bad in [
+        "fg1~0~job",
+        "fg1~x~job",
+        "fg2~5~job",
+        "fg1~5~bad resource",
+        "fg1~5~job~short",
+    ] {
+        let err = fence(&mut c, bad).await.unwrap_err();
+        assert_eq!(err.code(), Some("BADFENCE"), "{bad}: {err}");
+    }
+    // An invalid token leaves the connection's token unchanged (here: none).
+    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    assert_eq!(err.code(), Some("NOFENCE"), "{err}");
+    // FENCE alone clears a token.
+    fence(&mut c, "fg1~3~job").await.unwrap();
+    let _: () = redis::cmd("FENCE").query_async(&mut c).await.unwrap();
+    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    assert_eq!(err.code(), Some("NOFENCE"), "{err}");
+    let v: Option<String> = q(&mut direct, &["GET", "k"]).await.unwrap();
+    assert_eq!(v, None);
+    let reasons: Vec<String> = gw
+        .audit_records()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            "missing",
+            "malformed",
+            "malformed",
+            "malformed",
+            "malformed",
+            "malformed",
+            "missing",
+            "missing"
+        ]
+    );
+    println!(
+        "done-means 3: missing token -> NOFENCE, malformed tokens -> BADFENCE, 8 audit records"
+    );
+}
+
+#[tokio::test]
+async fn forged_and_unsigned_tokens_are_refused_when_a_key_is_configured() {
+    use fencegate_core::{Resource, Revision, Token, TokenKey};
+    let secret = "an-example-secret-of-32-bytes-or-more!";
+    let gw = RedisGateway::start(
+        "\n[authority]\ntoken_key_env = \"FG_TEST_KEY\"\n",
+        &[("FG_TEST_KEY", secret)],
+    );
+    let token = Token::new(Resource::new("job").unwrap(), Revision::new(5).unwrap());
+    let good = token
+        .clone()
+        .signed(&TokenKey::new(secret.as_bytes()).unwrap())
+        .to_string();
+    let other = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
+    let forged = token.clone().signed(&other).to_string();
+    let mut c = connect(&gw.url()).await;
+    for bad in [forged.as_str(), "fg1~5~job"] {
+        let err = fence(&mut c, bad).await.unwrap_err();
+        assert_eq!(err.code(), Some("BADFENCE"), "{err}");
+    }
+    fence(&mut c, &good).await.unwrap();
+    let _: () = q(&mut c, &["SET", "k", "v"]).await.unwrap();
+    let records = gw.audit_records();
+    let reasons: Vec<&str> = records
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons, ["forged", "forged"]);
+    let log = serde_json::to_string(&records).unwrap();
+    let signature = forged.rsplit('~').next().unwrap();
+    assert!(
+        !log.contains(signature),
+        "signatures never reach the audit log"
+    );
+    assert!(
+        !gw.log_text().contains(signature),
+        "signatures never reach the logs"
+    );
+}
+
+#[tokio::test]
+async fn racing_writers_n_and_n_plus_1() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let url = gw.url();
+    let writer = |name: &'static str, token: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let mut con = connect(&url).await;
+            fence(&mut con, token).await.unwrap();
+            let mut refused = 0;
+            for i in 0..1000 {
+                // The data itself records the order writes applied in.
+                let entry = format!("{name}:{i}");
+                let r: RedisResult<i64> = q(&mut con, &["RPUSH", "race:log", &entry]).await;
+                let s: RedisResult<()> =
+                    q(&mut con, &["SET", &format!("race:key:{}", i % 10), &entry]).await;
+                match (r, s) {
+                    (Ok(_), Ok(())) => {}
+                    (r, s) => {
+                        for e in [r.err(), s.err()].into_iter().flatten() {
+                            assert_eq!(e.code(), Some("FENCED"), "{e}");
+                            refused += 1;
+                        }
+                    }
+                }
+            }
+            refused
+        })
+    };
+    let a = writer("n", "fg1~41~race");
+    let b = writer("n+1", "fg1~42~race");
+    let (refused_a, refused_b) = (a.await.unwrap(), b.await.unwrap());
+    assert_eq!(refused_b, 0, "the higher token is never refused");
+    let log: Vec<String> = q(&mut direct, &["LRANGE", "race:log", "0", "-1"])
+        .await
+        .unwrap();
+    let first_new = log
+        .iter()
+        .position(|e| e.starts_with("n+1:"))
+        .expect("n+1 wrote");
+    let late_old: Vec<&String> = log[first_new..]
+        .iter()
+        .filter(|e| e.starts_with("n:"))
+        .collect();
+    assert!(
+        late_old.is_empty(),
+        "writes of n applied after n+1's first write: {late_old:?}"
+    );
+    assert_eq!(log.iter().filter(|e| e.starts_with("n+1:")).count(), 1000);
+    for k in 0..10 {
+        let v: String = q(&mut direct, &["GET", &format!("race:key:{k}")])
+            .await
+            .unwrap();
+        assert!(v.starts_with("n+1:"), "race:key:{k} = {v}");
+    }
+    assert_eq!(
+        stale_records(&gw).len(),
+        refused_a,
+        "one audit record per refusal"
+    );
+    println!(
+        "done-means 4: n applied {} of 1000 (all before n+1's first write), n refused {} times, n+1 applied 1000",
+        first_new, refused_a
+    );
+}
