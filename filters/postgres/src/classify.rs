@@ -1,0 +1,437 @@
+//! Statement classification with the real PostgreSQL parser (`pg_query`, i.e. libpg_query: the
+//! server's own grammar compiled as a library), so "is this a write?" and "where does each
+//! statement of a multi-statement query start?" are answered as the server itself would.
+//!
+//! Fail closed: a statement is a read only when the parser proves it; everything else (an
+//! unknown statement type, a function call not known to be read-only, a parse error) is a write.
+
+use pg_query::protobuf::{self, a_const, node::Node as N, Token as ScanTokenKind};
+use pg_query::NodeEnum;
+
+use crate::carrier;
+
+/// What one statement is, for fencing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    /// Proven read-only: relayed untouched.
+    Read,
+    /// May change data or schema: fenced on a protected database.
+    Write,
+    /// `BEGIN`, `COMMIT`, `ROLLBACK`, `SAVEPOINT`, ...: ends or changes the transaction the
+    /// guard ran in, so the next write is guarded again.
+    TransactionControl,
+    /// `SET fencegate.token = '...'` (`Some`) or `RESET fencegate.token` (`None`).
+    SetToken(Option<String>),
+}
+
+/// One statement of a query string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Statement {
+    /// Byte offset where the statement starts in the query string (a guard goes here).
+    pub start: usize,
+    /// Byte offset just past its end.
+    pub end: usize,
+    /// Read, write, ...
+    pub kind: Kind,
+    /// The command word (`INSERT`, `UPDATE`, `WITH`, ...), for audit summaries.
+    pub command: String,
+    /// Tables the statement writes or alters (schema-qualified when written so).
+    pub targets: Vec<String>,
+    /// The token of a `/* fencing_token='...' */` comment in or right after the statement.
+    pub comment_token: Option<String>,
+}
+
+/// A classified query string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Classified {
+    /// Its statements in order (empty for an empty query).
+    pub statements: Vec<Statement>,
+    /// The parser's message when the text does not parse (then `statements` holds one write
+    /// spanning the whole text: fail closed).
+    pub parse_error: Option<String>,
+}
+
+impl Classified {
+    /// Whether any statement is a write.
+    pub fn has_write(&self) -> bool {
+        self.statements.iter().any(|s| s.kind == Kind::Write)
+    }
+}
+
+/// Functions that only read (a `SELECT` calling anything else counts as a write).
+const READ_ONLY_FUNCTIONS: &[&str] = &[
+    "count",
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "array_agg",
+    "string_agg",
+    "json_agg",
+    "jsonb_agg",
+    "bool_and",
+    "bool_or",
+    "every",
+    "now",
+    "current_timestamp",
+    "clock_timestamp",
+    "statement_timestamp",
+    "transaction_timestamp",
+    "timeofday",
+    "date_trunc",
+    "date_part",
+    "extract",
+    "to_char",
+    "to_date",
+    "to_timestamp",
+    "to_number",
+    "age",
+    "length",
+    "lower",
+    "upper",
+    "substr",
+    "substring",
+    "trim",
+    "btrim",
+    "ltrim",
+    "rtrim",
+    "concat",
+    "concat_ws",
+    "format",
+    "replace",
+    "split_part",
+    "position",
+    "strpos",
+    "left",
+    "right",
+    "lpad",
+    "rpad",
+    "md5",
+    "abs",
+    "ceil",
+    "floor",
+    "round",
+    "trunc",
+    "mod",
+    "power",
+    "sqrt",
+    "random",
+    "greatest",
+    "least",
+    "coalesce",
+    "nullif",
+    "row_number",
+    "rank",
+    "dense_rank",
+    "lag",
+    "lead",
+    "first_value",
+    "last_value",
+    "generate_series",
+    "unnest",
+    "array_length",
+    "cardinality",
+    "json_build_object",
+    "jsonb_build_object",
+    "to_json",
+    "to_jsonb",
+    "version",
+    "current_database",
+    "current_schema",
+    "current_schemas",
+    "current_user",
+    "session_user",
+    "current_setting",
+    "pg_backend_pid",
+    "txid_current",
+    "pg_current_xact_id",
+    "pg_is_in_recovery",
+    "pg_postmaster_start_time",
+    "pg_xact_commit_timestamp",
+    "has_table_privilege",
+    "has_schema_privilege",
+    "format_type",
+    "obj_description",
+    "col_description",
+    "pg_get_userbyid",
+    "pg_table_is_visible",
+    "pg_type_is_visible",
+    "pg_function_is_visible",
+    "pg_get_expr",
+    "pg_get_indexdef",
+    "pg_get_constraintdef",
+    "pg_get_viewdef",
+    "pg_get_triggerdef",
+    "pg_get_functiondef",
+    "pg_get_function_arguments",
+    "pg_get_function_result",
+    "pg_get_function_identity_arguments",
+    "pg_get_statisticsobjdef_columns",
+    "pg_relation_size",
+    "pg_total_relation_size",
+    "pg_size_pretty",
+    "pg_encoding_to_char",
+    "pg_get_partkeydef",
+    "pg_get_ruledef",
+    "array_to_string",
+    "quote_ident",
+    "quote_literal",
+    "regexp_replace",
+    "regexp_matches",
+    "encode",
+    "decode",
+    "exists",
+];
+
+/// Classifies `sql`. Never panics; a parse error gives one fail-closed write.
+pub fn classify(sql: &str) -> Classified {
+    let parsed = match pg_query::parse(sql) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            return Classified {
+                statements: vec![Statement {
+                    start: 0,
+                    end: sql.len(),
+                    kind: Kind::Write,
+                    command: first_word(sql),
+                    targets: Vec::new(),
+                    comment_token: comments(sql).into_iter().map(|(_, t)| t).next(),
+                }],
+                parse_error: Some(e.to_string()),
+            }
+        }
+    };
+    let comments = comments(sql);
+    let raw = &parsed.protobuf.stmts;
+    let mut statements = Vec::with_capacity(raw.len());
+    for (i, stmt) in raw.iter().enumerate() {
+        let start = usize::try_from(stmt.stmt_location)
+            .unwrap_or(0)
+            .min(sql.len());
+        let end = if stmt.stmt_len <= 0 {
+            sql.len()
+        } else {
+            (start + stmt.stmt_len as usize).min(sql.len())
+        };
+        let next_start = raw.get(i + 1).map_or(sql.len(), |n| {
+            usize::try_from(n.stmt_location).unwrap_or(sql.len())
+        });
+        let text = sql.get(start..end).unwrap_or("");
+        let node = stmt.stmt.as_ref().and_then(|n| n.node.as_ref());
+        let (kind, targets) = classify_statement(node, text);
+        // A comment belongs to the statement it is in, or to the one it follows.
+        let comment_token = comments
+            .iter()
+            .find(|(at, _)| (*at >= start || i == 0) && *at < next_start.max(end))
+            .map(|(_, t)| t.clone());
+        statements.push(Statement {
+            start,
+            end,
+            kind,
+            command: first_word(text),
+            targets,
+            comment_token,
+        });
+    }
+    Classified {
+        statements,
+        parse_error: None,
+    }
+}
+
+fn classify_statement(node: Option<&NodeEnum>, text: &str) -> (Kind, Vec<String>) {
+    let Some(node) = node else {
+        return (Kind::Write, Vec::new());
+    };
+    match node {
+        NodeEnum::TransactionStmt(_) => (Kind::TransactionControl, Vec::new()),
+        NodeEnum::VariableSetStmt(set) if set.name.eq_ignore_ascii_case(carrier::SETTING) => {
+            if set.kind == protobuf::VariableSetKind::VarSetValue as i32 {
+                (Kind::SetToken(set_value(&set.args)), Vec::new())
+            } else {
+                (Kind::SetToken(None), Vec::new())
+            }
+        }
+        NodeEnum::VariableSetStmt(_)
+        | NodeEnum::VariableShowStmt(_)
+        | NodeEnum::DeallocateStmt(_)
+        | NodeEnum::FetchStmt(_)
+        | NodeEnum::ClosePortalStmt(_)
+        | NodeEnum::ListenStmt(_)
+        | NodeEnum::UnlistenStmt(_) => (Kind::Read, Vec::new()),
+        NodeEnum::SelectStmt(select) if select.into_clause.is_none() => read_unless(text),
+        NodeEnum::ExplainStmt(explain) if !explain_analyzes(&explain.options) => {
+            (Kind::Read, Vec::new())
+        }
+        NodeEnum::DeclareCursorStmt(_) | NodeEnum::PrepareStmt(_) => read_unless(text),
+        NodeEnum::CopyStmt(copy) if !copy.is_from && copy.relation.is_some() => {
+            (Kind::Read, Vec::new())
+        }
+        NodeEnum::CopyStmt(copy) if !copy.is_from => read_unless(text),
+        _ => (Kind::Write, targets(text)),
+    }
+}
+
+/// A statement whose shape is read-only is still a write if it modifies tables (a
+/// data-modifying CTE) or calls a function not known to be read-only.
+fn read_unless(text: &str) -> (Kind, Vec<String>) {
+    let Ok(parsed) = pg_query::parse(text) else {
+        return (Kind::Write, Vec::new());
+    };
+    let written: Vec<String> = parsed
+        .dml_tables()
+        .into_iter()
+        .chain(parsed.ddl_tables())
+        .collect();
+    let unknown_function = parsed.functions.iter().any(|(name, _)| {
+        let base = name.rsplit('.').next().unwrap_or(name);
+        let in_catalog = name.starts_with("pg_catalog.") || !name.contains('.');
+        !(in_catalog && READ_ONLY_FUNCTIONS.contains(&base.to_ascii_lowercase().as_str()))
+    });
+    if written.is_empty() && !unknown_function {
+        (Kind::Read, Vec::new())
+    } else {
+        (Kind::Write, written)
+    }
+}
+
+fn targets(text: &str) -> Vec<String> {
+    pg_query::parse(text)
+        .map(|p| p.dml_tables().into_iter().chain(p.ddl_tables()).collect())
+        .unwrap_or_default()
+}
+
+fn explain_analyzes(options: &[protobuf::Node]) -> bool {
+    options.iter().any(|o| match &o.node {
+        Some(N::DefElem(d)) => d.defname.eq_ignore_ascii_case("analyze"),
+        _ => false,
+    })
+}
+
+fn set_value(args: &[protobuf::Node]) -> Option<String> {
+    match args.first().and_then(|a| a.node.as_ref()) {
+        Some(N::AConst(c)) => match &c.val {
+            Some(a_const::Val::Sval(s)) => Some(s.sval.clone()),
+            Some(a_const::Val::Ival(i)) => Some(i.ival.to_string()),
+            Some(a_const::Val::Fval(f)) => Some(f.fval.clone()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// `(offset, token)` for each C-style comment that carries a token.
+fn comments(sql: &str) -> Vec<(usize, String)> {
+    let Ok(scan) = pg_query::scan(sql) else {
+        return Vec::new();
+    };
+    scan.tokens
+        .iter()
+        .filter(|t| t.token == ScanTokenKind::CComment as i32)
+        .filter_map(|t| {
+            let (start, end) = (t.start as usize, t.end as usize);
+            let text = sql.get(start..end)?;
+            carrier::comment_token(text).map(|token| (start, token))
+        })
+        .collect()
+}
+
+fn first_word(text: &str) -> String {
+    let mut rest = text.trim_start();
+    // Skip leading comments.
+    loop {
+        if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.split_once("*/").map_or("", |(_, r)| r).trim_start();
+        } else if let Some(r) = rest.strip_prefix("--") {
+            rest = r.split_once('\n').map_or("", |(_, r)| r).trim_start();
+        } else {
+            break;
+        }
+    }
+    rest.split(|c: char| !c.is_ascii_alphabetic())
+        .next()
+        .unwrap_or("")
+        .to_ascii_uppercase()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kinds(sql: &str) -> Vec<Kind> {
+        classify(sql)
+            .statements
+            .into_iter()
+            .map(|s| s.kind)
+            .collect()
+    }
+
+    #[test]
+    fn reads_are_proven() {
+        assert_eq!(
+            kinds("SELECT abalance FROM pgbench_accounts WHERE aid = $1"),
+            vec![Kind::Read]
+        );
+        assert_eq!(kinds("select count(*) from t"), vec![Kind::Read]);
+        assert_eq!(kinds("SHOW search_path"), vec![Kind::Read]);
+        assert_eq!(kinds("EXPLAIN DELETE FROM t"), vec![Kind::Read]);
+        assert_eq!(kinds("COPY t TO STDOUT"), vec![Kind::Read]);
+        assert_eq!(kinds("SET work_mem = '4MB'"), vec![Kind::Read]);
+    }
+
+    #[test]
+    fn writes_fail_closed() {
+        for sql in [
+            "INSERT INTO t VALUES (1)",
+            "UPDATE t SET a = 1",
+            "DELETE FROM t",
+            "MERGE INTO t USING s ON t.id = s.id WHEN MATCHED THEN DELETE",
+            "COPY t FROM STDIN",
+            "TRUNCATE t",
+            "CREATE TABLE x (a int)",
+            "CALL p()",
+            "WITH d AS (DELETE FROM t RETURNING *) SELECT * FROM d",
+            "SELECT * INTO newt FROM t",
+            "SELECT my_func()",
+            "SELECT nextval('s')",
+            "EXPLAIN ANALYZE DELETE FROM t",
+            "DO $$ BEGIN END $$",
+            "this is not sql",
+        ] {
+            assert_eq!(kinds(sql), vec![Kind::Write], "{sql}");
+        }
+    }
+
+    #[test]
+    fn statements_split_with_offsets_and_comment_tokens() {
+        let sql = "BEGIN; INSERT INTO t VALUES (1) /* fencing_token='fg1~7~job' */; SELECT 1;";
+        let c = classify(sql);
+        let k: Vec<_> = c.statements.iter().map(|s| s.kind.clone()).collect();
+        assert_eq!(k, vec![Kind::TransactionControl, Kind::Write, Kind::Read]);
+        assert_eq!(c.statements[1].comment_token.as_deref(), Some("fg1~7~job"));
+        assert_eq!(c.statements[0].comment_token, None);
+        assert_eq!(c.statements[2].comment_token, None);
+        assert_eq!(c.statements[1].command, "INSERT");
+        assert_eq!(c.statements[1].targets, vec!["t".to_owned()]);
+        assert!(sql[c.statements[1].start..]
+            .trim_start()
+            .starts_with("INSERT"));
+    }
+
+    #[test]
+    fn set_token_is_recognized() {
+        assert_eq!(
+            kinds("SET fencegate.token = 'fg1~7~job'"),
+            vec![Kind::SetToken(Some("fg1~7~job".into()))]
+        );
+        assert_eq!(
+            kinds("SET fencegate.token TO 'x'"),
+            vec![Kind::SetToken(Some("x".into()))]
+        );
+        assert_eq!(kinds("RESET fencegate.token"), vec![Kind::SetToken(None)]);
+        assert_eq!(
+            kinds("SET SESSION fencegate.token = DEFAULT"),
+            vec![Kind::SetToken(None)]
+        );
+    }
+}

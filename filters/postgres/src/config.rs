@@ -1,0 +1,147 @@
+//! The `[postgres]` config section.
+//!
+//! ```toml
+//! [postgres]
+//! listen = "127.0.0.1:6433"        # where clients connect (default)
+//! upstream = "127.0.0.1:5432"      # the PostgreSQL server, host:port (default)
+//! databases = ["*"]                # protected databases; "*" = all (default)
+//! unprotected_schemas = ["fencegate"]  # writes naming only tables in these schemas pass (default)
+//! resource = "billing"             # optional: the only resource tokens may name here; also the
+//!                                  # resource of plain numeric tokens (with accept_plain)
+//! accept_plain = false             # accept bare decimal revisions as tokens (needs `resource`)
+//! install_on_start = false         # run fence.sql at startup (needs install_dsn_env)
+//! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding a libpq-style DSN for the install
+//! max_message_bytes = 67108864     # larger client messages: 08P01 and the connection closes
+//! ```
+
+use std::net::SocketAddr;
+
+use fencegate_core::Resource;
+use serde::Deserialize;
+
+use crate::error::PostgresError;
+
+/// The `[postgres]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    /// Address the gateway listens on for PostgreSQL clients.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// The upstream PostgreSQL server, `host:port`.
+    #[serde(default = "default_upstream")]
+    pub upstream: String,
+    /// Protected database names; `"*"` matches every database.
+    #[serde(default = "default_databases")]
+    pub databases: Vec<String>,
+    /// Schemas whose tables are not protected: a write whose every target is schema-qualified
+    /// with one of these passes without a token. Unqualified names are always protected.
+    #[serde(default = "default_unprotected_schemas")]
+    pub unprotected_schemas: Vec<String>,
+    /// When set, tokens must name this resource (others are refused as out of scope).
+    #[serde(default)]
+    pub resource: Option<String>,
+    /// Accept a bare decimal revision as a token for `resource`.
+    #[serde(default)]
+    pub accept_plain: bool,
+    /// Install `fence.sql` when the node starts (with the DSN in `install_dsn_env`).
+    #[serde(default)]
+    pub install_on_start: bool,
+    /// Name of the environment variable holding the DSN used to install `fence.sql`.
+    #[serde(default)]
+    pub install_dsn_env: Option<String>,
+    /// The largest message accepted from a client, in bytes.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:6433".parse().expect("literal address")
+}
+fn default_upstream() -> String {
+    "127.0.0.1:5432".to_owned()
+}
+fn default_databases() -> Vec<String> {
+    vec!["*".to_owned()]
+}
+fn default_unprotected_schemas() -> Vec<String> {
+    vec!["fencegate".to_owned()]
+}
+fn default_max_message_bytes() -> usize {
+    64 * 1024 * 1024
+}
+
+impl Default for PostgresConfig {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            upstream: default_upstream(),
+            databases: default_databases(),
+            unprotected_schemas: default_unprotected_schemas(),
+            resource: None,
+            accept_plain: false,
+            install_on_start: false,
+            install_dsn_env: None,
+            max_message_bytes: default_max_message_bytes(),
+        }
+    }
+}
+
+impl PostgresConfig {
+    /// Checks what serde cannot.
+    pub fn validate(&self) -> Result<(), PostgresError> {
+        if self.max_message_bytes < 64 * 1024 {
+            return Err(PostgresError::Config(format!(
+                "max_message_bytes ({}) must be at least 65536",
+                self.max_message_bytes
+            )));
+        }
+        if let Some(resource) = &self.resource {
+            Resource::new(resource.as_str())
+                .map_err(|e| PostgresError::Config(format!("resource {resource:?}: {e}")))?;
+        }
+        if self.accept_plain && self.resource.is_none() {
+            return Err(PostgresError::Config(
+                "accept_plain needs `resource` (a plain token names no resource)".to_owned(),
+            ));
+        }
+        if self.install_on_start && self.install_dsn_env.is_none() {
+            return Err(PostgresError::Config(
+                "install_on_start needs install_dsn_env".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether writes to `database` are fenced.
+    pub fn protects_database(&self, database: &str) -> bool {
+        self.databases.iter().any(|d| d == "*" || d == database)
+    }
+
+    /// The configured resource, validated.
+    pub fn route(&self) -> Option<Resource> {
+        self.resource.as_deref().and_then(|r| Resource::new(r).ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_protect_every_database() {
+        let c = PostgresConfig::default();
+        c.validate().unwrap();
+        assert!(c.protects_database("anything"));
+        assert_eq!(c.unprotected_schemas, vec!["fencegate".to_owned()]);
+    }
+
+    #[test]
+    fn plain_tokens_need_a_resource() {
+        let c = PostgresConfig {
+            accept_plain: true,
+            ..PostgresConfig::default()
+        };
+        assert!(c.validate().is_err());
+    }
+}

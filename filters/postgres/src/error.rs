@@ -1,0 +1,33 @@
+//! The crate's error type. A refusal is never an error: it is a [`fencegate_core::Verdict`].
+
+use thiserror::Error;
+
+/// What can go wrong in the PostgreSQL filter (not refusals: those are verdicts).
+#[derive(Debug, Error)]
+pub enum PostgresError {
+    /// A config value serde could not check.
+    #[error("[postgres] config: {0}")]
+    Config(String),
+    /// Network I/O failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A peer sent bytes that are not the PostgreSQL v3 protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// Installing `fence.sql` failed.
+    #[error("installing the fence schema: {0}")]
+    Install(#[from] tokio_postgres::Error),
+}
+
+impl PostgresError {
+    /// A closure that wraps an I/O error with `context`, for `map_err`.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let context = context.into();
+        move |source| Self::Io { context, source }
+    }
+}

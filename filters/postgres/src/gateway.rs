@@ -1,0 +1,83 @@
+//! The listener and what every session shares: config, token policy and audit sink.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use fencegate_core::{AuditSink, Resource, TokenPolicy};
+use tokio::net::TcpListener;
+
+use crate::config::PostgresConfig;
+use crate::error::PostgresError;
+use crate::session;
+
+/// One PostgreSQL gateway: a listener's shared state.
+pub struct Gateway {
+    pub(crate) config: PostgresConfig,
+    pub(crate) policy: TokenPolicy,
+    pub(crate) sink: Arc<dyn AuditSink>,
+    pub(crate) route: Option<Resource>,
+    connections: AtomicU64,
+}
+
+impl Gateway {
+    /// A gateway for `config` that verifies tokens with `policy` (its `accept_plain` is taken
+    /// from the config) and reports refusals to `sink`.
+    pub fn new(
+        config: PostgresConfig,
+        mut policy: TokenPolicy,
+        sink: Arc<dyn AuditSink>,
+    ) -> Result<Arc<Self>, PostgresError> {
+        config.validate()?;
+        policy.accept_plain = config.accept_plain;
+        let route = config.route();
+        Ok(Arc::new(Self {
+            config,
+            policy,
+            sink,
+            route,
+            connections: AtomicU64::new(0),
+        }))
+    }
+
+    /// Installs `fence.sql` if the config asks for it at startup.
+    pub async fn install_if_configured(&self) -> Result<(), PostgresError> {
+        if !self.config.install_on_start {
+            return Ok(());
+        }
+        let var = self.config.install_dsn_env.as_deref().unwrap_or_default();
+        let dsn = std::env::var(var).map_err(|_| {
+            PostgresError::Config(format!("install_dsn_env names {var}, which is not set"))
+        })?;
+        crate::install::install(&dsn).await?;
+        tracing::info!("installed fence.sql upstream");
+        Ok(())
+    }
+
+    pub(crate) fn next_connection_id(&self) -> u64 {
+        self.connections.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Binds the configured listen address.
+    pub async fn bind(&self) -> Result<TcpListener, PostgresError> {
+        let addr: SocketAddr = self.config.listen;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(PostgresError::io(format!("binding {addr}")))?;
+        tracing::info!(listen = %addr, upstream = %self.config.upstream, "postgres gateway listening");
+        Ok(listener)
+    }
+
+    /// Accepts clients on `listener` until the task is dropped; one session (and one upstream
+    /// connection) per client.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) -> Result<(), PostgresError> {
+        loop {
+            let (socket, peer) = listener
+                .accept()
+                .await
+                .map_err(PostgresError::io("accepting a PostgreSQL client"))?;
+            let gateway = self.clone();
+            tokio::spawn(async move { session::run(gateway, socket, peer).await });
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! fencegate's PostgreSQL filter: a v3 wire-protocol gateway in front of one PostgreSQL server
+//! that runs the fence guard `fencegate.guard(resource, revision)` (see `fence.sql`) in the same
+//! transaction as every write, before it, and where the protocol allows in the same round trip.
+//!
+//! - [`message`]: framing and the few messages the gateway reads or synthesizes, on top of the
+//!   `postgres-protocol` codec. [`classify`]: read/write classification with `pg_query`
+//!   (PostgreSQL's own parser), failing closed. [`carrier`]: where tokens come from.
+//!   [`rewrite`]: the pure rewrite of a statement and token into the messages sent upstream.
+//!   `session`: the only I/O module, one client connection to one upstream connection.
+//! - Refusals are `ErrorResponse`s with the SQLSTATEs in [`sqlstate`]; each is reported to the
+//!   [`fencegate_core::AuditSink`] before the client sees it.
+
+#![deny(missing_docs)]
+
+pub mod carrier;
+pub mod classify;
+pub mod config;
+pub mod error;
+mod gateway;
+pub mod install;
+pub mod message;
+pub mod rewrite;
+mod session;
+pub mod sqlstate;
+
+pub use config::PostgresConfig;
+pub use error::PostgresError;
+pub use gateway::Gateway;
+pub use install::{install, FENCE_SQL};

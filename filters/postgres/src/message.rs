@@ -1,0 +1,441 @@
+//! PostgreSQL v3 wire messages: check-then-parse framing (as in mini-redis' `connection.rs`),
+//! the few frontend bodies the gateway must read, and the few backend messages it synthesizes.
+//!
+//! Frames are kept as their raw bytes so that everything the gateway does not rewrite is relayed
+//! byte-for-byte. Message *encoding* of frontend messages the gateway sends on its own (the
+//! guard's Parse/Bind/Execute/Close) uses `postgres_protocol::message::frontend`; backend
+//! messages are decoded with `postgres_protocol::message::backend` where their fields matter.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use fallible_iterator::FallibleIterator;
+use postgres_protocol::message::backend;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::error::PostgresError;
+
+/// The startup packet's protocol version 3.0.
+pub const PROTOCOL_V3: u32 = 196_608;
+/// `SSLRequest`'s code.
+pub const SSL_REQUEST: u32 = 80_877_103;
+/// `GSSENCRequest`'s code.
+pub const GSSENC_REQUEST: u32 = 80_877_104;
+/// `CancelRequest`'s code.
+pub const CANCEL_REQUEST: u32 = 80_877_102;
+/// The largest startup packet accepted (PostgreSQL's own limit is 10,000 bytes).
+pub const MAX_STARTUP_BYTES: usize = 10_000;
+
+/// Why bytes are not a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The length field is below 4 or above the limit.
+    #[error("message length {len} is outside 4..={max}")]
+    BadLength {
+        /// The declared length.
+        len: u64,
+        /// The limit.
+        max: usize,
+    },
+    /// A startup packet with an unknown protocol version or request code.
+    #[error("unsupported startup code {0}")]
+    BadStartup(u32),
+    /// A body that does not hold the fields its type needs.
+    #[error("malformed {0} message")]
+    BadBody(&'static str),
+}
+
+/// One typed message: tag byte, then a length that counts itself and the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The type byte (`Q`, `P`, `B`, ...).
+    pub tag: u8,
+    /// The whole frame as received: tag, length, body.
+    pub raw: Bytes,
+}
+
+impl Frame {
+    /// The body (after tag and length).
+    pub fn body(&self) -> &[u8] {
+        &self.raw[5..]
+    }
+}
+
+/// The first packet of a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Startup {
+    /// `SSLRequest`.
+    Ssl,
+    /// `GSSENCRequest`.
+    Gss,
+    /// `CancelRequest`, relayed as is.
+    Cancel(Bytes),
+    /// A v3 `StartupMessage`: its parameters in order.
+    Message(Vec<(String, String)>),
+}
+
+/// Checks whether `buf` starts with a whole typed frame; splits it off if so.
+/// `Ok(None)`: more bytes are needed. Never panics on any input.
+pub fn parse_frame(buf: &mut BytesMut, max: usize) -> Result<Option<Frame>, FrameError> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len < 4 || len > max {
+        return Err(FrameError::BadLength {
+            len: len as u64,
+            max,
+        });
+    }
+    if buf.len() < len + 1 {
+        buf.reserve(len + 1 - buf.len());
+        return Ok(None);
+    }
+    let raw = buf.split_to(len + 1).freeze();
+    Ok(Some(Frame { tag: raw[0], raw }))
+}
+
+/// Checks whether `buf` starts with a whole startup packet; splits and decodes it if so.
+pub fn parse_startup(buf: &mut BytesMut) -> Result<Option<Startup>, FrameError> {
+    if buf.len() < 8 {
+        return Ok(None);
+    }
+    let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if !(8..=MAX_STARTUP_BYTES).contains(&len) {
+        return Err(FrameError::BadLength {
+            len: len as u64,
+            max: MAX_STARTUP_BYTES,
+        });
+    }
+    if buf.len() < len {
+        return Ok(None);
+    }
+    let raw = buf.split_to(len).freeze();
+    let code = u32::from_be_bytes([raw[4], raw[5], raw[6], raw[7]]);
+    match code {
+        SSL_REQUEST if len == 8 => Ok(Some(Startup::Ssl)),
+        GSSENC_REQUEST if len == 8 => Ok(Some(Startup::Gss)),
+        CANCEL_REQUEST if len == 16 => Ok(Some(Startup::Cancel(raw))),
+        PROTOCOL_V3 => {
+            let mut body = &raw[8..];
+            let mut params = Vec::new();
+            loop {
+                let name = read_cstr(&mut body).ok_or(FrameError::BadBody("startup"))?;
+                if name.is_empty() {
+                    break;
+                }
+                let value = read_cstr(&mut body).ok_or(FrameError::BadBody("startup"))?;
+                params.push((name, value));
+            }
+            if !body.is_empty() {
+                return Err(FrameError::BadBody("startup"));
+            }
+            Ok(Some(Startup::Message(params)))
+        }
+        other => Err(FrameError::BadStartup(other)),
+    }
+}
+
+/// Reads a NUL-terminated UTF-8 string and advances past it.
+pub fn read_cstr(body: &mut &[u8]) -> Option<String> {
+    let end = body.iter().position(|&b| b == 0)?;
+    let text = std::str::from_utf8(&body[..end]).ok()?.to_owned();
+    *body = &body[end + 1..];
+    Some(text)
+}
+
+/// A `Query` message's SQL text.
+pub fn query_text(frame: &Frame) -> Result<String, FrameError> {
+    let mut body = frame.body();
+    let text = read_cstr(&mut body).ok_or(FrameError::BadBody("Query"))?;
+    Ok(text)
+}
+
+/// A `Parse` message's statement name and SQL text.
+pub fn parse_fields(frame: &Frame) -> Result<(String, String), FrameError> {
+    let mut body = frame.body();
+    let name = read_cstr(&mut body).ok_or(FrameError::BadBody("Parse"))?;
+    let query = read_cstr(&mut body).ok_or(FrameError::BadBody("Parse"))?;
+    Ok((name, query))
+}
+
+/// A `Bind` message's portal and statement names.
+pub fn bind_fields(frame: &Frame) -> Result<(String, String), FrameError> {
+    let mut body = frame.body();
+    let portal = read_cstr(&mut body).ok_or(FrameError::BadBody("Bind"))?;
+    let statement = read_cstr(&mut body).ok_or(FrameError::BadBody("Bind"))?;
+    Ok((portal, statement))
+}
+
+/// A `Close` or `Describe` message's kind (`S` or `P`) and name.
+pub fn target_fields(frame: &Frame) -> Result<(u8, String), FrameError> {
+    let mut body = frame.body();
+    if body.is_empty() {
+        return Err(FrameError::BadBody("Close/Describe"));
+    }
+    let kind = body.get_u8();
+    let name = read_cstr(&mut body).ok_or(FrameError::BadBody("Close/Describe"))?;
+    Ok((kind, name))
+}
+
+/// Encodes a `StartupMessage` with `params`.
+pub fn startup_message(params: &[(String, String)]) -> Bytes {
+    let mut buf = BytesMut::new();
+    postgres_protocol::message::frontend::startup_message(
+        params.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        &mut buf,
+    )
+    .expect("startup parameters never contain NUL (they were read as C strings)");
+    buf.freeze()
+}
+
+/// The fields of an `ErrorResponse` the gateway synthesizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFields {
+    /// `ERROR` or `FATAL`.
+    pub severity: &'static str,
+    /// The SQLSTATE.
+    pub code: String,
+    /// The primary message.
+    pub message: String,
+    /// An optional detail.
+    pub detail: Option<String>,
+}
+
+/// Encodes a backend `ErrorResponse`.
+pub fn error_response(fields: &ErrorFields) -> Bytes {
+    let mut body = BytesMut::new();
+    for (tag, value) in [
+        (b'S', fields.severity),
+        (b'V', fields.severity),
+        (b'C', fields.code.as_str()),
+        (b'M', fields.message.as_str()),
+    ]
+    .into_iter()
+    .chain(fields.detail.as_deref().map(|d| (b'D', d)))
+    {
+        body.put_u8(tag);
+        body.put_slice(value.replace('\0', " ").as_bytes());
+        body.put_u8(0);
+    }
+    body.put_u8(0);
+    typed(b'E', &body)
+}
+
+/// Encodes a backend `ReadyForQuery` with transaction `status` (`I`, `T`, `E`).
+pub fn ready_for_query(status: u8) -> Bytes {
+    typed(b'Z', &[status])
+}
+
+/// Encodes a backend `CommandComplete` with `tag`.
+pub fn command_complete(tag: &str) -> Bytes {
+    let mut body = BytesMut::from(tag.as_bytes());
+    body.put_u8(0);
+    typed(b'C', &body)
+}
+
+fn typed(tag: u8, body: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(body.len() + 5);
+    buf.put_u8(tag);
+    buf.put_u32(body.len() as u32 + 4);
+    buf.put_slice(body);
+    buf.freeze()
+}
+
+/// SQLSTATE and detail of a backend `ErrorResponse` frame, if it is one and decodes.
+pub fn error_code_and_detail(frame: &Frame) -> Option<(String, Option<String>)> {
+    let mut buf = BytesMut::from(&frame.raw[..]);
+    let Ok(Some(backend::Message::ErrorResponse(body))) = backend::Message::parse(&mut buf) else {
+        return None;
+    };
+    let mut code = None;
+    let mut detail = None;
+    let mut fields = body.fields();
+    while let Ok(Some(field)) = fields.next() {
+        match field.type_() {
+            b'C' => code = Some(String::from_utf8_lossy(field.value_bytes()).into_owned()),
+            b'D' => detail = Some(String::from_utf8_lossy(field.value_bytes()).into_owned()),
+            _ => {}
+        }
+    }
+    code.map(|c| (c, detail))
+}
+
+/// Reads frames from one side of a connection.
+pub struct FrameReader<R> {
+    stream: R,
+    buffer: BytesMut,
+    max: usize,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader that refuses frames longer than `max` bytes.
+    pub fn new(stream: R, max: usize) -> Self {
+        Self {
+            stream,
+            buffer: BytesMut::with_capacity(8 * 1024),
+            max,
+        }
+    }
+
+    /// The next typed frame; `Ok(None)` on a clean end of stream between frames.
+    pub async fn read_frame(&mut self) -> Result<Option<Frame>, PostgresError> {
+        loop {
+            if let Some(frame) = parse_frame(&mut self.buffer, self.max)
+                .map_err(|e| PostgresError::Protocol(e.to_string()))?
+            {
+                return Ok(Some(frame));
+            }
+            if !self.fill().await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The startup packet; `Ok(None)` on end of stream before it.
+    pub async fn read_startup(&mut self) -> Result<Option<Startup>, PostgresError> {
+        loop {
+            if let Some(startup) = parse_startup(&mut self.buffer)
+                .map_err(|e| PostgresError::Protocol(e.to_string()))?
+            {
+                return Ok(Some(startup));
+            }
+            if !self.fill().await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Whether a whole typed frame is already buffered (then a flush can wait).
+    pub fn has_complete_frame(&self) -> bool {
+        self.buffer.len() >= 5 && {
+            let len = u32::from_be_bytes([
+                self.buffer[1],
+                self.buffer[2],
+                self.buffer[3],
+                self.buffer[4],
+            ]);
+            self.buffer.len() > len as usize
+        }
+    }
+
+    /// Whether bytes were received beyond the last frame (a client must not pipeline after
+    /// `SSLRequest`).
+    pub fn has_buffered(&self) -> bool {
+        self.buffer.has_remaining()
+    }
+
+    /// Reads more bytes; `false` at end of stream (an error if a frame was cut off).
+    async fn fill(&mut self) -> Result<bool, PostgresError> {
+        let n = self
+            .stream
+            .read_buf(&mut self.buffer)
+            .await
+            .map_err(PostgresError::io("reading"))?;
+        if n == 0 {
+            if self.buffer.is_empty() {
+                return Ok(false);
+            }
+            return Err(PostgresError::Protocol(
+                "connection closed in the middle of a message".to_owned(),
+            ));
+        }
+        Ok(true)
+    }
+
+    /// The underlying stream.
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.stream
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn frames_split_only_when_complete() {
+        let mut buf = BytesMut::from(&b"Q\0\0\0\x0dSELECT 1\0Z"[..]);
+        let frame = parse_frame(&mut buf, 1024).unwrap().unwrap();
+        assert_eq!(frame.tag, b'Q');
+        assert_eq!(query_text(&frame).unwrap(), "SELECT 1");
+        assert_eq!(&buf[..], b"Z");
+        assert_eq!(parse_frame(&mut buf, 1024), Ok(None));
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let mut buf = BytesMut::from(&b"Q\0\0\0\x02"[..]);
+        assert!(parse_frame(&mut buf, 1024).is_err());
+        let mut buf = BytesMut::from(&b"Q\x7f\0\0\0"[..]);
+        assert!(parse_frame(&mut buf, 1024).is_err());
+    }
+
+    #[test]
+    fn startup_round_trips() {
+        let params = vec![
+            ("user".to_owned(), "alice".to_owned()),
+            ("database".to_owned(), "db".to_owned()),
+        ];
+        let mut buf = BytesMut::from(&startup_message(&params)[..]);
+        assert_eq!(
+            parse_startup(&mut buf).unwrap(),
+            Some(Startup::Message(params))
+        );
+        let mut ssl = BytesMut::from(&[0u8, 0, 0, 8, 4, 210, 22, 47][..]);
+        assert_eq!(parse_startup(&mut ssl).unwrap(), Some(Startup::Ssl));
+        let mut garbage = BytesMut::from(&b"GET / HTTP/1.1\r\n\r\n"[..]);
+        assert!(parse_startup(&mut garbage).is_err());
+    }
+
+    #[test]
+    fn synthesized_errors_decode() {
+        let bytes = error_response(&ErrorFields {
+            severity: "ERROR",
+            code: "FG002".into(),
+            message: "no token".into(),
+            detail: Some("d".into()),
+        });
+        let frame = parse_frame(&mut BytesMut::from(&bytes[..]), 1024)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            error_code_and_detail(&frame),
+            Some(("FG002".to_owned(), Some("d".to_owned())))
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut buf = BytesMut::from(&bytes[..]);
+            while let Ok(Some(frame)) = parse_frame(&mut buf, 1 << 20) {
+                let _ = query_text(&frame);
+                let _ = parse_fields(&frame);
+                let _ = bind_fields(&frame);
+                let _ = target_fields(&frame);
+                let _ = error_code_and_detail(&frame);
+            }
+            let mut buf = BytesMut::from(&bytes[..]);
+            let _ = parse_startup(&mut buf);
+        }
+
+        #[test]
+        fn framing_is_split_invariant(sizes in proptest::collection::vec(0usize..40, 1..8), cut in 0usize..200) {
+            let mut all = BytesMut::new();
+            for (i, size) in sizes.iter().enumerate() {
+                all.put_u8(b'd');
+                all.put_u32(*size as u32 + 4);
+                all.put_slice(&vec![i as u8; *size]);
+            }
+            let cut = cut.min(all.len());
+            let mut buf = BytesMut::from(&all[..cut]);
+            let mut got = Vec::new();
+            while let Ok(Some(f)) = parse_frame(&mut buf, 1024) { got.push(f); }
+            buf.extend_from_slice(&all[cut..]);
+            while let Ok(Some(f)) = parse_frame(&mut buf, 1024) { got.push(f); }
+            prop_assert_eq!(got.len(), sizes.len());
+            for (f, size) in got.iter().zip(&sizes) { prop_assert_eq!(f.body().len(), *size); }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! The SQLSTATEs fencegate answers with, in their own class `FG` (PostgreSQL reserves no class
+//! starting with `F` beyond `F0`, and accepts any five letters or digits from `RAISE`).
+//!
+//! | code    | meaning                                                     | decided by |
+//! |---------|-------------------------------------------------------------|------------|
+//! | `FG001` | stale: the token's revision is below the resource's fence   | the store (`fencegate.guard`) |
+//! | `FG002` | missing: a protected write carried no token                 | the gateway |
+//! | `FG003` | malformed token                                             | the gateway |
+//! | `FG004` | forged or unsigned token (signature does not verify)        | the gateway |
+//! | `FG005` | token for another resource than the database's              | the gateway |
+//! | `FG006` | the statement cannot be fenced (e.g. fast-path calls)       | the gateway |
+//!
+//! Protocol violations by a client are answered with PostgreSQL's own `08P01` and the connection
+//! is closed.
+
+use fencegate_core::RejectReason;
+
+/// Stale token (below the fence); raised in the store by `fencegate.guard`.
+pub const STALE: &str = "FG001";
+/// A protected write without a token.
+pub const MISSING: &str = "FG002";
+/// A token that does not parse.
+pub const MALFORMED: &str = "FG003";
+/// A token whose signature does not verify, or an unsigned token where signatures are required.
+pub const FORGED: &str = "FG004";
+/// A token for another resource.
+pub const OUT_OF_SCOPE: &str = "FG005";
+/// A write that cannot run under the fence.
+pub const UNSUPPORTED: &str = "FG006";
+/// PostgreSQL's `protocol_violation`.
+pub const PROTOCOL_VIOLATION: &str = "08P01";
+
+/// The SQLSTATE for a refusal reason.
+pub fn for_reason(reason: &RejectReason) -> &'static str {
+    match reason {
+        RejectReason::Stale { .. } => STALE,
+        RejectReason::Missing => MISSING,
+        RejectReason::Malformed => MALFORMED,
+        RejectReason::Forged => FORGED,
+        RejectReason::OutOfScope => OUT_OF_SCOPE,
+        RejectReason::Unsupported => UNSUPPORTED,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_distinct_and_well_formed() {
+        let all = [STALE, MISSING, MALFORMED, FORGED, OUT_OF_SCOPE, UNSUPPORTED];
+        for (i, a) in all.iter().enumerate() {
+            assert_eq!(a.len(), 5);
+            assert!(a
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit()));
+            assert!(all[i + 1..].iter().all(|b| b != a));
+        }
+        assert_eq!(for_reason(&RejectReason::Stale { fence: 3 }), STALE);
+    }
+}
