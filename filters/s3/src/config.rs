@@ -1,0 +1,276 @@
+//! The `[s3]` config section.
+//!
+//! ```toml
+//! [s3]
+//! listen = "127.0.0.1:9080"              # where S3 clients connect
+//! upstream = "http://127.0.0.1:9000"     # the S3 endpoint (https:// uses rustls)
+//! region = "us-east-1"                   # the region clients sign for and the gateway signs with
+//! upstream_access_key = "AKIAGATEWAY"    # the gateway's own upstream credentials ...
+//! upstream_secret_env = "FENCEGATE_S3_UPSTREAM_SECRET"   # ... secret read from this env var
+//! clients_env = "FENCEGATE_S3_CLIENTS"   # client credentials: "AKID1:secret1,AKID2:secret2"
+//! # clients_file = "/etc/fencegate/s3-clients"  # or one "access_key secret" pair per line
+//! virtual_host_suffix = "s3.local"      # optional: bucket.s3.local/key is virtual-hosted style
+//! retry_buffer_bytes = 16777216          # bodies up to this size are kept for conditional retries
+//! max_attempts = 8                       # conditional write attempts before answering 503 SlowDown
+//!
+//! # Protected buckets/prefixes; the first rule whose bucket and prefix match decides.
+//! [[s3.protect]]
+//! bucket = "billing"
+//! prefix = ""                            # "" = the whole bucket
+//! mode = "object"                        # "object" (default) or "off"
+//! resource = "billing"                   # optional: tokens must name this resource
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use crate::error::S3Error;
+
+/// The `[s3]` section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3Config {
+    /// Address the gateway listens on.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// The upstream S3 endpoint, `http://host:port` or `https://host[:port]`.
+    #[serde(default = "default_upstream")]
+    pub upstream: String,
+    /// The region clients sign for, and the gateway signs upstream requests with.
+    #[serde(default = "default_region")]
+    pub region: String,
+    /// The gateway's upstream access key id.
+    #[serde(default)]
+    pub upstream_access_key: String,
+    /// Name of the environment variable holding the gateway's upstream secret key.
+    #[serde(default = "default_upstream_secret_env")]
+    pub upstream_secret_env: String,
+    /// Name of an environment variable holding client credentials (`AKID:secret,...`).
+    #[serde(default)]
+    pub clients_env: Option<String>,
+    /// A file holding client credentials, one `access_key secret` pair per line (`#` comments).
+    #[serde(default)]
+    pub clients_file: Option<PathBuf>,
+    /// A host suffix for virtual-hosted-style requests (`bucket.<suffix>`); unset: path style only.
+    #[serde(default)]
+    pub virtual_host_suffix: Option<String>,
+    /// Bodies up to this many bytes are held so a conditional write that lost a race can be
+    /// retried; larger bodies stream through once and a lost race answers 503 SlowDown.
+    #[serde(default = "default_retry_buffer_bytes")]
+    pub retry_buffer_bytes: usize,
+    /// Conditional write attempts (a HEAD and a conditional request each) before giving up.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// Worker threads of the gateway's own (pingora) runtime.
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    /// Protection rules; the first match decides. Buckets no rule matches are not protected.
+    #[serde(default)]
+    pub protect: Vec<ProtectRule>,
+}
+
+/// One protection rule.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProtectRule {
+    /// The bucket name (exact).
+    pub bucket: String,
+    /// A key prefix; empty matches every key of the bucket (and bucket-level operations).
+    #[serde(default)]
+    pub prefix: String,
+    /// How writes under the rule are fenced.
+    #[serde(default)]
+    pub mode: ProtectMode,
+    /// The resource tokens must name; unset accepts any resource (revisions come from one
+    /// counter, so they compare across resources).
+    #[serde(default)]
+    pub resource: Option<String>,
+}
+
+/// How writes matching a rule are fenced.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProtectMode {
+    /// The fence travels in each object's metadata; writes are conditional on its ETag.
+    #[default]
+    Object,
+    /// Writes pass through (verified and re-signed) without a token.
+    Off,
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:9080".parse().expect("literal address")
+}
+fn default_upstream() -> String {
+    "http://127.0.0.1:9000".to_owned()
+}
+fn default_region() -> String {
+    "us-east-1".to_owned()
+}
+fn default_upstream_secret_env() -> String {
+    "FENCEGATE_S3_UPSTREAM_SECRET".to_owned()
+}
+fn default_retry_buffer_bytes() -> usize {
+    16 * 1024 * 1024
+}
+fn default_max_attempts() -> u32 {
+    8
+}
+fn default_threads() -> usize {
+    2
+}
+
+impl Default for S3Config {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+            upstream: default_upstream(),
+            region: default_region(),
+            upstream_access_key: String::new(),
+            upstream_secret_env: default_upstream_secret_env(),
+            clients_env: None,
+            clients_file: None,
+            virtual_host_suffix: None,
+            retry_buffer_bytes: default_retry_buffer_bytes(),
+            max_attempts: default_max_attempts(),
+            threads: default_threads(),
+            protect: Vec::new(),
+        }
+    }
+}
+
+impl S3Config {
+    /// Checks values serde cannot.
+    pub fn validate(&self) -> Result<(), S3Error> {
+        if !(self.upstream.starts_with("http://") || self.upstream.starts_with("https://")) {
+            return Err(S3Error::Config(format!(
+                "upstream {:?} must start with http:// or https://",
+                self.upstream
+            )));
+        }
+        if self.upstream_access_key.is_empty() {
+            return Err(S3Error::Config(
+                "upstream_access_key is empty; the gateway signs upstream requests with its own credentials".to_owned(),
+            ));
+        }
+        if self.clients_env.is_none() && self.clients_file.is_none() {
+            return Err(S3Error::Config(
+                "set clients_env or clients_file: the gateway verifies every client's signature"
+                    .to_owned(),
+            ));
+        }
+        if self.max_attempts == 0 || self.max_attempts > 100 {
+            return Err(S3Error::Config("max_attempts must be 1 to 100".to_owned()));
+        }
+        if self.threads == 0 {
+            return Err(S3Error::Config("threads must be at least 1".to_owned()));
+        }
+        for rule in &self.protect {
+            if rule.bucket.is_empty() {
+                return Err(S3Error::Config(
+                    "a protect rule has an empty bucket".to_owned(),
+                ));
+            }
+            if let Some(resource) = &rule.resource {
+                fencegate_core::Resource::new(resource).map_err(|e| {
+                    S3Error::Config(format!("protect rule for {}: {e}", rule.bucket))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The first rule matching `bucket` and `key` (`None` key: a bucket-level operation, which
+    /// any rule for the bucket matches).
+    pub fn rule_for(&self, bucket: &str, key: Option<&str>) -> Option<&ProtectRule> {
+        self.protect.iter().find(|rule| {
+            rule.bucket == bucket
+                && match key {
+                    Some(key) => key.starts_with(&rule.prefix),
+                    None => true,
+                }
+        })
+    }
+}
+
+/// Parses client credentials: `AKID:secret` pairs separated by commas or newlines, or
+/// `AKID secret` lines; `#` starts a comment line.
+pub fn parse_credentials(text: &str) -> Result<Vec<(String, String)>, S3Error> {
+    let mut out = Vec::new();
+    for (n, item) in text
+        .split([',', '\n'])
+        .map(str::trim)
+        .enumerate()
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (id, secret) = item
+            .split_once(':')
+            .or_else(|| item.split_once(char::is_whitespace))
+            .ok_or_else(|| {
+                S3Error::Config(format!(
+                    "client credential entry {} is not `access_key:secret`",
+                    n + 1
+                ))
+            })?;
+        let (id, secret) = (id.trim(), secret.trim());
+        if id.is_empty() || secret.is_empty() {
+            return Err(S3Error::Config(format!(
+                "client credential entry {} has an empty access key or secret",
+                n + 1
+            )));
+        }
+        out.push((id.to_owned(), secret.to_owned()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_parse_both_forms() {
+        let got = parse_credentials("A:x, B:y\n# comment\nC z\n").unwrap();
+        assert_eq!(
+            got,
+            vec![
+                ("A".into(), "x".into()),
+                ("B".into(), "y".into()),
+                ("C".into(), "z".into())
+            ]
+        );
+        assert!(parse_credentials("nosecret").is_err());
+    }
+
+    #[test]
+    fn first_matching_rule_decides() {
+        let config = S3Config {
+            protect: vec![
+                ProtectRule {
+                    bucket: "b".into(),
+                    prefix: "tmp/".into(),
+                    mode: ProtectMode::Off,
+                    resource: None,
+                },
+                ProtectRule {
+                    bucket: "b".into(),
+                    prefix: String::new(),
+                    mode: ProtectMode::Object,
+                    resource: None,
+                },
+            ],
+            ..S3Config::default()
+        };
+        assert_eq!(
+            config.rule_for("b", Some("tmp/x")).unwrap().mode,
+            ProtectMode::Off
+        );
+        assert_eq!(
+            config.rule_for("b", Some("data/x")).unwrap().mode,
+            ProtectMode::Object
+        );
+        assert!(config.rule_for("other", Some("x")).is_none());
+    }
+}
