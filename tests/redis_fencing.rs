@@ -267,13 +267,23 @@ async fn racing_writers_n_and_n_plus_1() {
     let gw = RedisGateway::start("", &[]);
     let mut direct = connect(&gw.redis.url()).await;
     let url = gw.url();
+    // n+1 starts once n has applied 100 writes, so the two really overlap (no sleeps: n's
+    // progress is the signal).
+    let n_progress = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
     let writer = |name: &'static str, token: &'static str| {
         let url = url.clone();
+        let n_progress = n_progress.clone();
         tokio::spawn(async move {
             let mut con = connect(&url).await;
             fence(&mut con, token).await.unwrap();
+            if name == "n+1" {
+                let _ = n_progress.acquire().await.unwrap();
+            }
             let mut refused = 0;
             for i in 0..1000 {
+                if name == "n" && i == 100 {
+                    n_progress.add_permits(1);
+                }
                 // The data itself records the order writes applied in.
                 let entry = format!("{name}:{i}");
                 let r: RedisResult<i64> = q(&mut con, &["RPUSH", "race:log", &entry]).await;
@@ -312,6 +322,10 @@ async fn racing_writers_n_and_n_plus_1() {
         "writes of n applied after n+1's first write: {late_old:?}"
     );
     assert_eq!(log.iter().filter(|e| e.starts_with("n+1:")).count(), 1000);
+    assert!(
+        first_new >= 100,
+        "n applied its first 100 writes before n+1 started"
+    );
     for k in 0..10 {
         let v: String = q(&mut direct, &["GET", &format!("race:key:{k}")])
             .await
@@ -324,7 +338,78 @@ async fn racing_writers_n_and_n_plus_1() {
         "one audit record per refusal"
     );
     println!(
-        "done-means 4: n applied {} of 1000 (all before n+1's first write), n refused {} times, n+1 applied 1000",
+        "done-means 4: n applied {} entries, all before n+1's first write; n refused {} writes; n+1 applied all 1000",
         first_new, refused_a
     );
+}
+
+#[tokio::test]
+async fn transactions_keep_their_meaning() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    // Without a token, a protected write in MULTI aborts the whole transaction, as Redis does
+    // for a command refused at queue time.
+    let mut c = connect(&gw.url()).await;
+    let exec: RedisResult<redis::Value> = redis::pipe()
+        .atomic()
+        .cmd("SET")
+        .arg("a")
+        .arg("1")
+        .query_async(&mut c)
+        .await;
+    let err = exec.unwrap_err();
+    assert!(
+        err.to_string().contains("NOFENCE") || err.code() == Some("EXECABORT"),
+        "{err}"
+    );
+    let a: Option<String> = q(&mut direct, &["GET", "a"]).await.unwrap();
+    assert_eq!(a, None);
+
+    // With a token, MULTI/EXEC applies every command, replies unchanged.
+    fence(&mut c, "fg1~2~tx").await.unwrap();
+    let (x, y, z): (String, i64, String) = redis::pipe()
+        .atomic()
+        .cmd("SET")
+        .arg("a")
+        .arg("1")
+        .ignore()
+        .cmd("GET")
+        .arg("a")
+        .cmd("INCR")
+        .arg("n")
+        .cmd("ECHO")
+        .arg("e")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!((x.as_str(), y, z.as_str()), ("1", 1, "e"));
+
+    // WATCH still aborts EXEC when a watched key changed.
+    let _: () = q(&mut c, &["WATCH", "a"]).await.unwrap();
+    let mut other = connect(&gw.url()).await;
+    fence(&mut other, "fg1~2~tx").await.unwrap();
+    let _: () = q(&mut other, &["SET", "a", "changed"]).await.unwrap();
+    let _: () = q(&mut c, &["MULTI"]).await.unwrap();
+    let queued: String = q(&mut c, &["SET", "a", "mine"]).await.unwrap();
+    assert_eq!(queued, "QUEUED");
+    let exec: redis::Value = q(&mut c, &["EXEC"]).await.unwrap();
+    assert_eq!(exec, redis::Value::Nil);
+    let a: String = q(&mut direct, &["GET", "a"]).await.unwrap();
+    assert_eq!(a, "changed");
+}
+
+#[tokio::test]
+async fn the_fence_function_is_reloaded_after_a_flush() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let mut c = connect(&gw.url()).await;
+    fence(&mut c, "fg1~5~job").await.unwrap();
+    let _: () = q(&mut c, &["SET", "k", "1"]).await.unwrap();
+    let _: () = q(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
+    let _: () = q(&mut c, &["SET", "k", "2"]).await.unwrap();
+    let v: String = q(&mut direct, &["GET", "k"]).await.unwrap();
+    assert_eq!(v, "2");
+    let libs: redis::Value = q(&mut direct, &["FUNCTION", "LIST"]).await.unwrap();
+    assert!(format!("{libs:?}").contains("fencegate_v1"), "{libs:?}");
+    assert!(gw.log_text().contains("reloaded"), "{}", gw.log_text());
 }
