@@ -105,6 +105,11 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
                     args.len()
                 ));
             }
+            if info.blocks(args) {
+                return refuse(format!(
+                    "{name} would block, which it cannot do under the fence; use its non-blocking form"
+                ));
+            }
             if info.noscript {
                 return refuse(format!(
                     "{name} cannot run inside a script, so not under the fence"
@@ -164,6 +169,7 @@ mod tests {
             "FLUSHALL",
             "SORT k STORE d",
             "DEL fencegate:fence:{x}",
+            "BLPOP q 0",
         ] {
             assert!(
                 matches!(class(&c, refused), Class::Refuse { .. }),

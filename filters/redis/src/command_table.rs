@@ -26,6 +26,8 @@ pub struct CommandInfo {
     pub write: bool,
     /// Flagged `noscript`: cannot run inside a script, so cannot run under the fence.
     pub noscript: bool,
+    /// Flagged `blocking`: may block, which it cannot do inside a script.
+    pub blocking: bool,
     /// In the `@keyspace` ACL category.
     pub keyspace: bool,
     /// Has subcommands (look up `name|sub` instead).
@@ -172,6 +174,7 @@ fn add_entry(commands: &mut HashMap<String, CommandInfo>, entry: &Frame) -> Resu
         arity,
         write: flags.iter().any(|f| f == "write"),
         noscript: flags.iter().any(|f| f == "noscript"),
+        blocking: flags.iter().any(|f| f == "blocking"),
         keyspace: categories.iter().any(|c| c == "@keyspace"),
         container: !subcommands.is_empty(),
         key_specs,
@@ -295,6 +298,15 @@ impl CommandInfo {
             argc == self.arity
         } else {
             argc >= -self.arity
+        }
+    }
+
+    /// Whether this request would block: a `blocking` command, except `XREAD`/`XREADGROUP`,
+    /// which block only with a `BLOCK` argument.
+    pub fn blocks(&self, args: &[Bytes]) -> bool {
+        match self.name.as_str() {
+            "xread" | "xreadgroup" => args.iter().any(|a| a.eq_ignore_ascii_case(b"BLOCK")),
+            _ => self.blocking,
         }
     }
 
@@ -539,6 +551,14 @@ pub(crate) mod tests {
                 &["write"],
                 &["@write", "@string"],
                 vec![range(1, 0, 1, 0)],
+                vec![],
+            ),
+            entry(
+                "blpop",
+                -3,
+                &["write", "blocking"],
+                &["@write", "@list", "@blocking"],
+                vec![range(1, -2, 1, 0)],
                 vec![],
             ),
             entry("ping", -1, &["fast"], &["@connection"], vec![], vec![]),
