@@ -4,4 +4,6 @@
 
 pub mod cluster;
 pub mod redis_gateway;
+pub mod postgres_server;
 pub mod redis_server;
+pub mod s3_server;

@@ -16,9 +16,12 @@ pub mod config;
 pub mod error;
 pub mod error_xml;
 pub mod multi_delete;
+mod proxy;
 pub mod rewrite;
+mod session;
 pub mod sigv4_verify;
 pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, S3Config};
 pub use error::S3Error;
+pub use proxy::{GatewayHandle, S3Gateway};

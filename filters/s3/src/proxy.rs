@@ -1,0 +1,316 @@
+//! The pingora service: every request's signature is verified here; reads (`GET`/`HEAD`)
+//! stream through pingora's proxy, re-signed with the gateway's credentials; every other
+//! request is answered from `request_filter` by [`crate::session`] (like pingora's
+//! `rate_limiter` example answers from `request_filter`), because a fenced write takes several
+//! upstream round trips (HEAD, conditional write, retries) that one proxied request cannot.
+//!
+//! Runtime: pingora runs its own `Server` with its own runtimes. [`S3Gateway::start`] runs it
+//! on a dedicated OS thread with a shutdown watch that the node triggers (a pingora fast
+//! shutdown), so the node's tokio runtime and signal handling stay the node's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use async_trait::async_trait;
+use fencegate_core::{AuditSink, TokenPolicy};
+use pingora_core::server::configuration::ServerConf;
+use pingora_core::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_http::RequestHeader;
+use pingora_proxy::{ProxyHttp, Session};
+use tokio::sync::watch;
+
+use crate::config::{parse_credentials, S3Config};
+use crate::error::S3Error;
+use crate::rewrite::{Operation, Target};
+use crate::session::{respond_error, Shared, WriteSession};
+use crate::sigv4_verify::{self, SignedRequest};
+use crate::upstream::{Upstream, DROPPED_HEADERS};
+
+/// A configured S3 gateway, ready to start.
+pub struct S3Gateway {
+    shared: Arc<Shared>,
+}
+
+/// A running gateway; [`GatewayHandle::shutdown`] stops it.
+pub struct GatewayHandle {
+    stop: watch::Sender<bool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl S3Gateway {
+    /// A gateway for `config`, reading its secrets from the environment (and `clients_file`).
+    pub fn new(
+        config: S3Config,
+        policy: TokenPolicy,
+        audit: Arc<dyn AuditSink>,
+    ) -> Result<Self, S3Error> {
+        config.validate()?;
+        let secret = std::env::var(&config.upstream_secret_env).map_err(|_| {
+            S3Error::Config(format!(
+                "the environment variable {} (upstream_secret_env) is not set",
+                config.upstream_secret_env
+            ))
+        })?;
+        let mut clients = HashMap::new();
+        if let Some(var) = &config.clients_env {
+            let text = std::env::var(var).map_err(|_| {
+                S3Error::Config(format!(
+                    "the environment variable {var} (clients_env) is not set"
+                ))
+            })?;
+            clients.extend(parse_credentials(&text)?);
+        }
+        if let Some(path) = &config.clients_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| S3Error::Config(format!("clients_file {}: {e}", path.display())))?;
+            clients.extend(parse_credentials(&text)?);
+        }
+        let upstream = Upstream::new(
+            &config.upstream,
+            &config.region,
+            &config.upstream_access_key,
+            &secret,
+        )?;
+        Ok(Self {
+            shared: Arc::new(Shared::new(config, clients, upstream, policy, audit)?),
+        })
+    }
+
+    /// Starts the listener on its own thread and pingora runtime.
+    pub fn start(self) -> Result<GatewayHandle, S3Error> {
+        let config = &self.shared.config;
+        // Two rustls crypto providers are linked (pingora's aws-lc-rs, reqwest's ring); rustls
+        // needs one chosen for the process. An error means one is already installed: fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        // Fail early with a clear error if the address is taken (pingora would panic later).
+        drop(
+            std::net::TcpListener::bind(config.listen)
+                .map_err(|e| S3Error::Listen(format!("{}: {e}", config.listen)))?,
+        );
+        let conf = ServerConf {
+            threads: config.threads,
+            grace_period_seconds: Some(0),
+            graceful_shutdown_timeout_seconds: Some(1),
+            ..ServerConf::default()
+        };
+        let mut server = Server::new_with_opt_and_conf(None, conf);
+        server.bootstrap();
+        let mut service = pingora_proxy::http_proxy_service_with_name(
+            &server.configuration,
+            S3Proxy {
+                shared: self.shared.clone(),
+            },
+            "fencegate-s3",
+        );
+        service.add_tcp(&config.listen.to_string());
+        server.add_service(service);
+        let (stop, stop_rx) = watch::channel(false);
+        tracing::info!(listen = %config.listen, upstream = %self.shared.upstream.base, "S3 gateway started");
+        let thread = std::thread::Builder::new()
+            .name("fencegate-s3".into())
+            .spawn(move || {
+                server.run(RunArgs {
+                    shutdown_signal: Box::new(StopWatch(stop_rx)),
+                });
+            })
+            .map_err(|e| S3Error::Listen(e.to_string()))?;
+        Ok(GatewayHandle {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl GatewayHandle {
+    /// Stops the listener and waits for the pingora runtimes to exit.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for GatewayHandle {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+struct StopWatch(watch::Receiver<bool>);
+
+#[async_trait]
+impl ShutdownSignalWatch for StopWatch {
+    async fn recv(&self) -> ShutdownSignal {
+        let mut rx = self.0.clone();
+        let _ = rx.wait_for(|stop| *stop).await;
+        ShutdownSignal::FastShutdown
+    }
+}
+
+/// Per-request state.
+#[derive(Default)]
+pub struct RequestCtx {
+    target: Option<Target>,
+}
+
+struct S3Proxy {
+    shared: Arc<Shared>,
+}
+
+/// The request's headers with lower-case names; `None` if one is not UTF-8.
+fn collect_headers(req: &RequestHeader) -> Option<Vec<(String, String)>> {
+    req.headers
+        .iter()
+        .map(|(n, v)| {
+            v.to_str()
+                .ok()
+                .map(|v| (n.as_str().to_ascii_lowercase(), v.to_owned()))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl ProxyHttp for S3Proxy {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx::default()
+    }
+
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> pingora_core::Result<bool> {
+        let request_id = uuid::Uuid::new_v4().simple().to_string();
+        let req = session.req_header();
+        let method = req.method.as_str().to_owned();
+        let raw_path = req.uri.path().to_owned();
+        let raw_query = req.uri.query().unwrap_or("").to_owned();
+        let Some(headers) = collect_headers(req) else {
+            respond_error(
+                session,
+                400,
+                "InvalidArgument",
+                "a header value is not valid UTF-8",
+                &raw_path,
+                &request_id,
+            )
+            .await;
+            return Ok(true);
+        };
+        let signed = SignedRequest {
+            method: &method,
+            raw_path: &raw_path,
+            raw_query: &raw_query,
+            headers: &headers,
+        };
+        let verified = match sigv4_verify::verify(
+            &signed,
+            &self.shared.clients,
+            &self.shared.config.region,
+            time::OffsetDateTime::now_utc(),
+        ) {
+            Ok(v) => v,
+            Err(e) => {
+                let (status, code) = e.status_and_code();
+                tracing::info!(request_id, code, "client authentication refused");
+                respond_error(session, status, code, &e.message(), &raw_path, &request_id).await;
+                return Ok(true);
+            }
+        };
+        let host = headers
+            .iter()
+            .find(|(n, _)| n == "host")
+            .map(|(_, v)| v.as_str())
+            .unwrap_or("");
+        let target = Target::parse(
+            host,
+            &raw_path,
+            self.shared.config.virtual_host_suffix.as_deref(),
+        );
+        let query = crate::session::query_pairs(&raw_query);
+        let copy_source = headers.iter().any(|(n, _)| n == "x-amz-copy-source");
+        let operation = Operation::classify(&method, &query, target.key.is_some(), copy_source);
+        if operation == Operation::Read {
+            ctx.target = Some(target);
+            return Ok(false);
+        }
+        let mut write = WriteSession {
+            shared: &self.shared,
+            session,
+            request_id,
+            method,
+            raw_query,
+            headers,
+            verified,
+            target,
+            operation,
+        };
+        write.run().await;
+        Ok(true)
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> pingora_core::Result<Box<HttpPeer>> {
+        let up = &self.shared.upstream;
+        Ok(Box::new(HttpPeer::new(
+            (up.host.as_str(), up.port),
+            up.tls,
+            up.host.clone(),
+        )))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> pingora_core::Result<()> {
+        let target = ctx.target.clone().unwrap_or(Target {
+            bucket: None,
+            key: None,
+        });
+        let raw_query = session.req_header().uri.query().unwrap_or("").to_owned();
+        let path =
+            Upstream::path_and_query(target.bucket.as_deref(), target.key.as_deref(), &raw_query);
+        let mut headers: Vec<(String, String)> = collect_headers(upstream_request)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(n, _)| !DROPPED_HEADERS.contains(&n.as_str()))
+            .collect();
+        headers.push(("host".to_owned(), self.shared.upstream.host_header()));
+        let signature = self
+            .shared
+            .upstream
+            .sign(upstream_request.method.as_str(), &path, &headers)
+            .map_err(|e| {
+                pingora_core::Error::because(
+                    pingora_core::ErrorType::InternalError,
+                    "signing the upstream request",
+                    e,
+                )
+            })?;
+        let uri: http::Uri = path.parse().map_err(|e| {
+            pingora_core::Error::because(pingora_core::ErrorType::InternalError, "upstream uri", e)
+        })?;
+        for name in DROPPED_HEADERS {
+            upstream_request.remove_header(*name);
+        }
+        upstream_request.set_uri(uri);
+        for (name, value) in headers.into_iter().chain(signature) {
+            upstream_request.insert_header(name, value)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,122 @@
+//! Shared by the S3 gateway tests: moto on a free port, the gateway in-process on another,
+//! boto3 as the client.
+
+#![allow(dead_code)]
+
+#[path = "../../../tests/support/s3_server.rs"]
+pub mod s3_server;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencegate_core::{MemoryAuditSink, TokenKey, TokenPolicy};
+use fencegate_s3::{GatewayHandle, ProtectMode, ProtectRule, S3Config, S3Gateway};
+use s3_server::{free_s3_port, run_client, wait_for_port, MotoServer};
+use serde_json::Value;
+
+pub const ACCESS_KEY: &str = "AKIDFENCEGATETEST";
+pub const SECRET: &str = "client-secret-for-tests";
+const UPSTREAM_SECRET_ENV: &str = "FENCEGATE_TEST_S3_UPSTREAM_SECRET";
+
+/// moto + a gateway in front of it, protecting bucket `fenced` (object mode) and leaving
+/// bucket `open` unprotected.
+pub struct Harness {
+    pub moto: MotoServer,
+    gateway: Option<GatewayHandle>,
+    pub endpoint: String,
+    pub audit: Arc<MemoryAuditSink>,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    pub fn start() -> Self {
+        Self::with_policy(TokenPolicy::default())
+    }
+
+    pub fn with_key(key: &TokenKey) -> Self {
+        Self::with_policy(TokenPolicy {
+            key: Some(key.clone()),
+            accept_plain: false,
+        })
+    }
+
+    pub fn with_policy(policy: TokenPolicy) -> Self {
+        let moto = MotoServer::start();
+        let created = moto.direct(serde_json::json!([
+            {"op": "create_bucket", "bucket": "fenced"},
+            {"op": "create_bucket", "bucket": "open"},
+            {"op": "create_bucket", "bucket": "versioned", "versioning": true},
+        ]));
+        assert!(
+            created.as_array().unwrap().iter().all(|r| r["ok"] == true),
+            "{created}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let clients = dir.path().join("clients");
+        std::fs::write(&clients, format!("# test clients\n{ACCESS_KEY} {SECRET}\n")).unwrap();
+        // The same value every time, so concurrent tests setting it agree.
+        std::env::set_var(UPSTREAM_SECRET_ENV, "gateway-upstream-secret");
+        let port = free_s3_port();
+        let config = S3Config {
+            listen: format!("127.0.0.1:{port}").parse().unwrap(),
+            upstream: moto.endpoint.clone(),
+            upstream_access_key: "gateway".into(),
+            upstream_secret_env: UPSTREAM_SECRET_ENV.into(),
+            clients_file: Some(clients),
+            protect: vec![
+                ProtectRule {
+                    bucket: "fenced".into(),
+                    prefix: String::new(),
+                    mode: ProtectMode::Object,
+                    resource: None,
+                },
+                ProtectRule {
+                    bucket: "versioned".into(),
+                    prefix: String::new(),
+                    mode: ProtectMode::Object,
+                    resource: None,
+                },
+            ],
+            ..S3Config::default()
+        };
+        let audit = Arc::new(MemoryAuditSink::default());
+        let gateway = S3Gateway::new(config, policy, audit.clone())
+            .expect("gateway config")
+            .start()
+            .expect("gateway start");
+        wait_for_port(port, Duration::from_secs(10));
+        Self {
+            moto,
+            gateway: Some(gateway),
+            endpoint: format!("http://127.0.0.1:{port}"),
+            audit,
+            _dir: dir,
+        }
+    }
+
+    /// Runs boto3 steps through the gateway.
+    pub fn run(&self, steps: Value) -> Vec<Value> {
+        run_client(&self.endpoint, ACCESS_KEY, SECRET, steps)
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    /// Runs boto3 steps directly against moto (inspection behind the gateway's back).
+    pub fn direct(&self, steps: Value) -> Vec<Value> {
+        self.moto.direct(steps).as_array().unwrap().clone()
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.shutdown();
+        }
+    }
+}
+
+/// `fg1~<revision>~job`.
+pub fn token(revision: u64) -> String {
+    format!("fg1~{revision}~job")
+}
