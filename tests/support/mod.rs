@@ -4,6 +4,5 @@
 
 pub mod cluster;
 pub mod redis_gateway;
-pub mod postgres_server;
 pub mod redis_server;
 pub mod s3_server;
