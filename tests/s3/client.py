@@ -167,6 +167,9 @@ def step(s):
         return {"ok": True, "deleted": sorted(d["Key"] for d in r.get("Deleted", [])),
                 "errors": [{"key": e["Key"], "code": e["Code"]} for e in r.get("Errors", [])]}
     if op == "presigned_get":
+        # boto3 presigns with SigV2 unless asked for SigV4; the gateway verifies SigV4 only.
+        c = boto3.client("s3", endpoint_url=ENDPOINT, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                         region_name=REGION, config=Config(signature_version="s3v4", s3={"addressing_style": "path"}))
         url = c.generate_presigned_url("get_object", Params={"Bucket": b, "Key": k}, ExpiresIn=300)
         if s.get("tamper"):
             url = url.replace(k, k + "x", 1) if s["tamper"] == "key" else url[:-1] + ("0" if url[-1] != "0" else "1")

@@ -348,6 +348,11 @@ fn parse_auth(request: &SignedRequest<'_>) -> Result<AuthParts, AuthError> {
         )
     } else {
         let params: HashMap<String, String> = query_params(request.raw_query).into_iter().collect();
+        if params.contains_key("AWSAccessKeyId") {
+            return Err(AuthError::Malformed(
+                "signature version 2 is not supported; presign with SigV4 (s3v4)",
+            ));
+        }
         let signature = params
             .get("X-Amz-Signature")
             .ok_or(AuthError::Missing)?
