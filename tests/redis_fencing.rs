@@ -409,6 +409,20 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
     let _: () = q(&mut c, &["SET", "k", "2"]).await.unwrap();
     let v: String = q(&mut direct, &["GET", "k"]).await.unwrap();
     assert_eq!(v, "2");
+    // Pipelined writes behind a missing function: each is retried, replies stay in order.
+    let _: () = q(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
+    let mut pipe = redis::pipe();
+    for i in 0..50 {
+        pipe.cmd("SET").arg(format!("p:{i}")).arg(i);
+        pipe.cmd("INCR").arg("p:count");
+    }
+    let replies: Vec<redis::Value> = pipe.query_async(&mut c).await.unwrap();
+    for i in 0..50 {
+        assert_eq!(replies[2 * i], redis::Value::Okay, "{replies:?}");
+        assert_eq!(replies[2 * i + 1], redis::Value::Int(i as i64 + 1), "{replies:?}");
+    }
+    let v: String = q(&mut direct, &["GET", "p:49"]).await.unwrap();
+    assert_eq!(v, "49");
     let libs: redis::Value = q(&mut direct, &["FUNCTION", "LIST"]).await.unwrap();
     assert!(format!("{libs:?}").contains("fencegate_v1"), "{libs:?}");
     assert!(gw.log_text().contains("reloaded"), "{}", gw.log_text());

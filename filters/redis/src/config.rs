@@ -159,6 +159,32 @@ mod tests {
     }
 
     #[test]
+    fn parses_toml_with_defaults_and_refuses_unknown_keys() {
+        let c: RedisConfig = toml::from_str(
+            "listen = \"127.0.0.1:7000\"\n[[protect]]\npattern = \"cache:*\"\nmode = \"off\"\n[[protect]]\npattern = \"*\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.listen.port(), 7000);
+        assert_eq!(c.upstream, "127.0.0.1:6379");
+        assert_eq!(c.max_request_bytes, 64 * 1024 * 1024);
+        assert_eq!(c.mode_for(b"cache:1"), ProtectMode::Off);
+        assert_eq!(c.mode_for(b"x"), ProtectMode::Enforce);
+        let empty: RedisConfig = toml::from_str("").unwrap();
+        assert_eq!(empty.protect, default_protect());
+        let err = toml::from_str::<RedisConfig>("listen = \"127.0.0.1:7000\"\nupstrem = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown field `upstrem`") && err.contains("line 2"),
+            "{err}"
+        );
+        let err = toml::from_str::<RedisConfig>("[[protect]]\npattern = \"*\"\nmode = \"on\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown variant `on`"), "{err}");
+    }
+
+    #[test]
     fn first_matching_rule_decides() {
         let c = RedisConfig {
             protect: vec![
