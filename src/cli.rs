@@ -31,6 +31,21 @@ pub enum Command {
     /// Read and check the audit log of refused writes.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// PostgreSQL gateway tools.
+    #[command(subcommand)]
+    Postgres(PostgresCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PostgresCommand {
+    /// Install (or upgrade) the fence schema, table and guard function (fence.sql).
+    Install {
+        /// A libpq-style connection string or URL, e.g. "host=127.0.0.1 port=5432 user=postgres dbname=app".
+        #[arg(long, env = "FENCEGATE_PG_DSN")]
+        dsn: String,
+    },
+    /// Print fence.sql, to review it or install it with your own tools.
+    PrintSql,
 }
 
 /// Where `fencegate audit` finds the log.

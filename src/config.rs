@@ -38,6 +38,9 @@ pub struct Config {
     /// The Redis gateway; absent: no Redis listener.
     #[serde(default)]
     pub redis: Option<fencegate_redis::RedisConfig>,
+    /// The PostgreSQL gateway; absent: no PostgreSQL listener.
+    #[serde(default)]
+    pub postgres: Option<fencegate_postgres::PostgresConfig>,
     /// The audit log of refused writes.
     #[serde(default)]
     pub audit: crate::audit::AuditConfig,

@@ -3,6 +3,7 @@ mod audit;
 mod authority;
 mod cli;
 mod cli_audit;
+mod cli_postgres;
 mod client;
 mod config;
 mod lock_run;
@@ -64,6 +65,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         ),
         Command::Snapshot(command) => snapshot(command).await,
         Command::Audit(command) => cli_audit::run(command),
+        Command::Postgres(command) => cli_postgres::run(command).await,
     }
 }
 

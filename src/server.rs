@@ -31,6 +31,8 @@ pub enum ServeError {
     Audit(#[from] crate::audit::AuditError),
     #[error(transparent)]
     Redis(#[from] fencegate_redis::RedisError),
+    #[error(transparent)]
+    Postgres(#[from] fencegate_postgres::PostgresError),
 }
 
 /// Reads the token signing key named by `authority.token_key_env`, if any.
@@ -66,6 +68,20 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
                 tracing::error!(error = %e, "the Redis gateway stopped");
+            }
+        });
+    }
+    if let Some(postgres) = config.postgres.clone() {
+        let policy = fencegate_core::TokenPolicy {
+            key: key.clone(),
+            accept_plain: false,
+        };
+        let gateway = fencegate_postgres::Gateway::new(postgres, policy, audit.sink())?;
+        gateway.install_if_configured().await?;
+        let listener = gateway.bind().await?;
+        tokio::spawn(async move {
+            if let Err(e) = gateway.serve(listener).await {
+                tracing::error!(error = %e, "the PostgreSQL gateway stopped");
             }
         });
     }

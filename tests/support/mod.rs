@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod postgres_server;
 pub mod redis_gateway;
 pub mod redis_server;
 pub mod s3_server;

@@ -193,9 +193,9 @@ pub fn guard_sql(token: &Token) -> String {
     )
 }
 
-/// The guard as extended-protocol messages: Parse, Bind, Execute, Close portal, Close
-/// statement. The server answers ParseComplete, BindComplete, DataRow, CommandComplete,
-/// CloseComplete, CloseComplete.
+/// The guard as extended-protocol messages: Close portal, Close statement, Parse, Bind,
+/// Execute. The server answers CloseComplete, CloseComplete, ParseComplete, BindComplete,
+/// DataRow, CommandComplete.
 pub fn guard_messages(token: &Token) -> Bytes {
     let resource = token.resource().as_str().to_owned();
     let revision = token.revision().to_string();
@@ -247,6 +247,10 @@ pub fn refusal_message(rejection: &Rejection) -> String {
 
 fn call_messages(name: &str, sql: &str, params: &[&str]) -> Bytes {
     let mut buf = BytesMut::new();
+    // Close first: a guard that failed earlier was skipped before its own Close, and closing a
+    // name that does not exist is not an error.
+    frontend::close(b'P', name, &mut buf).expect("no NUL in a fixed name");
+    frontend::close(b'S', name, &mut buf).expect("no NUL in a fixed name");
     frontend::parse(name, sql, std::iter::empty(), &mut buf).expect("no NUL in generated SQL");
     frontend::bind(
         name,
@@ -263,8 +267,6 @@ fn call_messages(name: &str, sql: &str, params: &[&str]) -> Bytes {
     .map_err(|_| ())
     .expect("two text parameters always encode");
     frontend::execute(name, 0, &mut buf).expect("no NUL in a fixed name");
-    frontend::close(b'P', name, &mut buf).expect("no NUL in a fixed name");
-    frontend::close(b'S', name, &mut buf).expect("no NUL in a fixed name");
     buf.freeze()
 }
 
@@ -439,14 +441,14 @@ mod tests {
     }
 
     #[test]
-    fn guard_messages_are_five_frames() {
+    fn guard_messages_close_then_call() {
         let bytes = guard_messages(&token(7));
         let mut buf = BytesMut::from(&bytes[..]);
         let mut tags = Vec::new();
         while let Some(f) = crate::message::parse_frame(&mut buf, 1 << 16).unwrap() {
             tags.push(f.tag);
         }
-        assert_eq!(tags, b"PBECC".to_vec());
+        assert_eq!(tags, b"CCPBE".to_vec());
         assert_eq!(quote_literal("a'b\\c"), "E'a''b\\\\c'");
     }
 }

@@ -693,11 +693,11 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
                 ..info.clone()
             }));
             state.pending.extend([
+                Expect::Close(swallow()),
+                Expect::Close(swallow()),
                 Expect::Parse(swallow()),
                 Expect::Bind(swallow()),
                 Expect::Execute(decides),
-                Expect::Close(swallow()),
-                Expect::Close(swallow()),
                 Expect::Bind(Role::Client),
             ]);
             Ok(vec![rewrite::guard_messages(&token), frame.raw])
@@ -707,11 +707,11 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             shared.audit(&rejection, token.as_ref(), summary).await;
             let mut state = shared.lock();
             state.pending.extend([
+                Expect::Close(Role::Refusal),
+                Expect::Close(Role::Refusal),
                 Expect::Parse(Role::Refusal),
                 Expect::Bind(Role::Refusal),
                 Expect::Execute(Role::Refusal),
-                Expect::Close(Role::Refusal),
-                Expect::Close(Role::Refusal),
                 Expect::Bind(Role::Client),
             ]);
             // The server raises the refusal and then skips everything up to the client's Sync,
@@ -860,6 +860,10 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
             }
         }
         b'Z' => {
+            // Messages the server skipped after an error get no reply of their own.
+            while state.pending.front().is_some_and(Expect::is_extended) {
+                state.pending.pop_front();
+            }
             if matches!(state.pending.front(), Some(Expect::Sync | Expect::Query(_))) {
                 state.pending.pop_front();
             }

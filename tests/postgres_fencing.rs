@@ -1,0 +1,593 @@
+//! The PostgreSQL gateway against a real PostgreSQL, through the real `fencegate serve` process:
+//! logins, fenced writes in autocommit, explicit transactions, the extended protocol, COPY,
+//! reads relayed unchanged, pgbench, cancels and garbage.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use support::postgres_server::{PgGateway, CLEARTEXT_USER, MD5_USER, PASSWORD, SCRAM_USER};
+use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
+
+fn tok(revision: u64) -> String {
+    format!("fg1~{revision}~job")
+}
+
+async fn connect(dsn: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+/// Connects through the gateway with `token` as the startup option.
+async fn connect_with_token(gw: &PgGateway, token: &str) -> Client {
+    let dsn = format!(
+        "{} options='-c fencegate.token={token}'",
+        gw.dsn("postgres")
+    );
+    connect(&dsn).await
+}
+
+fn code(e: &tokio_postgres::Error) -> String {
+    e.code()
+        .map(|c| c.code().to_owned())
+        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
+}
+
+async fn count(direct: &Client, sql: &str) -> i64 {
+    direct.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+fn setup_table(gw: &PgGateway) {
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE TABLE items (id serial PRIMARY KEY, v int NOT NULL, who text NOT NULL)",
+    );
+}
+
+fn stale_records(gw: &PgGateway) -> Vec<serde_json::Value> {
+    gw.audit_records()
+        .into_iter()
+        .filter(|r| r["reason"] == "stale")
+        .collect()
+}
+
+/// Done-means 1: psql and tokio-postgres log in through the gateway with trust, SCRAM-SHA-256,
+/// MD5 and cleartext passwords; a wrong password is refused as it is directly.
+#[tokio::test(flavor = "multi_thread")]
+async fn logins_work_as_they_do_directly() {
+    let gw = PgGateway::start("", &[]);
+    let (code_, out, err) = gw.psql("postgres", "SELECT current_user", &[]);
+    assert_eq!(
+        (code_, out.trim()),
+        (0, "postgres"),
+        "trust via psql: {err}"
+    );
+    for user in [SCRAM_USER, MD5_USER, CLEARTEXT_USER] {
+        let (code_, out, err) = gw.psql(user, "SELECT current_user", &[("PGPASSWORD", PASSWORD)]);
+        assert_eq!((code_, out.trim()), (0, user), "{user} via psql: {err}");
+        let (code_, _, err) = gw.psql(user, "SELECT 1", &[("PGPASSWORD", "wrong")]);
+        assert_ne!(code_, 0, "{user} with a wrong password logged in");
+        assert!(err.contains("password authentication failed"), "{err}");
+    }
+    let trust = connect(&gw.dsn("postgres")).await;
+    let row = trust
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "postgres");
+    let scram = connect(&format!("{} password={PASSWORD}", gw.dsn(SCRAM_USER))).await;
+    let row = scram
+        .query_one("SELECT current_user::text", &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), SCRAM_USER);
+    // The server's own SSL refusal path: sslmode=prefer falls back to plain text.
+    let (code_, out, err) = gw.psql("postgres", "SELECT 2", &[("PGSSLMODE", "prefer")]);
+    assert_eq!((code_, out.trim()), (0, "2"), "{err}");
+    let (code_, _, err) = gw.psql("postgres", "SELECT 2", &[("PGSSLMODE", "require")]);
+    assert_ne!(code_, 0);
+    assert!(err.contains("SSL"), "{err}");
+}
+
+/// Done-means 2: autocommit INSERT with the current token commits; after a higher token wrote,
+/// the lower token's INSERT, UPDATE and DELETE each fail with FG001, nothing changes, and each
+/// leaves one audit record. Missing and malformed tokens get FG002 and FG003.
+#[tokio::test(flavor = "multi_thread")]
+async fn autocommit_writes_are_fenced() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let a = connect_with_token(&gw, &tok(5)).await;
+    a.execute("INSERT INTO items (v, who) VALUES (1, 'a')", &[])
+        .await
+        .unwrap();
+    a.simple_query("INSERT INTO items (v, who) VALUES (2, 'a')")
+        .await
+        .unwrap();
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 2);
+    assert_eq!(
+        count(
+            &direct,
+            "SELECT revision FROM fencegate.fences WHERE resource = 'job'"
+        )
+        .await,
+        5
+    );
+
+    let b = connect(&gw.dsn("postgres")).await;
+    b.simple_query(&format!("SET fencegate.token = '{}'", tok(6)))
+        .await
+        .unwrap();
+    b.simple_query("INSERT INTO items (v, who) VALUES (3, 'b')")
+        .await
+        .unwrap();
+    assert_eq!(
+        count(
+            &direct,
+            "SELECT revision FROM fencegate.fences WHERE resource = 'job'"
+        )
+        .await,
+        6
+    );
+
+    let before = count(&direct, "SELECT count(*) FROM items").await;
+    let sum_before = count(&direct, "SELECT sum(v)::bigint FROM items").await;
+    for sql in [
+        "INSERT INTO items (v, who) VALUES (100, 'a')",
+        "UPDATE items SET v = v + 1000",
+        "DELETE FROM items",
+    ] {
+        let e = a.simple_query(sql).await.expect_err(sql);
+        assert_eq!(code(&e), "FG001", "{sql}: {e}");
+        let db = e.as_db_error().unwrap();
+        assert!(
+            db.message().contains("job")
+                && db.message().contains('5')
+                && db.message().contains('6'),
+            "the message names resource, revision and fence: {}",
+            db.message()
+        );
+    }
+    // The extended protocol too.
+    let e = a
+        .execute("UPDATE items SET v = $1", &[&7i32])
+        .await
+        .expect_err("extended update");
+    assert_eq!(code(&e), "FG001");
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, before);
+    assert_eq!(
+        count(&direct, "SELECT sum(v)::bigint FROM items").await,
+        sum_before
+    );
+    let stale = stale_records(&gw);
+    assert_eq!(stale.len(), 4, "one audit record per refusal: {stale:#?}");
+    for r in &stale {
+        assert_eq!(r["store"], "postgres");
+        assert_eq!(r["resource"], "job");
+        assert_eq!(r["revision"], 5);
+        assert_eq!(r["fence"], 6);
+    }
+    let commands: Vec<&str> = stale
+        .iter()
+        .map(|r| r["operation"]["command"].as_str().unwrap())
+        .collect();
+    assert_eq!(commands, ["INSERT", "UPDATE", "DELETE", "UPDATE"]);
+
+    // No token: refused before anything is sent upstream; malformed: FG003.
+    let none = connect(&gw.dsn("postgres")).await;
+    let e = none
+        .simple_query("INSERT INTO items (v, who) VALUES (9, 'none')")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    let e = none
+        .execute("INSERT INTO items (v, who) VALUES ($1, 'none')", &[&9i32])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    let e = none
+        .simple_query("INSERT INTO items (v, who) VALUES (9, 'x') /* fencing_token='fg1~zz~job' */")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG003", "{e}");
+    // Reads need no token.
+    let rows = none.query("SELECT v FROM items", &[]).await.unwrap();
+    assert_eq!(rows.len() as i64, before);
+    // The statement's comment wins over the session token.
+    let e = b
+        .simple_query(&format!(
+            "INSERT INTO items (v, who) VALUES (9, 'b') /* fencing_token='{}' */",
+            tok(5)
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    a.simple_query(&format!(
+        "INSERT INTO items (v, who) VALUES (9, 'a') /* fencing_token='{}' */",
+        tok(6)
+    ))
+    .await
+    .unwrap();
+    // RESET drops the session token.
+    b.simple_query("RESET fencegate.token").await.unwrap();
+    let e = b.simple_query("DELETE FROM items").await.unwrap_err();
+    assert_eq!(code(&e), "FG002");
+    assert_eq!(
+        count(&direct, "SELECT count(*) FROM items").await,
+        before + 1
+    );
+    let reasons: Vec<String> = gw
+        .audit_records()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            "stale",
+            "stale",
+            "stale",
+            "stale",
+            "missing",
+            "missing",
+            "malformed",
+            "stale",
+            "missing"
+        ]
+    );
+    // psql with the startup option and a comment, as an unchanged app would.
+    let (c, _, err) = gw.psql(
+        "postgres",
+        "INSERT INTO items (v, who) VALUES (10, 'psql')",
+        &[("PGOPTIONS", &format!("-c fencegate.token={}", tok(6)))],
+    );
+    assert_eq!(c, 0, "{err}");
+    let (c, _, err) = gw.psql(
+        "postgres",
+        "INSERT INTO items (v, who) VALUES (11, 'psql')",
+        &[("PGOPTIONS", &format!("-c fencegate.token={}", tok(5)))],
+    );
+    assert_ne!(c, 0);
+    assert!(err.contains("stale token"), "{err}");
+}
+
+/// Done-means 3: `BEGIN; INSERT; INSERT; COMMIT` with a stale token commits nothing, sent
+/// statement by statement or as one query string; the current holder's transaction commits
+/// and is guarded once.
+#[tokio::test(flavor = "multi_thread")]
+async fn explicit_transactions_with_a_stale_token_commit_nothing() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let new = connect_with_token(&gw, &tok(8)).await;
+    new.simple_query("BEGIN").await.unwrap();
+    new.simple_query("INSERT INTO items (v, who) VALUES (1, 'new')")
+        .await
+        .unwrap();
+    new.simple_query("INSERT INTO items (v, who) VALUES (2, 'new')")
+        .await
+        .unwrap();
+    new.simple_query("COMMIT").await.unwrap();
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 2);
+
+    let old = connect_with_token(&gw, &tok(7)).await;
+    old.simple_query("BEGIN").await.unwrap();
+    let e = old
+        .simple_query("INSERT INTO items (v, who) VALUES (3, 'old')")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    let e = old
+        .simple_query("INSERT INTO items (v, who) VALUES (4, 'old')")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "25P02", "the transaction is aborted: {e}");
+    let done = old.simple_query("COMMIT").await.unwrap();
+    assert!(matches!(
+        done.last(),
+        Some(SimpleQueryMessage::CommandComplete(_))
+    ));
+    // One query string with the whole transaction.
+    let e = old
+        .simple_query(
+            "BEGIN; INSERT INTO items (v, who) VALUES (5, 'old'); INSERT INTO items (v, who) VALUES (6, 'old'); COMMIT",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    old.simple_query("ROLLBACK").await.unwrap();
+    // tokio-postgres' own transaction API (extended protocol inside BEGIN/COMMIT).
+    let mut old = old;
+    let tx = old.transaction().await.unwrap();
+    let e = tx
+        .execute("INSERT INTO items (v, who) VALUES ($1, 'old')", &[&7i32])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    let _ = tx.commit().await;
+    assert_eq!(
+        count(&direct, "SELECT count(*) FROM items WHERE who = 'old'").await,
+        0
+    );
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 2);
+    assert_eq!(stale_records(&gw).len(), 3);
+}
+
+/// Done-means 4: named and unnamed prepared statements with the session token are fenced the
+/// same way; a pipeline with an error in the middle behaves as it does directly.
+#[tokio::test(flavor = "multi_thread")]
+async fn extended_protocol_is_fenced_and_pipelines_behave_as_directly() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let new = connect(&gw.dsn("postgres")).await;
+    new.batch_execute(&format!("SET fencegate.token = '{}'", tok(3)))
+        .await
+        .unwrap();
+    // Named: prepare once, execute many times.
+    let insert = new
+        .prepare("INSERT INTO items (v, who) VALUES ($1, 'new')")
+        .await
+        .unwrap();
+    for v in 0..5i32 {
+        new.execute(&insert, &[&v]).await.unwrap();
+    }
+    // Unnamed statements.
+    for v in 5..8i32 {
+        new.query_typed(
+            "INSERT INTO items (v, who) VALUES ($1, 'new')",
+            &[(&v, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 8);
+
+    let old = connect(&gw.dsn("postgres")).await;
+    old.batch_execute(&format!("SET fencegate.token = '{}'", tok(2)))
+        .await
+        .unwrap();
+    let insert_old = old
+        .prepare("INSERT INTO items (v, who) VALUES ($1, 'old')")
+        .await
+        .unwrap();
+    let e = old.execute(&insert_old, &[&1i32]).await.unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    let e = old
+        .query_typed(
+            "UPDATE items SET v = $1",
+            &[(&1i32, tokio_postgres::types::Type::INT4)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001");
+    // The session stays usable after a refusal.
+    assert_eq!(old.query("SELECT 1", &[]).await.unwrap().len(), 1);
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 8);
+    assert_eq!(stale_records(&gw).len(), 2);
+
+    // A pipeline with a failing statement in the middle: compare with the server directly.
+    direct
+        .batch_execute("CREATE TABLE uniq (k int PRIMARY KEY)")
+        .await
+        .unwrap();
+    async fn pipeline(c: &Client, base: i32) -> Vec<Result<u64, String>> {
+        let s = c.prepare("INSERT INTO uniq (k) VALUES ($1)").await.unwrap();
+        let next = base + 1;
+        type Param<'a> = [&'a (dyn tokio_postgres::types::ToSql + Sync); 1];
+        let (p1, p2, p3): (Param, Param, Param) = ([&base], [&base], [&next]);
+        let (a, b, d) = tokio::join!(c.execute(&s, &p1), c.execute(&s, &p2), c.execute(&s, &p3));
+        [a, b, d]
+            .into_iter()
+            .map(|r| r.map_err(|e| code(&e)))
+            .collect()
+    }
+    let via_direct = pipeline(&direct, 100).await;
+    let via_gateway = pipeline(&new, 200).await;
+    assert_eq!(via_direct, via_gateway);
+    assert_eq!(via_gateway[1], Err("23505".to_owned()));
+    assert_eq!(count(&direct, "SELECT count(*) FROM uniq").await, 4);
+}
+
+/// Done-means 5: `COPY ... FROM STDIN` with a stale token is refused and copies nothing; with
+/// the current token it copies.
+#[tokio::test(flavor = "multi_thread")]
+async fn copy_from_stdin_is_fenced() {
+    use futures_util::SinkExt;
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let new = connect_with_token(&gw, &tok(11)).await;
+    let sink = new.copy_in("COPY items (v, who) FROM STDIN").await.unwrap();
+    let mut sink = Box::pin(sink);
+    sink.send(bytes::Bytes::from_static(b"1\tnew\n2\tnew\n"))
+        .await
+        .unwrap();
+    assert_eq!(sink.as_mut().finish().await.unwrap(), 2);
+
+    let old = connect_with_token(&gw, &tok(10)).await;
+    let e = match old
+        .copy_in::<_, bytes::Bytes>("COPY items (v, who) FROM STDIN")
+        .await
+    {
+        Err(e) => e,
+        Ok(sink) => {
+            let mut sink = Box::pin(sink);
+            let _ = sink.send(bytes::Bytes::from_static(b"3\told\n")).await;
+            sink.as_mut().finish().await.unwrap_err()
+        }
+    };
+    assert_eq!(code(&e), "FG001");
+    // psql's \copy uses the same COPY FROM STDIN.
+    let (c, _, err) = gw.psql(
+        "postgres",
+        "COPY items (v, who) FROM STDIN",
+        &[("PGOPTIONS", &format!("-c fencegate.token={}", tok(10)))],
+    );
+    assert_ne!(c, 0);
+    assert!(err.contains("stale token"), "{err}");
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 2);
+    assert_eq!(
+        count(&direct, "SELECT count(*) FROM items WHERE who = 'old'").await,
+        0
+    );
+    assert_eq!(stale_records(&gw).len(), 2);
+}
+
+/// Done-means 7: pgbench -S runs through the gateway, and a SELECT reaches the server
+/// byte-for-byte as the client sent it.
+#[tokio::test(flavor = "multi_thread")]
+async fn pgbench_select_only_and_reads_are_relayed_unchanged() {
+    let gw = PgGateway::start("", &[]);
+    let init = Command::new("pgbench")
+        .args(["-i", "-s", "1", "-q", "-h", "127.0.0.1"])
+        .args(["-p", &gw.pg.port.to_string(), "-U", "postgres", "postgres"])
+        .output()
+        .expect("pgbench -i (apt-get install postgresql-contrib / postgresql-client)");
+    assert!(
+        init.status.success(),
+        "{}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let run = Command::new("pgbench")
+        .args([
+            "-S",
+            "-n",
+            "-c",
+            "4",
+            "-j",
+            "2",
+            "-t",
+            "250",
+            "-h",
+            "127.0.0.1",
+        ])
+        .args(["-p", &gw.port.to_string(), "-U", "postgres", "postgres"])
+        .output()
+        .expect("pgbench -S");
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        out.contains("number of transactions actually processed: 1000/1000"),
+        "{out}"
+    );
+    // Extended (prepared) protocol too.
+    let run = Command::new("pgbench")
+        .args([
+            "-S",
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            "2",
+            "-t",
+            "100",
+            "-h",
+            "127.0.0.1",
+        ])
+        .args(["-p", &gw.port.to_string(), "-U", "postgres", "postgres"])
+        .output()
+        .expect("pgbench -S -M prepared");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+
+    // Byte-for-byte: odd spacing, a comment and a trailing semicolon arrive as sent.
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    direct
+        .batch_execute("ALTER SYSTEM SET log_statement = 'all'")
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let marker = "SELECT   42 AS  \"odd\"  /* keep me */ ;";
+    let (c, out, err) = gw.psql("postgres", marker, &[]);
+    assert_eq!((c, out.trim()), (0, "42"), "{err}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if gw.pg.log_text().contains(&format!("statement: {marker}")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server log does not show the statement unchanged:\n{}",
+            gw.pg.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Done-means 8: garbage gets an error and a closed connection; other sessions keep working.
+/// Also: a cancel request reaches the right backend, notices pass through.
+#[tokio::test(flavor = "multi_thread")]
+async fn garbage_is_refused_and_cancels_reach_the_backend() {
+    let gw = PgGateway::start("", &[]);
+    let other = connect_with_token(&gw, &tok(1)).await;
+    assert_eq!(other.query("SELECT 1", &[]).await.unwrap().len(), 1);
+
+    // Garbage instead of a startup packet.
+    let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    assert_eq!(reply.first(), Some(&b'E'), "{reply:?}");
+    assert!(String::from_utf8_lossy(&reply).contains("08P01"));
+
+    // Garbage after a good login.
+    let mut s = TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut startup = Vec::new();
+    let body = b"\0\x03\0\0user\0postgres\0database\0postgres\0\0";
+    startup.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+    startup.extend_from_slice(body);
+    s.write_all(&startup).unwrap();
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    while !seen.windows(6).any(|w| w == b"Z\0\0\0\x05I") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed before ReadyForQuery");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0x00, 0x11, 0x22, 0x33, 0x44])
+        .unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    assert_eq!(reply.first(), Some(&b'E'), "{reply:?}");
+    assert!(String::from_utf8_lossy(&reply).contains("08P01"));
+
+    // The other session still works, and can write with its token.
+    other
+        .batch_execute("CREATE TABLE t (a int); INSERT INTO t VALUES (1)")
+        .await
+        .unwrap();
+    assert_eq!(other.query("SELECT a FROM t", &[]).await.unwrap().len(), 1);
+
+    // Cancel: the request reaches the backend running the query.
+    let cancel = other.cancel_token();
+    let sleeper = tokio::spawn(async move { other.simple_query("SELECT pg_sleep(30)").await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cancel.cancel_query(NoTls).await.unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(10), sleeper)
+        .await
+        .expect("the cancel reached the backend")
+        .unwrap();
+    assert_eq!(code(&result.unwrap_err()), "57014");
+}

@@ -1,0 +1,369 @@
+//! A real PostgreSQL (initdb into a temp dir, run as the `postgres` OS user, on a free loopback
+//! port) and a `fencegate serve` process whose `[postgres]` gateway relays to it. Both stop on
+//! drop.
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::cluster::free_port;
+
+/// Users the harness creates, with the login each one uses (see `pg_hba.conf` below).
+pub const SCRAM_USER: &str = "scram_user";
+pub const MD5_USER: &str = "md5_user";
+pub const CLEARTEXT_USER: &str = "cleartext_user";
+pub const PASSWORD: &str = "s3cret-Pa55";
+
+/// Where Debian and Ubuntu install the server binaries; `PG_BIN` overrides.
+fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    for version in ["17", "16", "15", "14"] {
+        let dir = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
+        if dir.join("initdb").exists() {
+            return dir;
+        }
+    }
+    panic!(
+        "PostgreSQL server binaries (initdb, pg_ctl) not found under /usr/lib/postgresql/*/bin; \
+         install them with `apt-get install postgresql` (or set PG_BIN)"
+    );
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Runs a server binary as the `postgres` OS user (PostgreSQL refuses to run as root).
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn check(output: std::io::Result<Output>, what: &str) -> Output {
+    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A running PostgreSQL server.
+pub struct PgServer {
+    /// Where it listens (127.0.0.1).
+    pub port: u16,
+    bin: PathBuf,
+    data: PathBuf,
+    dir: TempDir,
+}
+
+impl PgServer {
+    /// initdb, configure trust + SCRAM + MD5 + cleartext logins, start, wait until it answers.
+    pub fn start() -> Self {
+        let bin = bin_dir();
+        let dir = tempfile::tempdir().expect("temp dir");
+        if is_root() {
+            check(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .output(),
+                "chown the temp dir to postgres",
+            );
+        }
+        let data = dir.path().join("data");
+        check(
+            as_postgres(&bin.join("initdb"))
+                .arg("-D")
+                .arg(&data)
+                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
+                .output(),
+            "initdb",
+        );
+        let hba = format!(
+            "host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
+             host all {MD5_USER} 127.0.0.1/32 md5\n\
+             host all {CLEARTEXT_USER} 127.0.0.1/32 password\n\
+             host all all 127.0.0.1/32 trust\n\
+             local all all trust\n"
+        );
+        std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        let port = free_port();
+        let sockdir = dir.path().join("sock");
+        std::fs::create_dir(&sockdir).unwrap();
+        if is_root() {
+            check(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .output(),
+                "chown the socket dir",
+            );
+        }
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
+            sockdir.display()
+        );
+        check(
+            as_postgres(&bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&data)
+                .arg("-l")
+                .arg(dir.path().join("server.log"))
+                .args(["-o", &options, "-w", "-t", "60", "start"])
+                .stdout(Stdio::null())
+                .output(),
+            "pg_ctl start",
+        );
+        let server = Self {
+            port,
+            bin,
+            data,
+            dir,
+        };
+        server.wait_ready(Duration::from_secs(30));
+        server.psql_as(
+            "postgres",
+            &format!(
+                "CREATE ROLE {SCRAM_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';\
+                 SET password_encryption = 'md5';\
+                 CREATE ROLE {MD5_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';\
+                 RESET password_encryption;\
+                 CREATE ROLE {CLEARTEXT_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';"
+            ),
+        );
+        server
+    }
+
+    fn wait_ready(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = TcpStream::connect(self.addr()).is_ok()
+                && Command::new("psql")
+                    .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                    .args(["-U", "postgres", "-d", "postgres", "-Atqc", "SELECT 1"])
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "PostgreSQL on port {} did not accept a connection within {within:?}:\n{}",
+                self.port,
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `127.0.0.1:port`.
+    pub fn addr(&self) -> SocketAddr {
+        format!("127.0.0.1:{}", self.port).parse().unwrap()
+    }
+
+    /// A libpq key/value DSN for `user` on database `postgres`, directly (not via the gateway).
+    pub fn dsn(&self, user: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} dbname=postgres",
+            self.port
+        )
+    }
+
+    /// Runs `sql` with psql directly against the server; returns stdout (unaligned, tuples only).
+    pub fn psql_as(&self, user: &str, sql: &str) -> String {
+        let out = check(
+            Command::new("psql")
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", user])
+                .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
+                .output(),
+            "psql",
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// The server log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = as_postgres(&self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A `fencegate serve` node with a `[postgres]` gateway in front of its own [`PgServer`].
+pub struct PgGateway {
+    child: Child,
+    /// The upstream server (connect to it directly to check what was stored).
+    pub pg: PgServer,
+    /// The gateway's port on 127.0.0.1.
+    pub port: u16,
+    /// The audit log directory.
+    pub audit_dir: PathBuf,
+    /// The node's stderr.
+    pub log: PathBuf,
+    dir: TempDir,
+}
+
+impl PgGateway {
+    /// Starts PostgreSQL, installs fence.sql with `fencegate postgres install`, then starts a
+    /// node; `extra` is appended to the `[postgres]` section, `env` given to the process.
+    pub fn start(extra: &str, env: &[(&str, &str)]) -> Self {
+        let pg = PgServer::start();
+        let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+        assert_eq!(code, 0, "fencegate postgres install failed:\n{out}\n{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let api = free_port();
+        let audit_dir = dir.path().join("audit");
+        let config = dir.path().join("fencegate.toml");
+        let text = format!(
+            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n[postgres]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{upstream}\"\n{extra}\n",
+            data = dir.path().join("data").display(),
+            audit = audit_dir.display(),
+            upstream = pg.addr(),
+        );
+        std::fs::write(&config, text).unwrap();
+        let log = dir.path().join("fencegate.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap())
+            .spawn()
+            .expect("start fencegate serve");
+        let mut gateway = Self {
+            child,
+            pg,
+            port,
+            audit_dir,
+            log,
+            dir,
+        };
+        gateway.wait_ready(Duration::from_secs(30));
+        gateway
+    }
+
+    fn wait_ready(&mut self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "fencegate exited ({status}) before it served PostgreSQL:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fencegate's PostgreSQL gateway did not listen within {within:?}:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A libpq key/value DSN for `user` through the gateway.
+    pub fn dsn(&self, user: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} dbname=postgres",
+            self.port
+        )
+    }
+
+    /// Runs psql through the gateway with `extra` environment (e.g. `PGPASSWORD`,
+    /// `PGOPTIONS`); returns (exit code, stdout, stderr).
+    pub fn psql(&self, user: &str, sql: &str, env: &[(&str, &str)]) -> (i32, String, String) {
+        let out = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", user])
+            .args(["-d", "postgres", "-X", "-v", "ON_ERROR_STOP=1", "-Atq"])
+            .args(["-c", sql])
+            .envs(env.iter().copied())
+            .output()
+            .expect("run psql");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// The node's stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every audit record written so far, parsed.
+    pub fn audit_records(&self) -> Vec<serde_json::Value> {
+        let mut names: Vec<PathBuf> = std::fs::read_dir(&self.audit_dir)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default();
+        names.sort_by_key(|p| (p.file_name().unwrap() == "audit.jsonl", p.clone()));
+        names
+            .iter()
+            .flat_map(|p| {
+                std::fs::read_to_string(p)
+                    .unwrap()
+                    .lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The temp dir holding config, data and logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for PgGateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `fencegate` with `args`; returns (exit code, stdout, stderr).
+pub fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(args)
+        .output()
+        .expect("run fencegate");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
