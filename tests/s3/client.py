@@ -185,7 +185,6 @@ def step(s):
         headers = dict(s.get("headers", {}))
         req = AWSRequest(method=s["method"], url=url, data=body, headers=headers)
         if s.get("sign", True):
-            req.context["payload_signing_enabled"] = False
             if "x-amz-content-sha256" not in {h.lower() for h in headers}:
                 req.headers["x-amz-content-sha256"] = hashlib.sha256(body).hexdigest()
             SigV4Auth(Credentials(KEY, SECRET), "s3", REGION).add_auth(req)
@@ -196,11 +195,75 @@ def step(s):
                 return {"ok": True, "status": resp.status, "body": resp.read().decode("latin-1")}
         except urllib.error.HTTPError as e:
             return {"ok": False, "status": e.code, "body": e.read().decode("latin-1")}
+    if op == "chunked":
+        return chunked(s)
     if op == "race":
         return race(s)
     if op == "pattern_sha256":
         return {"ok": True, "sha256": pattern_sha256(s["size"], s.get("seed", "fencegate").encode())}
     raise ValueError(f"unknown op {op}")
+
+
+def chunked(s):
+    """A PUT with an aws-chunked body built by hand: `mode` "signed" (STREAMING-AWS4-HMAC-SHA256-
+    PAYLOAD, chunk signatures chained from the request's) or "trailer" (STREAMING-UNSIGNED-
+    PAYLOAD-TRAILER with a CRC32 trailer); `tamper` "signature" or "framing" breaks it."""
+    import base64
+    import hmac
+    import zlib
+    chunks = [c.encode() for c in s["chunks"]]
+    data = b"".join(chunks)
+    mode = s.get("mode", "signed")
+    payload = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD" if mode == "signed" else "STREAMING-UNSIGNED-PAYLOAD-TRAILER"
+    headers = {"x-amz-content-sha256": payload, "content-encoding": "aws-chunked",
+               "x-amz-decoded-content-length": str(len(data)),
+               # urllib's default (form-urlencoded) makes moto's werkzeug eat the body.
+               "content-type": "application/octet-stream"}
+    if mode == "trailer":
+        headers["x-amz-trailer"] = "x-amz-checksum-crc32"
+    if s.get("token"):
+        headers["Fencing-Token"] = s["token"]
+    url = ENDPOINT + "/" + s["bucket"] + "/" + s["key"]
+    req = AWSRequest(method="PUT", url=url, data=b"", headers=headers)
+    auth = SigV4Auth(Credentials(KEY, SECRET), "s3", REGION)
+    # The body length is signed (content-length); compute it before signing.
+    def frame(sig_for):
+        out = b""
+        for c in chunks + [b""]:
+            ext = (";chunk-signature=" + sig_for(c)) if mode == "signed" else ""
+            out += f"{len(c):x}{ext}".encode() + b"\r\n" + c + (b"\r\n" if c else b"")
+        if mode == "trailer":
+            crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+            out += f"x-amz-checksum-crc32:{crc}\r\n".encode()
+        return out + b"\r\n"
+    length = len(frame(lambda c: "0" * 64))
+    req.headers["Content-Length"] = str(length)
+    auth.add_auth(req)
+    seed = req.headers["Authorization"].split("Signature=")[1]
+    amz_date = req.headers["X-Amz-Date"]
+    scope = f"{amz_date[:8]}/{REGION}/s3/aws4_request"
+    def sign(msg, k):
+        return hmac.new(k, msg.encode(), hashlib.sha256).digest()
+    k = sign(amz_date[:8], ("AWS4" + SECRET).encode())
+    k = sign("aws4_request", sign("s3", sign(REGION, k)))
+    prev = [seed]
+    def sig_for(c):
+        sts = "\n".join(["AWS4-HMAC-SHA256-PAYLOAD", amz_date, scope, prev[0],
+                          hashlib.sha256(b"").hexdigest(), hashlib.sha256(c).hexdigest()])
+        prev[0] = hmac.new(k, sts.encode(), hashlib.sha256).hexdigest()
+        return prev[0]
+    body = frame(sig_for)
+    if s.get("tamper") == "signature":
+        body = body.replace(chunks[0], chunks[0][:-1] + b"X", 1)
+    elif s.get("tamper") == "framing":
+        body = b"zz" + body[2:]
+    prepared = req.prepare()
+    r = urllib.request.Request(url, data=body, method="PUT", headers=dict(prepared.headers))
+    try:
+        with urllib.request.urlopen(r, timeout=30) as resp:
+            return {"ok": True, "status": resp.status}
+    except urllib.error.HTTPError as e:
+        return {"ok": False, "status": e.code, "body": e.read().decode("latin-1")}
 
 
 def race(s):

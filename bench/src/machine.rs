@@ -1,0 +1,51 @@
+//! What the figures were measured on.
+
+use std::process::Command;
+
+pub fn describe() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_owned())
+        })
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or("?".into(), |kb| {
+            format!("{:.1} GiB", kb as f64 / 1024.0 / 1024.0)
+        });
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_default();
+    format!(
+        "{cores} cores ({cpu}), {memory} memory, kernel {}",
+        version(&["uname", "-r"])
+    )
+}
+
+/// First line a command prints about its own version, or "not found".
+pub fn version(command: &[&str]) -> String {
+    Command::new(command[0])
+        .args(&command[1..])
+        .output()
+        .ok()
+        .map(|o| {
+            String::from_utf8_lossy(if o.stdout.is_empty() {
+                &o.stderr
+            } else {
+                &o.stdout
+            })
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_owned()
+        })
+        .unwrap_or_else(|| "not found".into())
+}

@@ -1,0 +1,71 @@
+//! Servers under test: real processes on free loopback ports, killed on drop.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A child process that is killed when dropped.
+pub struct Server {
+    child: Child,
+}
+
+impl Server {
+    pub fn start(name: &str, command: &mut Command, log: PathBuf) -> anyhow::Result<Self> {
+        let log =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {name} ({command:?}); is it installed?"))?;
+        Ok(Self { child })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `fencegate` binary built next to this one.
+pub fn fencegate_binary() -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let path = me.with_file_name("fencegate");
+    if !path.exists() {
+        bail!(
+            "{} not found; build it with: cargo build --release -p fencegate -p fencegate-bench",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Polls `probe` until it yields a value, for at most 30 s.
+pub async fn wait_for<T, F, Fut>(what: &str, mut probe: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(value) = probe().await {
+            return Ok(value);
+        }
+        if Instant::now() > deadline {
+            bail!("{what} was not ready after 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
