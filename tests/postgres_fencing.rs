@@ -591,3 +591,55 @@ async fn garbage_is_refused_and_cancels_reach_the_backend() {
         .unwrap();
     assert_eq!(code(&result.unwrap_err()), "57014");
 }
+
+/// With `tls_cert`/`tls_key`, SSLRequest is accepted and TLS terminated with rustls; psql with
+/// `sslmode=require` connects, logs in with SCRAM and is fenced as over plain TCP.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_is_terminated_when_a_certificate_is_configured() {
+    let certs = tempfile::tempdir().unwrap();
+    let cert = certs.path().join("cert.pem");
+    let key = certs.path().join("key.pem");
+    let out = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=localhost", "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl (apt-get install openssl) makes the test certificate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let extra = format!(
+        "tls_cert = \"{}\"\ntls_key = \"{}\"\n",
+        cert.display(),
+        key.display()
+    );
+    let gw = PgGateway::start(&extra, &[]);
+    setup_table(&gw);
+    let tls = [("PGSSLMODE", "require"), ("PGPASSWORD", PASSWORD)];
+    let (c, out, err) = gw.psql(SCRAM_USER, "\\conninfo", &tls);
+    assert_eq!(c, 0, "{err}");
+    assert!(out.contains("SSL connection"), "{out}");
+    let (c, _, err) = gw.psql(
+        SCRAM_USER,
+        "INSERT INTO items (v, who) VALUES (1, 'tls') /* fencing_token='fg1~2~job' */",
+        &tls,
+    );
+    assert_eq!(c, 0, "{err}");
+    let (c, _, err) = gw.psql(
+        SCRAM_USER,
+        "INSERT INTO items (v, who) VALUES (2, 'tls') /* fencing_token='fg1~1~job' */",
+        &tls,
+    );
+    assert_ne!(c, 0);
+    assert!(err.contains("stale token"), "{err}");
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM items"), "1");
+    // Plain connections still work next to TLS ones.
+    let (c, out, err) = gw.psql("postgres", "SELECT 3", &[("PGSSLMODE", "disable")]);
+    assert_eq!((c, out.trim()), (0, "3"), "{err}");
+}

@@ -12,9 +12,12 @@
 //! install_on_start = false         # run fence.sql at startup (needs install_dsn_env)
 //! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding a libpq-style DSN for the install
 //! max_message_bytes = 67108864     # larger client messages: 08P01 and the connection closes
+//! tls_cert = "/etc/fencegate/pg.crt" # optional PEM chain; with tls_key, SSLRequest is accepted
+//! tls_key = "/etc/fencegate/pg.key"  # and TLS terminated with rustls (else SSLRequest gets 'N')
 //! ```
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use fencegate_core::Resource;
 use serde::Deserialize;
@@ -53,6 +56,12 @@ pub struct PostgresConfig {
     /// The largest message accepted from a client, in bytes.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
+    /// PEM certificate chain for client TLS (with `tls_key`).
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for client TLS (with `tls_cert`).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
 }
 
 fn default_listen() -> SocketAddr {
@@ -83,6 +92,8 @@ impl Default for PostgresConfig {
             install_on_start: false,
             install_dsn_env: None,
             max_message_bytes: default_max_message_bytes(),
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -103,6 +114,11 @@ impl PostgresConfig {
         if self.accept_plain && self.resource.is_none() {
             return Err(PostgresError::Config(
                 "accept_plain needs `resource` (a plain token names no resource)".to_owned(),
+            ));
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(PostgresError::Config(
+                "tls_cert and tls_key go together".to_owned(),
             ));
         }
         if self.install_on_start && self.install_dsn_env.is_none() {

@@ -17,6 +17,7 @@ pub struct Gateway {
     pub(crate) policy: TokenPolicy,
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) route: Option<Resource>,
+    pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
     connections: AtomicU64,
 }
 
@@ -31,11 +32,16 @@ impl Gateway {
         config.validate()?;
         policy.accept_plain = config.accept_plain;
         let route = config.route();
+        let tls = match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => Some(crate::tls::acceptor(cert, key)?),
+            _ => None,
+        };
         Ok(Arc::new(Self {
             config,
             policy,
             sink,
             route,
+            tls,
             connections: AtomicU64::new(0),
         }))
     }

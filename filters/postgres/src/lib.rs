@@ -22,6 +22,7 @@ pub mod message;
 pub mod rewrite;
 mod session;
 pub mod sqlstate;
+pub mod tls;
 
 pub use config::PostgresConfig;
 pub use error::PostgresError;

@@ -345,6 +345,20 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn get_mut(&mut self) -> &mut R {
         &mut self.stream
     }
+
+    /// The stream and the bytes read past the last frame.
+    pub fn into_parts(self) -> (R, BytesMut) {
+        (self.stream, self.buffer)
+    }
+
+    /// A reader that starts with `buffer` already received.
+    pub fn with_buffer(stream: R, buffer: BytesMut, max: usize) -> Self {
+        Self {
+            stream,
+            buffer,
+            max,
+        }
+    }
 }
 
 #[cfg(test)]

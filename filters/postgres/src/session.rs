@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
-use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter, ReadHalf, WriteHalf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -26,6 +26,7 @@ use crate::gateway::Gateway;
 use crate::message::{self, ErrorFields, Frame, FrameReader, Startup};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
+use crate::tls::ClientStream;
 
 /// The largest message the server may send us (PostgreSQL's own limit is 1 GiB).
 const MAX_BACKEND_MESSAGE: usize = 1 << 30;
@@ -183,17 +184,18 @@ async fn session(
     peer: SocketAddr,
     conn: u64,
 ) -> Result<(), PostgresError> {
-    let (client_read, mut client_write) = client.into_split();
-    let mut client_read = FrameReader::new(client_read, gateway.config.max_message_bytes);
+    let max = gateway.config.max_message_bytes;
+    let mut client_read = FrameReader::new(ClientStream::Plain(client), max);
 
-    // Startup: SSL/GSS requests are refused (no TLS configured), cancels relayed.
+    // Startup: SSLRequest is accepted when a certificate is configured (TLS terminated here)
+    // and refused with 'N' otherwise; GSSENCRequest is refused; cancels are relayed.
     let params = loop {
         let startup = match client_read.read_startup().await {
             Ok(Some(s)) => s,
             Ok(None) => return Ok(()),
             Err(e) => {
                 fatal(
-                    &mut client_write,
+                    client_read.get_mut(),
                     sqlstate::PROTOCOL_VIOLATION,
                     &e.to_string(),
                 )
@@ -205,13 +207,32 @@ async fn session(
             Startup::Ssl | Startup::Gss => {
                 if client_read.has_buffered() {
                     let msg = "data received after an encryption request before its answer";
-                    fatal(&mut client_write, sqlstate::PROTOCOL_VIOLATION, msg).await;
+                    fatal(client_read.get_mut(), sqlstate::PROTOCOL_VIOLATION, msg).await;
                     return Err(PostgresError::Protocol(msg.to_owned()));
                 }
-                client_write
-                    .write_all(b"N")
+                let acceptor = match (&startup, &gateway.tls, client_read.get_mut()) {
+                    (Startup::Ssl, Some(acceptor), ClientStream::Plain(_)) => Some(acceptor),
+                    _ => None,
+                };
+                let answer: &[u8] = if acceptor.is_some() { b"S" } else { b"N" };
+                client_read
+                    .get_mut()
+                    .write_all(answer)
                     .await
                     .map_err(PostgresError::io("answering an encryption request"))?;
+                if let Some(acceptor) = acceptor {
+                    let (stream, _) = client_read.into_parts();
+                    let ClientStream::Plain(tcp) = stream else {
+                        return Err(PostgresError::Protocol(
+                            "SSLRequest on a connection that is already TLS".to_owned(),
+                        ));
+                    };
+                    let tls = acceptor
+                        .accept(tcp)
+                        .await
+                        .map_err(PostgresError::io("TLS handshake with the client"))?;
+                    client_read = FrameReader::new(ClientStream::Tls(Box::new(tls)), max);
+                }
             }
             Startup::Cancel(raw) => {
                 let mut upstream = TcpStream::connect(&gateway.config.upstream)
@@ -250,7 +271,7 @@ async fn session(
         Ok(s) => s,
         Err(e) => {
             let msg = format!("fencegate: cannot reach the upstream server: {e}");
-            fatal(&mut client_write, "08006", &msg).await;
+            fatal(client_read.get_mut(), "08006", &msg).await;
             return Err(PostgresError::io("connecting upstream")(e));
         }
     };
@@ -267,7 +288,8 @@ async fn session(
         let Some(frame) = upstream_read.read_frame().await? else {
             return Ok(());
         };
-        client_write
+        client_read
+            .get_mut()
             .write_all(&frame.raw)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
@@ -286,7 +308,7 @@ async fn session(
                     };
                     if answer.tag != b'p' {
                         let msg = "expected a password message";
-                        fatal(&mut client_write, sqlstate::PROTOCOL_VIOLATION, msg).await;
+                        fatal(client_read.get_mut(), sqlstate::PROTOCOL_VIOLATION, msg).await;
                         return Err(PostgresError::Protocol(msg.to_owned()));
                     }
                     upstream_write
@@ -318,6 +340,9 @@ async fn session(
         requests: std::sync::atomic::AtomicU64::new(0),
     });
 
+    let (stream, buffered) = client_read.into_parts();
+    let (client_read, client_write) = tokio::io::split(stream);
+    let client_read = FrameReader::with_buffer(client_read, buffered, max);
     let replies = tokio::spawn(relay_replies(
         shared.clone(),
         upstream_read,
@@ -355,7 +380,7 @@ async fn fatal<W: AsyncWrite + Unpin>(client: &mut W, code: &str, message: &str)
 /// client -> upstream.
 async fn relay_requests(
     shared: Arc<Shared>,
-    mut client: FrameReader<OwnedReadHalf>,
+    mut client: FrameReader<ReadHalf<ClientStream>>,
     mut upstream: BufWriter<OwnedWriteHalf>,
 ) -> Result<(), PostgresError> {
     loop {
@@ -590,7 +615,11 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
             shared.wake.notify_one();
             Ok(Vec::new())
         }
-        QueryPlan::Refuse(_) => unreachable!("handled above"),
+        // Audited and answered above; refusing again here keeps this arm fail-closed.
+        QueryPlan::Refuse(rejection) => {
+            drop(state);
+            Ok(refuse_simple(shared, &rejection))
+        }
     }
 }
 
@@ -732,7 +761,7 @@ struct Outcome {
 async fn relay_replies(
     shared: Arc<Shared>,
     mut upstream: FrameReader<OwnedReadHalf>,
-    mut client: BufWriter<OwnedWriteHalf>,
+    mut client: BufWriter<WriteHalf<ClientStream>>,
 ) -> Result<(), PostgresError> {
     loop {
         let frame = tokio::select! {
@@ -788,7 +817,7 @@ async fn relay_replies(
 /// Sends the local answers at the front of the queue. `true`: the session must end.
 async fn deliver_local(
     shared: &Shared,
-    client: &mut BufWriter<OwnedWriteHalf>,
+    client: &mut BufWriter<WriteHalf<ClientStream>>,
 ) -> Result<bool, PostgresError> {
     let mut out = Vec::new();
     let mut close = false;
