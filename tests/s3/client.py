@@ -9,6 +9,7 @@ prints a JSON list with one result per step. A refused request is a result, not 
 """
 import hashlib
 import json
+import os
 import sys
 import threading
 import urllib.error
@@ -26,6 +27,14 @@ ENDPOINT, KEY, SECRET = sys.argv[1], sys.argv[2], sys.argv[3]
 REGION = "us-east-1"
 
 
+def urlopen(request, timeout=30):
+    """urllib with the test CA when the gateway serves HTTPS."""
+    import ssl
+    ca = os.environ.get("S3_CA_BUNDLE")
+    context = ssl.create_default_context(cafile=ca) if ca else None
+    return urllib.request.urlopen(request, timeout=timeout, context=context)
+
+
 def client(token=None, secret=None):
     c = boto3.client(
         "s3",
@@ -34,6 +43,8 @@ def client(token=None, secret=None):
         aws_secret_access_key=secret or SECRET,
         region_name=REGION,
         config=Config(s3={"addressing_style": "path"}),
+        # For an HTTPS gateway with a test certificate.
+        verify=os.environ.get("S3_CA_BUNDLE") or None,
     )
     if token is not None:
         def add_token(request, **_):
@@ -107,8 +118,15 @@ def step(s):
             args["IfNoneMatch"] = s["if_none_match"]
         if "metadata" in s:
             args["Metadata"] = s["metadata"]
+        sent = {}
+
+        def record(request, **_):
+            sent["payload"] = request.headers.get("x-amz-content-sha256", b"")
+            sent["encoding"] = request.headers.get("Content-Encoding", b"")
+        c.meta.events.register("before-send.s3.PutObject", record)
         r = c.put_object(**args)
-        return {"ok": True, "etag": r["ETag"]}
+        as_text = {k: v.decode() if isinstance(v, bytes) else v for k, v in sent.items()}
+        return {"ok": True, "etag": r["ETag"], "sent": as_text}
     if op == "get":
         r = c.get_object(Bucket=b, Key=k)
         h, n, first = hashlib.sha256(), 0, b""
@@ -174,7 +192,7 @@ def step(s):
         if s.get("tamper"):
             url = url.replace(k, k + "x", 1) if s["tamper"] == "key" else url[:-1] + ("0" if url[-1] != "0" else "1")
         try:
-            with urllib.request.urlopen(url) as r:
+            with urlopen(url) as r:
                 return {"ok": True, "status": r.status, "body": r.read().decode("latin-1")}
         except urllib.error.HTTPError as e:
             return {"ok": False, "status": e.code, "body": e.read().decode("latin-1")}
@@ -191,7 +209,7 @@ def step(s):
         prepared = req.prepare()
         r = urllib.request.Request(prepared.url, data=body if body else None, method=s["method"], headers=dict(prepared.headers))
         try:
-            with urllib.request.urlopen(r, timeout=30) as resp:
+            with urlopen(r) as resp:
                 return {"ok": True, "status": resp.status, "body": resp.read().decode("latin-1")}
         except urllib.error.HTTPError as e:
             return {"ok": False, "status": e.code, "body": e.read().decode("latin-1")}
@@ -255,12 +273,15 @@ def chunked(s):
     body = frame(sig_for)
     if s.get("tamper") == "signature":
         body = body.replace(chunks[0], chunks[0][:-1] + b"X", 1)
+    elif s.get("tamper") == "crc":
+        at = body.index(b"x-amz-checksum-crc32:") + len(b"x-amz-checksum-crc32:")
+        body = body[:at] + (b"A" if body[at] != ord("A") else b"B") + body[at + 1:]
     elif s.get("tamper") == "framing":
         body = b"zz" + body[2:]
     prepared = req.prepare()
     r = urllib.request.Request(url, data=body, method="PUT", headers=dict(prepared.headers))
     try:
-        with urllib.request.urlopen(r, timeout=30) as resp:
+        with urlopen(r) as resp:
             return {"ok": True, "status": resp.status}
     except urllib.error.HTTPError as e:
         return {"ok": False, "status": e.code, "body": e.read().decode("latin-1")}

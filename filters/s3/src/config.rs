@@ -3,6 +3,8 @@
 //! ```toml
 //! [s3]
 //! listen = "127.0.0.1:9080"              # where S3 clients connect
+//! # tls_cert = "/etc/fencegate/s3.crt"    # optional: serve HTTPS (PEM cert chain and key)
+//! # tls_key = "/etc/fencegate/s3.key"
 //! upstream = "http://127.0.0.1:9000"     # the S3 endpoint (https:// uses rustls)
 //! region = "us-east-1"                   # the region clients sign for and the gateway signs with
 //! upstream_access_key = "AKIAGATEWAY"    # the gateway's own upstream credentials ...
@@ -35,6 +37,12 @@ pub struct S3Config {
     /// Address the gateway listens on.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// A PEM certificate chain: with `tls_key`, the listener speaks HTTPS (rustls).
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key for `tls_cert`.
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
     /// The upstream S3 endpoint, `http://host:port` or `https://host[:port]`.
     #[serde(default = "default_upstream")]
     pub upstream: String,
@@ -126,6 +134,8 @@ impl Default for S3Config {
     fn default() -> Self {
         Self {
             listen: default_listen(),
+            tls_cert: None,
+            tls_key: None,
             upstream: default_upstream(),
             region: default_region(),
             upstream_access_key: String::new(),
@@ -159,6 +169,11 @@ impl S3Config {
             return Err(S3Error::Config(
                 "set clients_env or clients_file: the gateway verifies every client's signature"
                     .to_owned(),
+            ));
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(S3Error::Config(
+                "set both tls_cert and tls_key, or neither".to_owned(),
             ));
         }
         if self.max_attempts == 0 || self.max_attempts > 100 {

@@ -104,7 +104,21 @@ impl S3Gateway {
             },
             "fencegate-s3",
         );
-        service.add_tcp(&config.listen.to_string());
+        match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => {
+                let (Some(cert), Some(key)) = (cert.to_str(), key.to_str()) else {
+                    return Err(S3Error::Config(
+                        "tls_cert and tls_key must be UTF-8 paths".into(),
+                    ));
+                };
+                service
+                    .add_tls(&config.listen.to_string(), cert, key)
+                    .map_err(|e| {
+                        S3Error::Listen(format!("TLS listener on {}: {e}", config.listen))
+                    })?;
+            }
+            _ => service.add_tcp(&config.listen.to_string()),
+        }
         server.add_service(service);
         let (stop, stop_rx) = watch::channel(false);
         tracing::info!(listen = %config.listen, upstream = %self.shared.upstream.base, "S3 gateway started");

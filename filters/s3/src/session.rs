@@ -13,6 +13,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine;
 use bytes::Bytes;
 use fencegate_core::{
     AuditEvent, AuditSink, OperationSummary, RejectReason, Rejection, Resource, Token, TokenPolicy,
@@ -340,6 +342,8 @@ struct BodyReader {
     held: Option<Bytes>,
     eof: bool,
     expect_continue: bool,
+    /// CRC32 of the decoded body when the client announced an `x-amz-checksum-crc32` trailer.
+    crc32: Option<crc32fast::Hasher>,
 }
 
 impl BodyReader {
@@ -361,6 +365,7 @@ impl BodyReader {
                 (None, Some(ChunkDecoder::new(None, false, decoded_len)))
             }
         };
+        let decoder_present = decoder.is_some();
         let expect_continue =
             header(headers, "expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
         Self {
@@ -370,6 +375,10 @@ impl BodyReader {
             held: None,
             eof: false,
             expect_continue,
+            crc32: (decoder_present
+                && header(headers, "x-amz-trailer")
+                    .is_some_and(|t| t.eq_ignore_ascii_case("x-amz-checksum-crc32")))
+            .then(crc32fast::Hasher::new),
         }
     }
 
@@ -397,6 +406,9 @@ impl BodyReader {
                     if let Some(decoder) = &mut self.decoder {
                         let mut out = Vec::new();
                         decoder.feed(&data, &mut out)?;
+                        if let Some(crc) = &mut self.crc32 {
+                            out.iter().for_each(|piece| crc.update(piece));
+                        }
                         self.queue.extend(out.into_iter().filter(|b| !b.is_empty()));
                     } else {
                         if let Some((hasher, _)) = &mut self.hash {
@@ -411,6 +423,22 @@ impl BodyReader {
                     self.eof = true;
                     if let Some(decoder) = &self.decoder {
                         decoder.finish()?;
+                        if let Some(crc) = self.crc32.take() {
+                            let want = STANDARD.encode(crc.finalize().to_be_bytes());
+                            let got = decoder
+                                .trailers()
+                                .iter()
+                                .find(|(n, _)| n == "x-amz-checksum-crc32")
+                                .map(|(_, v)| v.as_str());
+                            if got != Some(want.as_str()) {
+                                return Err(BodyError::Client(
+                                    400,
+                                    "BadDigest",
+                                    "The CRC32 you specified did not match the calculated checksum."
+                                        .into(),
+                                ));
+                            }
+                        }
                     }
                     if let Some((hasher, want)) = self.hash.take() {
                         if hex::encode(hasher.finalize()) != *want {

@@ -41,6 +41,21 @@ impl Harness {
     }
 
     pub fn with_policy(policy: TokenPolicy) -> Self {
+        Self::build(policy, false)
+    }
+
+    /// A gateway serving HTTPS with a fresh self-signed certificate (clients trust
+    /// [`Harness::ca_bundle`] through `S3_CA_BUNDLE`).
+    pub fn with_tls() -> Self {
+        Self::build(TokenPolicy::default(), true)
+    }
+
+    /// The certificate clients must trust (HTTPS harness only).
+    pub fn ca_bundle(&self) -> std::path::PathBuf {
+        self._dir.path().join("cert.pem")
+    }
+
+    fn build(policy: TokenPolicy, tls: bool) -> Self {
         let moto = MotoServer::start();
         let created = moto.direct(serde_json::json!([
             {"op": "create_bucket", "bucket": "fenced"},
@@ -57,7 +72,30 @@ impl Harness {
         // The same value every time, so concurrent tests setting it agree.
         std::env::set_var(UPSTREAM_SECRET_ENV, "gateway-upstream-secret");
         let port = free_s3_port();
+        let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        if tls {
+            let status = std::process::Command::new("openssl")
+                .args([
+                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                ])
+                .args([
+                    "-subj",
+                    "/CN=127.0.0.1",
+                    "-addext",
+                    "subjectAltName=IP:127.0.0.1",
+                ])
+                .arg("-keyout")
+                .arg(&key)
+                .arg("-out")
+                .arg(&cert)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .expect("openssl is needed for the HTTPS test (apt-get install openssl)");
+            assert!(status.success());
+        }
         let config = S3Config {
+            tls_cert: tls.then(|| cert.clone()),
+            tls_key: tls.then(|| key.clone()),
             listen: format!("127.0.0.1:{port}").parse().unwrap(),
             upstream: moto.endpoint.clone(),
             upstream_access_key: "gateway".into(),
@@ -88,7 +126,7 @@ impl Harness {
         Self {
             moto,
             gateway: Some(gateway),
-            endpoint: format!("http://127.0.0.1:{port}"),
+            endpoint: format!("{}://127.0.0.1:{port}", if tls { "https" } else { "http" }),
             audit,
             _dir: dir,
         }

@@ -45,6 +45,7 @@ fn aws_chunked_uploads_verify_every_chunk() {
         {"op": "chunked", "bucket": "fenced", "key": "c.txt", "chunks": ["tampered ", "body"], "mode": "signed", "token": token(2), "tamper": "signature"},
         {"op": "chunked", "bucket": "fenced", "key": "c.txt", "chunks": ["bad ", "framing"], "mode": "trailer", "token": token(2), "tamper": "framing"},
         {"op": "chunked", "bucket": "open", "key": "o.txt", "chunks": ["tampered ", "unprotected"], "mode": "signed", "tamper": "signature"},
+        {"op": "chunked", "bucket": "open", "key": "crc.txt", "chunks": ["wrong ", "checksum"], "mode": "trailer", "tamper": "crc"},
         {"op": "get", "bucket": "fenced", "key": "c.txt"},
         {"op": "list", "bucket": "open"},
     ]));
@@ -63,9 +64,11 @@ fn aws_chunked_uploads_verify_every_chunk() {
         .contains("SignatureDoesNotMatch"));
     assert_eq!(results[5]["status"], 400);
     assert_eq!(results[6]["status"], 403);
+    assert_eq!(results[7]["status"], 400);
+    assert!(results[7]["body"].as_str().unwrap().contains("BadDigest"));
     // Nothing of the refused bodies reached the store.
-    assert_eq!(results[7]["body"], "first chunk, second chunk, last");
-    assert_eq!(results[8]["keys"], json!([]));
+    assert_eq!(results[8]["body"], "first chunk, second chunk, last");
+    assert_eq!(results[9]["keys"], json!([]));
 }
 
 #[test]

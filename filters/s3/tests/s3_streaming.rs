@@ -22,7 +22,9 @@ fn one_gib_put_and_get_stream_with_flat_memory() {
     let h = Harness::start();
     let size: u64 = 1 << 30;
     // Warm up the connection pools and runtimes, then take the baseline.
-    let warm = h.run(json!([{"op": "put", "bucket": "fenced", "key": "warm", "body": "x", "token": token(1)}]));
+    let warm = h.run(
+        json!([{"op": "put", "bucket": "fenced", "key": "warm", "body": "x", "token": token(1)}]),
+    );
     assert_eq!(warm[0]["ok"], true);
     let baseline = vm_kib("VmHWM:");
     let start = std::time::Instant::now();
@@ -48,5 +50,9 @@ fn one_gib_put_and_get_stream_with_flat_memory() {
         baseline / 1024,
         (peak - baseline) / 1024
     );
-    assert!(peak - baseline < 128 * 1024, "peak RSS grew by {} MiB", (peak - baseline) / 1024);
+    assert!(
+        peak - baseline < 128 * 1024,
+        "peak RSS grew by {} MiB",
+        (peak - baseline) / 1024
+    );
 }
