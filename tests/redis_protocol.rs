@@ -177,3 +177,29 @@ async fn garbage_closes_that_connection_only() {
     assert_eq!(pong, "PONG");
     println!("done-means 6: three kinds of garbage and an oversized request each got an error and a close; another connection kept working");
 }
+
+#[tokio::test]
+async fn the_fence_function_cannot_be_replaced_through_the_gateway() {
+    let gw = RedisGateway::start("", &[]);
+    let mut c = connect(&gw.url()).await;
+    let fake = "#!lua name=fencegate_v1\nredis.register_function('fencegate_fence_v1', function(k, a) return redis.call(unpack(a, 4)) end)";
+    for args in [
+        vec!["FUNCTION", "LOAD", "REPLACE", fake],
+        vec!["FUNCTION", "DELETE", "fencegate_v1"],
+        vec!["FUNCTION", "FLUSH"],
+    ] {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        let err = cmd.query_async::<Value>(&mut c).await.unwrap_err();
+        assert_eq!(err.code(), Some("UNFENCEABLE"), "{args:?}: {err}");
+    }
+    let listed: Value = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(format!("{listed:?}").contains("fencegate_v1"));
+    assert_eq!(gw.audit_records().len(), 3);
+}

@@ -86,6 +86,13 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
     if !info.write {
         return Class::Pass;
     }
+    if enforcing && info.name.starts_with("function|") {
+        // FUNCTION LOAD/DELETE/RESTORE/FLUSH could replace or remove the fence function itself.
+        return refuse(format!(
+            "{name} {} could change the fence function; manage Redis Functions directly on the server",
+            args.get(1).map(|a| String::from_utf8_lossy(a).to_ascii_uppercase()).unwrap_or_default()
+        ));
+    }
     if info.keyspace_wide() {
         return if enforcing {
             refuse(format!("{name} writes keys it does not name"))
@@ -155,6 +162,7 @@ mod tests {
         assert_eq!(class(&c, "MSET a 1 b 2"), fenced(&["a", "b"]));
         assert_eq!(class(&c, "GET k"), Class::Pass);
         assert_eq!(class(&c, "PING"), Class::Pass);
+        assert_eq!(class(&c, "FUNCTION LIST"), Class::Pass);
         assert_eq!(
             class(&c, "SET k"),
             Class::Pass,
@@ -170,6 +178,7 @@ mod tests {
             "SORT k STORE d",
             "DEL fencegate:fence:{x}",
             "BLPOP q 0",
+            "FUNCTION LOAD REPLACE code",
         ] {
             assert!(
                 matches!(class(&c, refused), Class::Refuse { .. }),

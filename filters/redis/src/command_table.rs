@@ -563,6 +563,31 @@ pub(crate) mod tests {
             ),
             entry("ping", -1, &["fast"], &["@connection"], vec![], vec![]),
             entry(
+                "function",
+                -2,
+                &[],
+                &["@slow"],
+                vec![],
+                vec![
+                    entry(
+                        "function|load",
+                        -3,
+                        &["write", "denyoom", "noscript"],
+                        &["@write", "@scripting"],
+                        vec![],
+                        vec![],
+                    ),
+                    entry(
+                        "function|list",
+                        -2,
+                        &["noscript"],
+                        &["@scripting"],
+                        vec![],
+                        vec![],
+                    ),
+                ],
+            ),
+            entry(
                 "flushall",
                 -1,
                 &["write"],
