@@ -419,7 +419,11 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
     let replies: Vec<redis::Value> = pipe.query_async(&mut c).await.unwrap();
     for i in 0..50 {
         assert_eq!(replies[2 * i], redis::Value::Okay, "{replies:?}");
-        assert_eq!(replies[2 * i + 1], redis::Value::Int(i as i64 + 1), "{replies:?}");
+        assert_eq!(
+            replies[2 * i + 1],
+            redis::Value::Int(i as i64 + 1),
+            "{replies:?}"
+        );
     }
     let v: String = q(&mut direct, &["GET", "p:49"]).await.unwrap();
     assert_eq!(v, "49");
