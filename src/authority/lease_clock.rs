@@ -24,7 +24,13 @@ struct Inner {
 
 /// Why a renewal was refused.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Expired;
+pub enum Refusal {
+    /// The deadline passed (or its expiry is proposed): the lease is gone.
+    Expired,
+    /// The caller's leadership term is not the one these deadlines belong to: a leadership
+    /// change is under way, and the client should retry.
+    OtherTerm,
+}
 
 impl Inner {
     /// Forgets every deadline when leadership changed, so each lease restarts at full length.
@@ -54,12 +60,16 @@ impl LeaseClock {
         lease_id: u64,
         ttl: Duration,
         now: Instant,
-    ) -> Result<(), Expired> {
+    ) -> Result<(), Refusal> {
         let mut inner = self.inner.lock().expect("lease clock poisoned");
-        inner.enter(Some(term));
+        // Only the leadership watcher moves the clock to a new term; a renewal for any other
+        // term than the current one is refused rather than allowed to reset the deadlines.
+        if inner.term != Some(term) {
+            return Err(Refusal::OtherTerm);
+        }
         let deadline = inner.deadlines.entry(lease_id).or_insert(now + ttl);
         if *deadline <= now || inner.expiring.contains(&lease_id) {
-            return Err(Expired);
+            return Err(Refusal::Expired);
         }
         inner.deadlines.insert(lease_id, now + ttl);
         Ok(())
@@ -136,9 +146,27 @@ mod tests {
         );
         assert_eq!(
             clock.renew(1, 7, TTL, t0 + Duration::from_secs(20)),
-            Err(Expired),
+            Err(Refusal::Expired),
             "no renewal after the deadline"
         );
+    }
+
+    #[test]
+    fn renewals_for_another_term_are_refused() {
+        let clock = LeaseClock::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            clock.renew(1, 7, TTL, t0),
+            Err(Refusal::OtherTerm),
+            "not leader yet"
+        );
+        clock.observe(Some(3));
+        assert_eq!(
+            clock.renew(2, 7, TTL, t0),
+            Err(Refusal::OtherTerm),
+            "a stale term"
+        );
+        assert_eq!(clock.renew(3, 7, TTL, t0), Ok(()));
     }
 
     #[test]

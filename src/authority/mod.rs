@@ -120,6 +120,10 @@ pub struct Authority {
     metrics: Arc<Metrics>,
     restore_bump: u64,
     max_ttl_ms: u64,
+    /// The last quorum confirmation of leadership: when its round started, and the term.
+    confirmed: tokio::sync::Mutex<Option<(Instant, u64)>>,
+    /// How long a confirmation may be reused; see `recent_leadership`.
+    lease_window: Duration,
 }
 
 impl Authority {
@@ -167,6 +171,8 @@ impl Authority {
             metrics,
             restore_bump: config.authority.restore_bump,
             max_ttl_ms: config.authority.max_ttl_ms,
+            confirmed: tokio::sync::Mutex::new(None),
+            lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
         });
         tokio::spawn(watch_leadership(authority.clone()));
         tokio::spawn(expire_leases(
@@ -278,7 +284,7 @@ impl Authority {
 
     /// Renews a lease; `None` when it has expired or never existed.
     pub async fn keepalive(&self, lease_id: u64) -> Result<Option<u64>, AuthorityError> {
-        let term = self.confirm_leadership().await?;
+        let term = self.recent_leadership().await?;
         let ttl_ms = match self.applied.read().await.state.leases.get(&lease_id) {
             Some(lease) => lease.ttl_ms,
             None => return Ok(None),
@@ -293,7 +299,10 @@ impl Authority {
                 self.metrics.keepalives.inc();
                 Ok(Some(ttl_ms))
             }
-            Err(lease_clock::Expired) => Ok(None),
+            Err(lease_clock::Refusal::Expired) => Ok(None),
+            Err(lease_clock::Refusal::OtherTerm) => Err(AuthorityError::Unavailable(
+                "leadership is changing; retry".into(),
+            )),
         }
     }
 
@@ -431,6 +440,29 @@ impl Authority {
             }
             Err(e) => Err(AuthorityError::Unavailable(e.to_string())),
         }
+    }
+
+    /// The leadership term, confirmed by a quorum no longer than `lease_window` ago.
+    ///
+    /// A follower that acknowledged a heartbeat refuses to vote for anyone else for an election
+    /// timeout (openraft's leader lease), so no other leader can exist until at least
+    /// `confirmed_at + election_timeout_max`. Reusing a confirmation for half the minimum
+    /// election timeout stays well inside that, and lets concurrent keepalives share one round
+    /// of heartbeats instead of each sending its own. `confirmed_at` is read on this node's
+    /// monotonic clock *before* the round starts, so a node paused after confirming sees an
+    /// old confirmation when it wakes and must confirm again (which a deposed leader cannot).
+    async fn recent_leadership(&self) -> Result<u64, AuthorityError> {
+        let mut confirmed = self.confirmed.lock().await;
+        if let Some((at, term)) = *confirmed {
+            if at.elapsed() < self.lease_window {
+                return Ok(term);
+            }
+        }
+        let started = Instant::now();
+        *confirmed = None;
+        let term = self.confirm_leadership().await?;
+        *confirmed = Some((started, term));
+        Ok(term)
     }
 
     /// Confirms with a quorum that this node still leads, waits until its state machine has
