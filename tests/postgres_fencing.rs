@@ -643,3 +643,127 @@ async fn tls_is_terminated_when_a_certificate_is_configured() {
     let (c, out, err) = gw.psql("postgres", "SELECT 3", &[("PGSSLMODE", "disable")]);
     assert_eq!((c, out.trim()), (0, "3"), "{err}");
 }
+
+/// With a cluster key, only tokens signed with it pass (unsigned or badly signed: FG004); with
+/// `resource`, tokens for other resources get FG005; unprotected databases pass without a
+/// token; notices and ParameterStatus reach the client.
+#[tokio::test(flavor = "multi_thread")]
+async fn forged_and_out_of_scope_tokens_and_unprotected_databases() {
+    use fencegate_core::{Resource, Revision, Token, TokenKey};
+    let secret = "a test secret of 32 or more bytes!!";
+    let gw = PgGateway::start(
+        "databases = [\"postgres\"]\nresource = \"job\"\n\n[authority]\ntoken_key_env = \"FG_TEST_KEY\"\n",
+        &[("FG_TEST_KEY", secret)],
+    );
+    setup_table(&gw);
+    let key = TokenKey::new(secret.as_bytes()).unwrap();
+    let token = |resource: &str, revision: u64, key: &TokenKey| {
+        Token::new(
+            Resource::new(resource).unwrap(),
+            Revision::new(revision).unwrap(),
+        )
+        .signed(key)
+        .to_string()
+    };
+    let good = connect_with_token(&gw, &token("job", 4, &key)).await;
+    good.simple_query("INSERT INTO items (v, who) VALUES (1, 'signed')")
+        .await
+        .unwrap();
+    let other_key = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
+    for (presented, want) in [
+        ("fg1~9~job".to_owned(), "FG004"),
+        (token("job", 9, &other_key), "FG004"),
+        (token("other", 9, &key), "FG005"),
+    ] {
+        let c = connect_with_token(&gw, &presented).await;
+        let e = c
+            .simple_query("INSERT INTO items (v, who) VALUES (2, 'bad')")
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), want, "{presented}: {e}");
+        // The signature never reaches the audit log.
+        let signature = presented.rsplit('~').next().unwrap();
+        let log = std::fs::read_to_string(gw.audit_dir.join("audit.jsonl")).unwrap();
+        assert!(presented.matches('~').count() < 3 || !log.contains(signature));
+    }
+    let reasons: Vec<String> = gw
+        .audit_records()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(reasons, ["forged", "forged", "out_of_scope"]);
+
+    // Another database is not protected: no token needed.
+    gw.pg.psql_as("postgres", "CREATE DATABASE scratch");
+    let dsn = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=scratch",
+        gw.port
+    );
+    let scratch = connect(&dsn).await;
+    scratch
+        .batch_execute("CREATE TABLE t (a int); INSERT INTO t VALUES (1)")
+        .await
+        .unwrap();
+
+    // Notices and ParameterStatus pass through (psql prints the notice on stderr).
+    let (c, _, err) = gw.psql(
+        "postgres",
+        "DO $$ BEGIN RAISE NOTICE 'hello from the server'; END $$",
+        &[(
+            "PGOPTIONS",
+            &format!("-c fencegate.token={}", token("job", 4, &key)),
+        )],
+    );
+    assert_eq!(c, 0, "{err}");
+    assert!(err.contains("NOTICE:  hello from the server"), "{err}");
+    let (c, out, err) = gw.psql(
+        "postgres",
+        "SET application_name = 'via-gateway'; SHOW application_name",
+        &[],
+    );
+    assert_eq!((c, out.trim()), (0, "via-gateway"), "{err}");
+    assert_eq!(gw.audit_records().len(), 3);
+}
+
+/// Inside `BEGIN ... COMMIT` the guard runs before the first write only (the server log shows
+/// one guard call for three inserts), and again after a new transaction starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_is_guarded_once_before_its_first_write() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    direct
+        .batch_execute("ALTER SYSTEM SET log_statement = 'all'")
+        .await
+        .unwrap();
+    direct
+        .batch_execute("SELECT pg_reload_conf()")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = connect_with_token(&gw, &tok(3)).await;
+    for sql in [
+        "BEGIN",
+        "INSERT INTO items (v, who) VALUES (1, 'tx')",
+        "INSERT INTO items (v, who) VALUES (2, 'tx')",
+        "UPDATE items SET v = v + 1",
+        "COMMIT",
+        "BEGIN",
+        "DELETE FROM items WHERE v = 2",
+        "COMMIT",
+    ] {
+        c.simple_query(sql).await.unwrap();
+    }
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = gw.pg.log_text();
+        if log.contains("DELETE FROM items WHERE v = 2") {
+            let guards = log.matches("fencegate.guard(E'job', 3)").count();
+            assert_eq!(guards, 2, "one guard per transaction:\n{log}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{log}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
