@@ -41,6 +41,9 @@ pub struct Config {
     /// The PostgreSQL gateway; absent: no PostgreSQL listener.
     #[serde(default)]
     pub postgres: Option<fencegate_postgres::PostgresConfig>,
+    /// The S3 gateway; absent: no S3 listener.
+    #[serde(default)]
+    pub s3: Option<fencegate_s3::S3Config>,
     /// The audit log of refused writes.
     #[serde(default)]
     pub audit: crate::audit::AuditConfig,

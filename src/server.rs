@@ -33,6 +33,8 @@ pub enum ServeError {
     Redis(#[from] fencegate_redis::RedisError),
     #[error(transparent)]
     Postgres(#[from] fencegate_postgres::PostgresError),
+    #[error(transparent)]
+    S3(#[from] fencegate_s3::S3Error),
 }
 
 /// Reads the token signing key named by `authority.token_key_env`, if any.
@@ -85,6 +87,18 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
             }
         });
     }
+    // The S3 gateway is a pingora server with its own runtime, on its own thread (see
+    // filters/s3/src/proxy.rs); this runtime only starts and stops it.
+    let s3 = match config.s3.clone() {
+        Some(s3) => {
+            let policy = fencegate_core::TokenPolicy {
+                key: key.clone(),
+                accept_plain: false,
+            };
+            Some(fencegate_s3::S3Gateway::new(s3, policy, audit.sink())?.start()?)
+        }
+        None => None,
+    };
     let http = reqwest::Client::builder()
         .build()
         .expect("a plain HTTP client always builds");
@@ -119,6 +133,9 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
                 tracing::warn!("requests still in flight after the grace period; closing them");
             }
         }
+    }
+    if let Some(s3) = s3 {
+        let _ = tokio::task::spawn_blocking(move || s3.shutdown()).await;
     }
     let _ = authority.raft().shutdown().await;
     Ok(())
