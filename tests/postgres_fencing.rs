@@ -767,3 +767,106 @@ async fn a_transaction_is_guarded_once_before_its_first_write() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A raw extended-protocol pipeline with ONE Sync and a failing statement in the middle gets
+/// the same replies through the gateway as directly (the guard's replies are invisible, the
+/// statements after the error are skipped, the implicit transaction rolls back).
+#[tokio::test(flavor = "multi_thread")]
+async fn single_sync_pipeline_with_an_error_matches_the_server() {
+    fn message(tag: u8, body: &[u8]) -> Vec<u8> {
+        let mut m = vec![tag];
+        m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        m.extend_from_slice(body);
+        m
+    }
+    fn statement(sql: &str) -> Vec<u8> {
+        let mut parse = b"\0".to_vec();
+        parse.extend_from_slice(sql.as_bytes());
+        parse.extend_from_slice(b"\0\0\0");
+        let mut out = message(b'P', &parse);
+        out.extend(message(b'B', b"\0\0\0\0\0\0\0\0"));
+        out.extend(message(b'E', b"\0\0\0\0\0"));
+        out
+    }
+    /// Logs in (trust), sends the pipeline, returns the reply tags up to ReadyForQuery.
+    fn run(port: u16, options: &str, pipeline: &[u8]) -> String {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut body = b"\0\x03\0\0user\0postgres\0database\0postgres\0".to_vec();
+        if !options.is_empty() {
+            body.extend_from_slice(b"options\0");
+            body.extend_from_slice(options.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut startup = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        startup.extend_from_slice(&body);
+        s.write_all(&startup).unwrap();
+        let mut tags = String::new();
+        let mut ready = 0;
+        let mut sent = false;
+        let mut buf = Vec::new();
+        loop {
+            let mut chunk = [0u8; 8192];
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "closed early; tags so far {tags}");
+            buf.extend_from_slice(&chunk[..n]);
+            while buf.len() >= 5 {
+                let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+                if buf.len() < len + 1 {
+                    break;
+                }
+                let tag = buf[0];
+                buf.drain(..len + 1);
+                if tag == b'Z' {
+                    ready += 1;
+                    if ready == 1 {
+                        s.write_all(pipeline).unwrap();
+                        sent = true;
+                        continue;
+                    }
+                    tags.push('Z');
+                    return tags;
+                }
+                if sent && !matches!(tag, b'N' | b'S') {
+                    tags.push(char::from(tag));
+                }
+            }
+        }
+    }
+    let gw = PgGateway::start("", &[]);
+    gw.pg
+        .psql_as("postgres", "CREATE TABLE uniq (k int PRIMARY KEY)");
+    gw.pg.psql_as("postgres", "INSERT INTO uniq VALUES (1)");
+    let mut pipeline = statement("INSERT INTO uniq VALUES (10)");
+    pipeline.extend(statement("INSERT INTO uniq VALUES (1)"));
+    pipeline.extend(statement("INSERT INTO uniq VALUES (11)"));
+    pipeline.extend(message(b'S', b""));
+    let direct = run(gw.pg.port, "", &pipeline);
+    let through = run(
+        gw.port,
+        &format!("-c fencegate.token={}", tok(1)),
+        &pipeline,
+    );
+    assert_eq!(direct, "12C12EZ");
+    assert_eq!(through, direct);
+    // Nothing of the pipeline committed, either way.
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM uniq"), "1");
+    // And a stale token stops the pipeline at its first write, as a server error would.
+    gw.pg.psql_as(
+        "postgres",
+        "INSERT INTO fencegate.fences (resource, revision) VALUES ('job', 5) \
+         ON CONFLICT (resource) DO UPDATE SET revision = 5",
+    );
+    let mut ok_pipeline = statement("INSERT INTO uniq VALUES (20)");
+    ok_pipeline.extend(statement("SELECT 1"));
+    ok_pipeline.extend(message(b'S', b""));
+    let stale = run(
+        gw.port,
+        &format!("-c fencegate.token={}", tok(1)),
+        &ok_pipeline,
+    );
+    assert_eq!(stale, "1EZ");
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM uniq"), "1");
+    assert_eq!(stale_records(&gw).len(), 1);
+}
