@@ -54,6 +54,8 @@ impl Operation {
         has_key: bool,
         copy_source: bool,
     ) -> Self {
+        // `x-id=<Operation>` is a hint newer SDKs (Rust, Java, JS) add; it changes nothing.
+        let query: Vec<&(String, String)> = query.iter().filter(|(k, _)| k != "x-id").collect();
         let has = |name: &str| query.iter().any(|(k, _)| k == name);
         let get = |name: &str| {
             query
@@ -464,6 +466,14 @@ mod tests {
 
     #[test]
     fn classification() {
+        assert_eq!(
+            Operation::classify("PUT", &q(&[("x-id", "PutObject")]), true, false),
+            Operation::PutObject
+        );
+        assert_eq!(
+            Operation::classify("DELETE", &q(&[("x-id", "DeleteObject")]), true, false),
+            Operation::DeleteObject
+        );
         assert_eq!(
             Operation::classify("GET", &q(&[("list-type", "2")]), false, false),
             Operation::Read

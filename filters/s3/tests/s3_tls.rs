@@ -22,6 +22,10 @@ fn boto3_default_chunked_uploads_over_https() {
         {"op": "get", "bucket": "fenced", "key": "mp.bin"},
         {"op": "pattern_sha256", "size": size, "seed": "multipart"},
         {"op": "put", "bucket": "fenced", "key": "tls.txt", "body": "stale", "token": token(2)},
+        // Above the 16 MiB retry buffer: the fenced write streams its decoded body once.
+        {"op": "put", "bucket": "fenced", "key": "streamed.bin", "size": 20 * 1024 * 1024 + 3, "token": token(3)},
+        {"op": "get", "bucket": "fenced", "key": "streamed.bin"},
+        {"op": "pattern_sha256", "size": 20 * 1024 * 1024 + 3},
         {"op": "presigned_get", "bucket": "fenced", "key": "tls.txt"},
     ]));
     for r in &results {
@@ -46,5 +50,11 @@ fn boto3_default_chunked_uploads_over_https() {
         (results[8]["status"].clone(), results[8]["code"].clone()),
         (json!(412), json!("FencingTokenStale"))
     );
+    assert_eq!(
+        results[9]["sent"]["payload"],
+        "STREAMING-UNSIGNED-PAYLOAD-TRAILER"
+    );
+    assert_eq!(results[10]["sha256"], results[11]["sha256"]);
+    assert_eq!(results[10]["metadata"]["fencegate-revision"], "3");
     assert_eq!(h.audit.events().len(), 1);
 }
