@@ -35,14 +35,17 @@ def urlopen(request, timeout=30):
     return urllib.request.urlopen(request, timeout=timeout, context=context)
 
 
-def client(token=None, secret=None):
+def client(token=None, secret=None, virtual_host=None):
+    # virtual_host: a host suffix; boto3 then addresses buckets as <bucket>.<suffix> and
+    # reaches the gateway through it as an HTTP proxy (no DNS needed).
     c = boto3.client(
         "s3",
-        endpoint_url=ENDPOINT,
+        endpoint_url=f"http://{virtual_host}" if virtual_host else ENDPOINT,
         aws_access_key_id=KEY,
         aws_secret_access_key=secret or SECRET,
         region_name=REGION,
-        config=Config(s3={"addressing_style": "path"}),
+        config=Config(s3={"addressing_style": "virtual" if virtual_host else "path"},
+                      proxies={"http": ENDPOINT} if virtual_host else None),
         # For an HTTPS gateway with a test certificate.
         verify=os.environ.get("S3_CA_BUNDLE") or None,
     )
@@ -102,7 +105,7 @@ def meta_of(head):
 
 def step(s):
     op = s["op"]
-    c = client(s.get("token"), s.get("secret"))
+    c = client(s.get("token"), s.get("secret"), s.get("virtual_host"))
     b, k = s.get("bucket"), s.get("key")
     if op == "create_bucket":
         c.create_bucket(Bucket=b)

@@ -101,6 +101,7 @@ impl Harness {
             upstream_access_key: "gateway".into(),
             upstream_secret_env: UPSTREAM_SECRET_ENV.into(),
             clients_file: Some(clients),
+            virtual_host_suffix: Some("s3.test".into()),
             protect: vec![
                 ProtectRule {
                     bucket: "fenced".into(),

@@ -49,3 +49,44 @@ fn truncate(v: &serde_json::Value) -> String {
     let s = v.to_string();
     s.chars().take(300).collect()
 }
+
+#[test]
+fn virtual_hosted_style_and_client_conditions() {
+    let h = Harness::start();
+    let (t, v) = (token(5), "s3.test");
+    let results = h.run(json!([
+        {"op": "put", "bucket": "fenced", "key": "v.txt", "body": "virtual", "token": t, "virtual_host": v},
+        {"op": "get", "bucket": "fenced", "key": "v.txt", "virtual_host": v},
+        {"op": "list", "bucket": "fenced", "virtual_host": v},
+        {"op": "put", "bucket": "fenced", "key": "v.txt", "body": "no token", "virtual_host": v},
+        // The client's own conditions are honoured, not overwritten.
+        {"op": "put", "bucket": "fenced", "key": "v.txt", "body": "x", "token": t, "if_none_match": "*"},
+        {"op": "put", "bucket": "fenced", "key": "v.txt", "body": "x", "token": t, "if_match": "\"0000\""},
+        {"op": "put", "bucket": "fenced", "key": "new.txt", "body": "x", "token": t, "if_match": "\"0000\""},
+        {"op": "head", "bucket": "fenced", "key": "v.txt"},
+    ]));
+    for (i, r) in results.iter().enumerate() {
+        println!("step {i}: {}", truncate(r));
+    }
+    assert_eq!(results[0]["ok"], true);
+    assert_eq!(results[1]["body"], "virtual");
+    assert_eq!(results[2]["keys"], json!(["v.txt"]));
+    assert_eq!(results[3]["status"], 428);
+    assert_eq!(
+        (results[4]["status"].clone(), results[4]["code"].clone()),
+        (json!(412), json!("PreconditionFailed"))
+    );
+    assert_eq!(
+        (results[5]["status"].clone(), results[5]["code"].clone()),
+        (json!(412), json!("PreconditionFailed"))
+    );
+    assert_eq!(results[6]["status"], 404);
+    let etag = results[7]["etag"].as_str().unwrap().to_owned();
+    let matched = h.run(json!([
+        {"op": "put", "bucket": "fenced", "key": "v.txt", "body": "conditional", "token": t, "if_match": etag},
+        {"op": "get", "bucket": "fenced", "key": "v.txt"},
+    ]));
+    assert_eq!(matched[0]["ok"], true, "{matched:?}");
+    assert_eq!(matched[1]["body"], "conditional");
+    assert_eq!(h.audit.events().len(), 1);
+}
