@@ -870,3 +870,51 @@ async fn single_sync_pipeline_with_an_error_matches_the_server() {
     assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM uniq"), "1");
     assert_eq!(stale_records(&gw).len(), 1);
 }
+
+/// Fences cannot be lowered by clients: writes to the `fencegate` schema through the gateway are
+/// refused (FG006), and an ordinary role cannot write `fencegate.fences` even directly, while
+/// the guard (SECURITY DEFINER) still raises it for that role's fenced writes.
+#[tokio::test(flavor = "multi_thread")]
+async fn fences_cannot_be_lowered_by_clients() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE ROLE app LOGIN; GRANT ALL ON items, items_id_seq TO app",
+    );
+    let app = connect_with_token(&gw, &tok(9)).await;
+    app.simple_query("INSERT INTO items (v, who) VALUES (1, 'app')")
+        .await
+        .unwrap();
+    let app_as_app = connect(&format!(
+        "{} options='-c fencegate.token={}'",
+        gw.dsn("app"),
+        tok(9)
+    ))
+    .await;
+    app_as_app
+        .simple_query("INSERT INTO items (v, who) VALUES (2, 'app')")
+        .await
+        .unwrap();
+    for sql in [
+        "UPDATE fencegate.fences SET revision = 1",
+        "DELETE FROM fencegate.fences",
+        "TRUNCATE fencegate.fences",
+    ] {
+        let e = app.simple_query(sql).await.unwrap_err();
+        assert_eq!(code(&e), "FG006", "{sql}: {e}");
+    }
+    let direct_app = connect(&gw.pg.dsn("app")).await;
+    let e = direct_app
+        .simple_query("UPDATE fencegate.fences SET revision = 1")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "42501", "{e}");
+    assert_eq!(
+        gw.pg.psql_as(
+            "postgres",
+            "SELECT revision FROM fencegate.fences WHERE resource = 'job'"
+        ),
+        "9"
+    );
+}

@@ -419,6 +419,28 @@ mod tests {
     }
 
     #[test]
+    fn targets_name_the_written_tables() {
+        for sql in [
+            "TRUNCATE fencegate.fences",
+            "DROP TABLE fencegate.fences",
+            "ALTER TABLE fencegate.fences ADD COLUMN x int",
+            "DELETE FROM fencegate.fences",
+            "INSERT INTO fencegate.fences SELECT * FROM other",
+            "COPY fencegate.fences FROM STDIN",
+            "WITH d AS (DELETE FROM fencegate.fences RETURNING 1) SELECT * FROM d",
+        ] {
+            let c = classify(sql);
+            assert!(
+                c.statements[0]
+                    .targets
+                    .contains(&"fencegate.fences".to_owned()),
+                "{sql}: {:?}",
+                c.statements[0].targets
+            );
+        }
+    }
+
+    #[test]
     fn set_token_is_recognized() {
         assert_eq!(
             kinds("SET fencegate.token = 'fg1~7~job'"),

@@ -5,7 +5,9 @@
 //! listen = "127.0.0.1:6433"        # where clients connect (default)
 //! upstream = "127.0.0.1:5432"      # the PostgreSQL server, host:port (default)
 //! databases = ["*"]                # protected databases; "*" = all (default)
-//! unprotected_schemas = ["fencegate"]  # writes naming only tables in these schemas pass (default)
+//! unprotected_schemas = []         # writes naming only tables in these schemas pass (default:
+//!                                  # none). The `fencegate` schema is never written by clients:
+//!                                  # writes to it are refused (FG006); only the guard writes it.
 //! resource = "billing"             # optional: the only resource tokens may name here; also the
 //!                                  # resource of plain numeric tokens (with accept_plain)
 //! accept_plain = false             # accept bare decimal revisions as tokens (needs `resource`)
@@ -74,7 +76,7 @@ fn default_databases() -> Vec<String> {
     vec!["*".to_owned()]
 }
 fn default_unprotected_schemas() -> Vec<String> {
-    vec!["fencegate".to_owned()]
+    Vec::new()
 }
 fn default_max_message_bytes() -> usize {
     64 * 1024 * 1024
@@ -149,7 +151,7 @@ mod tests {
         let c = PostgresConfig::default();
         c.validate().unwrap();
         assert!(c.protects_database("anything"));
-        assert_eq!(c.unprotected_schemas, vec!["fencegate".to_owned()]);
+        assert!(c.unprotected_schemas.is_empty());
     }
 
     #[test]

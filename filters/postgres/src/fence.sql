@@ -18,7 +18,7 @@
 --   FG003 malformed token        (gateway)
 --   FG004 forged or unsigned token (gateway)
 --   FG005 token for another resource (gateway)
---   FG006 statement cannot be fenced (gateway)
+--   FG006 statement cannot be fenced, e.g. a client write to this schema (gateway)
 
 CREATE SCHEMA IF NOT EXISTS fencegate;
 
@@ -32,6 +32,9 @@ CREATE OR REPLACE FUNCTION fencegate.guard(p_resource text, p_revision bigint)
 RETURNS void
 LANGUAGE plpgsql
 VOLATILE
+-- Runs with its owner's rights: application roles need EXECUTE on it, not write access to
+-- fencegate.fences (so no client can lower or delete a fence with a plain UPDATE/DELETE).
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $guard$
 DECLARE
@@ -98,3 +101,11 @@ BEGIN
     RAISE EXCEPTION USING ERRCODE = p_sqlstate, MESSAGE = p_message;
 END
 $refuse$;
+
+-- Only the guard writes fences: applications may read them and call the functions.
+REVOKE ALL ON TABLE fencegate.fences FROM PUBLIC;
+GRANT SELECT ON TABLE fencegate.fences TO PUBLIC;
+GRANT USAGE ON SCHEMA fencegate TO PUBLIC;
+REVOKE ALL ON FUNCTION fencegate.guard(text, bigint) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION fencegate.guard(text, bigint) TO PUBLIC;
+GRANT EXECUTE ON FUNCTION fencegate.refuse(text, text) TO PUBLIC;

@@ -21,6 +21,9 @@ use crate::sqlstate;
 
 /// The name of the guard's prepared statement and portal on the upstream connection.
 pub const GUARD_NAME: &str = "fencegate_guard";
+/// Tables in this schema hold the fences; clients may not write them through the gateway.
+pub const FENCE_SCHEMA_PREFIX: &str = "fencegate.";
+
 /// The name of the refusal's prepared statement and portal on the upstream connection.
 pub const REFUSE_NAME: &str = "fencegate_refuse";
 
@@ -64,6 +67,16 @@ impl Decision {
 pub fn decide(statement: &Statement, ctx: &Context<'_>) -> Decision {
     if statement.kind != Kind::Write || !ctx.protected {
         return Decision::Pass;
+    }
+    if statement
+        .targets
+        .iter()
+        .any(|t| t.starts_with(FENCE_SCHEMA_PREFIX))
+    {
+        return Decision::Refuse(Rejection::new(
+            RejectReason::Unsupported,
+            "the fencegate schema is written only by fencegate.guard (a direct write could lower a fence)",
+        ));
     }
     if !statement.targets.is_empty()
         && statement.targets.iter().all(|t| {
@@ -427,12 +440,27 @@ mod tests {
     #[test]
     fn unprotected_schema_and_set_token() {
         let policy = TokenPolicy::default();
-        let schemas = vec!["fencegate".to_owned()];
-        let sql = "DELETE FROM fencegate.fences";
+        let schemas = vec!["scratch".to_owned()];
+        let sql = "DELETE FROM scratch.t";
         assert_eq!(
             plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),
             QueryPlan::Forward
         );
+        let sql = "DELETE FROM scratch.t; DELETE FROM t";
+        assert!(matches!(
+            plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),
+            QueryPlan::Refuse(_)
+        ));
+        let sql = "UPDATE fencegate.fences SET revision = 1";
+        let QueryPlan::Refuse(r) = plan_query(
+            sql,
+            &classify(sql),
+            &ctx(&policy, Some("fg1~7~job"), &schemas),
+            None,
+        ) else {
+            panic!()
+        };
+        assert_eq!(r.reason, RejectReason::Unsupported);
         let sql = "SET fencegate.token = 'fg1~7~job'";
         assert_eq!(
             plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),

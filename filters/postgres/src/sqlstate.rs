@@ -8,7 +8,7 @@
 //! | `FG003` | malformed token                                             | the gateway |
 //! | `FG004` | forged or unsigned token (signature does not verify)        | the gateway |
 //! | `FG005` | token for another resource than the database's              | the gateway |
-//! | `FG006` | the statement cannot be fenced (e.g. fast-path calls)       | the gateway |
+//! | `FG006` | cannot be fenced: fast-path calls, writes to `fencegate.*`  | the gateway |
 //!
 //! Protocol violations by a client are answered with PostgreSQL's own `08P01` and the connection
 //! is closed.
