@@ -228,19 +228,24 @@ def step(s):
 def chunked(s):
     """A PUT with an aws-chunked body built by hand: `mode` "signed" (STREAMING-AWS4-HMAC-SHA256-
     PAYLOAD, chunk signatures chained from the request's) or "trailer" (STREAMING-UNSIGNED-
-    PAYLOAD-TRAILER with a CRC32 trailer); `tamper` "signature" or "framing" breaks it."""
+    PAYLOAD-TRAILER with a CRC32 trailer) or "signed-trailer" (STREAMING-AWS4-HMAC-SHA256-PAYLOAD-
+    TRAILER: chunk signatures, a CRC32 trailer and x-amz-trailer-signature); `tamper`
+    "signature", "crc", "trailer-signature" or "framing" breaks it."""
     import base64
     import hmac
     import zlib
     chunks = [c.encode() for c in s["chunks"]]
     data = b"".join(chunks)
     mode = s.get("mode", "signed")
-    payload = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD" if mode == "signed" else "STREAMING-UNSIGNED-PAYLOAD-TRAILER"
+    payload = {"signed": "STREAMING-AWS4-HMAC-SHA256-PAYLOAD", "trailer": "STREAMING-UNSIGNED-PAYLOAD-TRAILER",
+               "signed-trailer": "STREAMING-AWS4-HMAC-SHA256-PAYLOAD-TRAILER"}[mode]
+    signed = mode != "trailer"
+    has_trailer = mode != "signed"
     headers = {"x-amz-content-sha256": payload, "content-encoding": "aws-chunked",
                "x-amz-decoded-content-length": str(len(data)),
                # urllib's default (form-urlencoded) makes moto's werkzeug eat the body.
                "content-type": "application/octet-stream"}
-    if mode == "trailer":
+    if has_trailer:
         headers["x-amz-trailer"] = "x-amz-checksum-crc32"
     if s.get("token"):
         headers["Fencing-Token"] = s["token"]
@@ -251,12 +256,16 @@ def chunked(s):
     def frame(sig_for):
         out = b""
         for c in chunks + [b""]:
-            ext = (";chunk-signature=" + sig_for(c)) if mode == "signed" else ""
+            ext = (";chunk-signature=" + sig_for(c)) if signed else ""
             out += f"{len(c):x}{ext}".encode() + b"\r\n" + c + (b"\r\n" if c else b"")
-        if mode == "trailer":
+        if has_trailer:
             crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
-            out += f"x-amz-checksum-crc32:{crc}\r\n".encode()
+            line = f"x-amz-checksum-crc32:{crc}"
+            out += line.encode() + b"\r\n"
+            if signed:
+                out += b"x-amz-trailer-signature:" + trailer_sig(line + "\n").encode() + b"\r\n"
         return out + b"\r\n"
+    trailer_sig = lambda lines: "0" * 64
     length = len(frame(lambda c: "0" * 64))
     req.headers["Content-Length"] = str(length)
     auth.add_auth(req)
@@ -273,12 +282,19 @@ def chunked(s):
                           hashlib.sha256(b"").hexdigest(), hashlib.sha256(c).hexdigest()])
         prev[0] = hmac.new(k, sts.encode(), hashlib.sha256).hexdigest()
         return prev[0]
+    def trailer_sig(lines):
+        sts = "\n".join(["AWS4-HMAC-SHA256-TRAILER", amz_date, scope, prev[0],
+                          hashlib.sha256(lines.encode()).hexdigest()])
+        return hmac.new(k, sts.encode(), hashlib.sha256).hexdigest()
     body = frame(sig_for)
     if s.get("tamper") == "signature":
         body = body.replace(chunks[0], chunks[0][:-1] + b"X", 1)
     elif s.get("tamper") == "crc":
         at = body.index(b"x-amz-checksum-crc32:") + len(b"x-amz-checksum-crc32:")
         body = body[:at] + (b"A" if body[at] != ord("A") else b"B") + body[at + 1:]
+    elif s.get("tamper") == "trailer-signature":
+        at = body.index(b"x-amz-trailer-signature:") + len(b"x-amz-trailer-signature:")
+        body = body[:at] + (b"0" if body[at] != ord("0") else b"1") + body[at + 1:]
     elif s.get("tamper") == "framing":
         body = b"zz" + body[2:]
     prepared = req.prepare()

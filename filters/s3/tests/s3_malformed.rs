@@ -46,6 +46,10 @@ fn aws_chunked_uploads_verify_every_chunk() {
         {"op": "chunked", "bucket": "fenced", "key": "c.txt", "chunks": ["bad ", "framing"], "mode": "trailer", "token": token(2), "tamper": "framing"},
         {"op": "chunked", "bucket": "open", "key": "o.txt", "chunks": ["tampered ", "unprotected"], "mode": "signed", "tamper": "signature"},
         {"op": "chunked", "bucket": "open", "key": "crc.txt", "chunks": ["wrong ", "checksum"], "mode": "trailer", "tamper": "crc"},
+        {"op": "chunked", "bucket": "fenced", "key": "st.txt", "chunks": ["signed ", "trailer"], "mode": "signed-trailer", "token": token(2)},
+        {"op": "get", "bucket": "fenced", "key": "st.txt"},
+        {"op": "chunked", "bucket": "fenced", "key": "st.txt", "chunks": ["bad ", "trailer"], "mode": "signed-trailer", "token": token(2), "tamper": "trailer-signature"},
+        {"op": "get", "bucket": "fenced", "key": "st.txt"},
         {"op": "get", "bucket": "fenced", "key": "c.txt"},
         {"op": "list", "bucket": "open"},
     ]));
@@ -66,9 +70,13 @@ fn aws_chunked_uploads_verify_every_chunk() {
     assert_eq!(results[6]["status"], 403);
     assert_eq!(results[7]["status"], 400);
     assert!(results[7]["body"].as_str().unwrap().contains("BadDigest"));
+    assert_eq!(results[8]["status"], 200, "{}", results[8]);
+    assert_eq!(results[9]["body"], "signed trailer");
+    assert_eq!(results[10]["status"], 403);
+    assert_eq!(results[11]["body"], "signed trailer");
     // Nothing of the refused bodies reached the store.
-    assert_eq!(results[8]["body"], "first chunk, second chunk, last");
-    assert_eq!(results[9]["keys"], json!([]));
+    assert_eq!(results[12]["body"], "first chunk, second chunk, last");
+    assert_eq!(results[13]["keys"], json!([]));
 }
 
 #[test]
