@@ -43,7 +43,18 @@ async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit() {
     };
     // The old holder starts first and is mid-stream when the new one arrives.
     let old = tokio::spawn(writer(dsn(n), "old", 1000));
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while gw.pg.psql_as(
+        "postgres",
+        "SELECT count(*) >= 10 FROM race WHERE who = 'old'",
+    ) != "t"
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old holder did not commit 10 rows within 30 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     let new = tokio::spawn(writer(dsn(n + 1), "new", 1000));
     let (old_ok, old_stale) = old.await.unwrap();
     let (new_ok, new_stale) = new.await.unwrap();
