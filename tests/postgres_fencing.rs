@@ -918,3 +918,38 @@ async fn fences_cannot_be_lowered_by_clients() {
         "9"
     );
 }
+
+/// `install_on_start` installs fence.sql when the node starts (DSN from the named env var), and
+/// `fencegate postgres print-sql` prints the same file.
+#[tokio::test(flavor = "multi_thread")]
+async fn fence_sql_is_installed_at_startup_when_configured() {
+    let pg = support::postgres_server::PgServer::start();
+    assert_eq!(
+        pg.psql_as(
+            "postgres",
+            "SELECT count(*) FROM pg_namespace WHERE nspname = 'fencegate'"
+        ),
+        "0"
+    );
+    let dsn = pg.dsn("postgres");
+    let gw = PgGateway::start_on(
+        pg,
+        "install_on_start = true\ninstall_dsn_env = \"FG_PG_DSN\"\n",
+        &[("FG_PG_DSN", &dsn)],
+    );
+    setup_table(&gw);
+    let c = connect_with_token(&gw, &tok(2)).await;
+    c.simple_query("INSERT INTO items (v, who) VALUES (1, 'x')")
+        .await
+        .unwrap();
+    assert_eq!(
+        gw.pg.psql_as(
+            "postgres",
+            "SELECT revision FROM fencegate.fences WHERE resource = 'job'"
+        ),
+        "2"
+    );
+    let (code_, out, _) = support::postgres_server::cli(&["postgres", "print-sql"]);
+    assert_eq!(code_, 0);
+    assert!(out.contains("CREATE OR REPLACE FUNCTION fencegate.guard"));
+}

@@ -239,6 +239,11 @@ impl PgGateway {
         let pg = PgServer::start();
         let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
         assert_eq!(code, 0, "fencegate postgres install failed:\n{out}\n{err}");
+        Self::start_on(pg, extra, env)
+    }
+
+    /// Starts a node in front of `pg` as it is (no install step of its own).
+    pub fn start_on(pg: PgServer, extra: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let api = free_port();
