@@ -111,9 +111,20 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
         assert!(text.contains(line), "{line} missing from:\n{text}");
     }
 
-    // Edit one line: verify fails and names it.
+    // Delete the last line: the head file catches it.
     let path = gw.audit_dir.join("audit.jsonl");
     let text = std::fs::read_to_string(&path).unwrap();
+    let shorter: Vec<&str> = text.lines().take(4).collect();
+    std::fs::write(&path, shorter.join("\n") + "\n").unwrap();
+    let (code, _, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("the log ends at seq 4 but its head file records seq 5"),
+        "{err}"
+    );
+    std::fs::write(&path, &text).unwrap();
+
+    // Edit one line: verify fails and names it.
     let edited: Vec<String> = text
         .lines()
         .enumerate()

@@ -10,6 +10,45 @@ use super::{io_error, AuditError};
 /// The file being written.
 pub const ACTIVE: &str = "audit.jsonl";
 
+/// The chain's head (`{"seq":N,"hash":"..."}`), rewritten after each fsync'd batch, so that
+/// deleting the *last* records is detected too. It may lag the log after a crash, never lead it.
+pub const HEAD: &str = "audit.head";
+
+/// The recorded head of the chain.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Head {
+    /// Seq of the last record known durable.
+    pub seq: u64,
+    /// Its hash.
+    pub hash: String,
+}
+
+/// Writes the head file atomically (temp file, fsync, rename).
+pub fn write_head(dir: &Path, head: &Head) -> Result<(), AuditError> {
+    let tmp = dir.join("audit.head.tmp");
+    let text = serde_json::to_string(head).expect("a head always serializes");
+    let file = fs::File::create(&tmp).map_err(io_error(&tmp))?;
+    std::io::Write::write_all(&mut &file, text.as_bytes()).map_err(io_error(&tmp))?;
+    file.sync_data().map_err(io_error(&tmp))?;
+    fs::rename(&tmp, dir.join(HEAD)).map_err(io_error(&tmp))
+}
+
+/// The head file, if there is one.
+pub fn read_head(dir: &Path) -> Result<Option<Head>, AuditError> {
+    let path = dir.join(HEAD);
+    match fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| AuditError::Parse {
+                path,
+                line: 1,
+                message: e.to_string(),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_error(&path)(e)),
+    }
+}
+
 /// One file of the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogFile {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use fencegate_core::{AuditRecord, GENESIS_HASH};
 
-use super::files::lines;
+use super::files::{lines, read_head};
 use super::AuditError;
 
 /// A chain that verified.
@@ -81,8 +81,28 @@ pub fn verify(dir: &Path) -> Result<Report, VerifyError> {
         expected_seq += 1;
         prev = record.hash;
     }
+    let records = expected_seq - 1;
+    if let Some(head) = read_head(dir)? {
+        // The head may lag the log (a crash between the batch's fsync and the head's), never
+        // lead it: a head beyond the last record means records were cut off the end.
+        let at_head = lines.iter().rev().find_map(|l| {
+            let r: AuditRecord = serde_json::from_str(&l.text).ok()?;
+            (r.seq == head.seq).then_some(r.hash)
+        });
+        let matches = head.seq == 0 || at_head.as_deref() == Some(head.hash.as_str());
+        if head.seq > records || !matches {
+            return Err(VerifyError::Broken(Broken {
+                path: dir.join(super::files::HEAD),
+                line: 1,
+                problem: format!(
+                    "the log ends at seq {records} but its head file records seq {} (records were removed from the end)",
+                    head.seq
+                ),
+            }));
+        }
+    }
     Ok(Report {
-        records: expected_seq - 1,
+        records,
         files,
         head: prev,
     })
@@ -151,6 +171,23 @@ mod tests {
             err.contains("audit.jsonl:2: record seq 3 does not follow"),
             "{err}"
         );
+
+        std::fs::write(&path, lines[..4].join("\n") + "\n").unwrap();
+        let last = serde_json::from_str::<AuditRecord>(&lines[4]).unwrap();
+        crate::audit::files::write_head(
+            dir.path(),
+            &crate::audit::files::Head {
+                seq: 5,
+                hash: last.hash,
+            },
+        )
+        .unwrap();
+        let err = verify(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("audit.head:1: the log ends at seq 4 but its head file records seq 5"),
+            "{err}"
+        );
+        std::fs::remove_file(dir.path().join("audit.head")).unwrap();
 
         let mut reordered = lines.clone();
         reordered.swap(3, 4);

@@ -188,7 +188,13 @@ impl State {
         self.file_bytes += text.len() as u64;
         self.last_seq = seq;
         self.last_hash = hash;
-        Ok(())
+        files::write_head(
+            &self.dir,
+            &files::Head {
+                seq: self.last_seq,
+                hash: self.last_hash.clone(),
+            },
+        )
     }
 
     fn rotate(&mut self) -> Result<(), AuditError> {
