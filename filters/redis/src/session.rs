@@ -290,6 +290,17 @@ impl Reader {
                 batch.slots.push(Slot::Upstream(Expect::Hello { previous }));
                 return;
             }
+            // Replies are matched to requests in order; a server that stops replying would
+            // shift every later reply onto the wrong request.
+            "CLIENT"
+                if args
+                    .get(1)
+                    .is_some_and(|a| a.eq_ignore_ascii_case(b"REPLY")) =>
+            {
+                let text = "ERR fencegate: CLIENT REPLY is not supported through the gateway";
+                batch.slots.push(Slot::Local(Frame::error(text)));
+                return;
+            }
             "SUBSCRIBE" | "PSUBSCRIBE" | "SSUBSCRIBE" | "MONITOR"
                 if self.multi.is_none() && !self.relay =>
             {

@@ -159,6 +159,18 @@ async fn missing_and_bad_tokens_are_refused() {
         .await
         .unwrap();
     assert_eq!(v, None);
+    let err = redis::cmd("CLIENT")
+        .arg("REPLY")
+        .arg("OFF")
+        .query_async::<()>(&mut c)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("CLIENT REPLY is not supported"),
+        "{err}"
+    );
+    let pong: String = redis::cmd("PING").query_async(&mut c).await.unwrap();
+    assert_eq!(pong, "PONG");
     let reasons: Vec<String> = s.sink.events().into_iter().map(|e| e.reason).collect();
     assert_eq!(reasons, ["missing", "malformed"], "{:#?}", s.sink.events());
 }
