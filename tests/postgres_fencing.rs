@@ -953,3 +953,33 @@ async fn fence_sql_is_installed_at_startup_when_configured() {
     assert_eq!(code_, 0);
     assert!(out.contains("CREATE OR REPLACE FUNCTION fencegate.guard"));
 }
+
+/// `RESET fencegate.token`, `RESET ALL` and `DISCARD ALL` go back to the startup option's token
+/// (none without one), as PostgreSQL does for any setting.
+#[tokio::test(flavor = "multi_thread")]
+async fn reset_goes_back_to_the_startup_token() {
+    let gw = PgGateway::start("", &[]);
+    setup_table(&gw);
+    let with_startup = connect_with_token(&gw, &tok(5)).await;
+    let insert = "INSERT INTO items (v, who) VALUES (1, 'x')";
+    for reset in ["RESET fencegate.token", "RESET ALL", "DISCARD ALL"] {
+        with_startup
+            .simple_query("SET fencegate.token = 'fg1~zz~job'")
+            .await
+            .unwrap();
+        let e = with_startup.simple_query(insert).await.unwrap_err();
+        assert_eq!(code(&e), "FG003", "{e}");
+        with_startup.simple_query(reset).await.unwrap();
+        with_startup.simple_query(insert).await.unwrap();
+    }
+    let without = connect(&gw.dsn("postgres")).await;
+    without
+        .simple_query(&format!("SET fencegate.token = '{}'", tok(5)))
+        .await
+        .unwrap();
+    without.simple_query(insert).await.unwrap();
+    without.simple_query("DISCARD ALL").await.unwrap();
+    let e = without.simple_query(insert).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM items"), "4");
+}

@@ -4,7 +4,8 @@
 //!   (values may be percent-encoded, as sqlcommenter libraries do); it applies to that
 //!   statement only and wins over the session token;
 //! - `SET fencegate.token = '...'` / `RESET fencegate.token` for the session (intercepted by the
-//!   gateway; see [`crate::classify::Kind::SetToken`]);
+//!   gateway; see [`crate::classify::Kind::SetToken`]). As for any setting, `RESET` (and
+//!   `RESET ALL`, `DISCARD ALL`) go back to the startup option's value, if there was one;
 //! - the startup option `options=-c fencegate.token=...` (removed before the startup packet is
 //!   relayed, so the token does not reach the server's logs).
 

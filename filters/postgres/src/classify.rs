@@ -22,6 +22,9 @@ pub enum Kind {
     TransactionControl,
     /// `SET fencegate.token = '...'` (`Some`) or `RESET fencegate.token` (`None`).
     SetToken(Option<String>),
+    /// `DISCARD ALL` or `RESET ALL`: relayed, and the session token is dropped with the rest of
+    /// the session's settings.
+    SessionReset,
 }
 
 /// One statement of a query string.
@@ -252,7 +255,16 @@ fn classify_statement(node: Option<&NodeEnum>, text: &str) -> (Kind, Vec<String>
                 (Kind::SetToken(None), Vec::new())
             }
         }
+        NodeEnum::VariableSetStmt(set)
+            if set.kind == protobuf::VariableSetKind::VarResetAll as i32 =>
+        {
+            (Kind::SessionReset, Vec::new())
+        }
+        NodeEnum::DiscardStmt(d) if d.target == protobuf::DiscardMode::DiscardAll as i32 => {
+            (Kind::SessionReset, Vec::new())
+        }
         NodeEnum::VariableSetStmt(_)
+        | NodeEnum::DiscardStmt(_)
         | NodeEnum::VariableShowStmt(_)
         | NodeEnum::DeallocateStmt(_)
         | NodeEnum::FetchStmt(_)
@@ -451,6 +463,9 @@ mod tests {
             vec![Kind::SetToken(Some("x".into()))]
         );
         assert_eq!(kinds("RESET fencegate.token"), vec![Kind::SetToken(None)]);
+        assert_eq!(kinds("DISCARD ALL"), vec![Kind::SessionReset]);
+        assert_eq!(kinds("RESET ALL"), vec![Kind::SessionReset]);
+        assert_eq!(kinds("DISCARD PLANS"), vec![Kind::Read]);
         assert_eq!(
             kinds("SET SESSION fencegate.token = DEFAULT"),
             vec![Kind::SetToken(None)]

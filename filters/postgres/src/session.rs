@@ -99,6 +99,8 @@ struct State {
     /// Bumped by every transaction-control statement sent.
     epoch: u64,
     session_token: Option<String>,
+    /// The token from the startup options: what `RESET` goes back to, as for any setting.
+    startup_token: Option<String>,
     statements: HashMap<String, Classified>,
 }
 
@@ -329,6 +331,7 @@ async fn session(
             status,
             guarded: None,
             epoch: 0,
+            startup_token: session_token.clone(),
             session_token,
             statements: HashMap::new(),
         }),
@@ -568,6 +571,15 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         state.epoch += 1;
         state.guarded = None;
     }
+    if classified
+        .statements
+        .iter()
+        .any(|s| s.kind == Kind::SessionReset)
+        && !matches!(plan, QueryPlan::Refuse(_))
+    {
+        state.session_token = state.startup_token.clone();
+        state.guarded = None;
+    }
     match plan {
         QueryPlan::Forward => {
             state.pending.push_back(Expect::Query(VecDeque::new()));
@@ -603,7 +615,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         }
         QueryPlan::SetToken(value) => {
             let tag = if value.is_some() { "SET" } else { "RESET" };
-            state.session_token = value;
+            state.session_token = value.or_else(|| state.startup_token.clone());
             state.guarded = None;
             let mut bytes = BytesMut::from(&message::command_complete(tag)[..]);
             bytes.extend_from_slice(&message::ready_for_query(state.status));
@@ -675,11 +687,15 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
         for s in &classified.statements {
             match &s.kind {
                 Kind::SetToken(value) => {
-                    state.session_token = value.clone();
+                    state.session_token = value.clone().or_else(|| state.startup_token.clone());
                     state.guarded = None;
                 }
                 Kind::TransactionControl => {
                     state.epoch += 1;
+                    state.guarded = None;
+                }
+                Kind::SessionReset => {
+                    state.session_token = state.startup_token.clone();
                     state.guarded = None;
                 }
                 _ => {}
@@ -957,7 +973,150 @@ fn fence_from_detail(detail: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use fencegate_core::{Resource, Revision};
+
     use super::*;
+
+    fn frame(tag: u8, body: &[u8]) -> Frame {
+        let mut raw = vec![tag];
+        raw.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        raw.extend_from_slice(body);
+        Frame {
+            tag,
+            raw: Bytes::from(raw),
+        }
+    }
+
+    fn state() -> State {
+        State {
+            pending: VecDeque::new(),
+            status: b'I',
+            guarded: None,
+            epoch: 0,
+            session_token: None,
+            startup_token: None,
+            statements: HashMap::new(),
+        }
+    }
+
+    fn guard(decides: bool) -> Role {
+        Role::Guard(Box::new(GuardInfo {
+            token: Token::new(Resource::new("job").unwrap(), Revision::new(7).unwrap()),
+            summary: OperationSummary::default(),
+            epoch: 0,
+            remember: true,
+            decides,
+        }))
+    }
+
+    fn stale_error() -> Frame {
+        let bytes = message::error_response(&ErrorFields {
+            severity: "ERROR",
+            code: sqlstate::STALE.to_owned(),
+            message: "stale".to_owned(),
+            detail: Some("resource=job revision=7 fence=9".to_owned()),
+        });
+        frame(b'E', &bytes[5..])
+    }
+
+    /// Feeds frames; returns the tags relayed to the client.
+    fn relay(state: &mut State, frames: &[Frame]) -> (String, Vec<Option<u64>>) {
+        let mut out = String::new();
+        let mut stale = Vec::new();
+        for f in frames {
+            let o = on_reply(state, f);
+            if o.forward {
+                out.push(char::from(f.tag));
+            }
+            if let Some((_, fence)) = o.stale {
+                stale.push(fence);
+            }
+        }
+        (out, stale)
+    }
+
+    #[test]
+    fn simple_query_guard_replies_are_swallowed() {
+        let mut s = state();
+        s.pending
+            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        let frames = [
+            frame(b'T', b""),
+            frame(b'D', b""),
+            frame(b'C', b"SELECT 1\0"),
+            frame(b'C', b"INSERT 0 1\0"),
+            frame(b'Z', b"I"),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("CZ".to_owned(), vec![]));
+        assert!(s.pending.is_empty());
+    }
+
+    #[test]
+    fn a_stale_guard_is_reported_once_and_its_error_relayed() {
+        let mut s = state();
+        s.pending
+            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        let frames = [stale_error(), frame(b'Z', b"I")];
+        assert_eq!(relay(&mut s, &frames), ("EZ".to_owned(), vec![Some(9)]));
+    }
+
+    #[test]
+    fn extended_guard_is_invisible_and_sets_the_transaction_guard() {
+        let mut s = state();
+        s.status = b'T';
+        s.pending.extend([
+            Expect::Close(guard(false)),
+            Expect::Close(guard(false)),
+            Expect::Parse(guard(false)),
+            Expect::Bind(guard(false)),
+            Expect::Execute(guard(true)),
+            Expect::Bind(Role::Client),
+            Expect::Execute(Role::Client),
+            Expect::Sync,
+        ]);
+        let frames = [
+            frame(b'3', b""),
+            frame(b'3', b""),
+            frame(b'1', b""),
+            frame(b'2', b""),
+            frame(b'D', b""),
+            frame(b'C', b"SELECT 1\0"),
+            frame(b'2', b""),
+            frame(b'C', b"INSERT 0 1\0"),
+            frame(b'Z', b"T"),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("2CZ".to_owned(), vec![]));
+        assert!(s.guarded.is_some());
+        assert!(s.pending.is_empty());
+    }
+
+    #[test]
+    fn an_error_skips_to_sync_like_the_server() {
+        let mut s = state();
+        s.pending.extend([
+            Expect::Parse(Role::Client),
+            Expect::Close(guard(false)),
+            Expect::Close(guard(false)),
+            Expect::Parse(guard(false)),
+            Expect::Bind(guard(false)),
+            Expect::Execute(guard(true)),
+            Expect::Bind(Role::Client),
+            Expect::Execute(Role::Client),
+        ]);
+        // The client's Sync arrives after the error: the skipped messages get no replies.
+        let frames = [
+            frame(b'1', b""),
+            frame(b'3', b""),
+            frame(b'3', b""),
+            frame(b'1', b""),
+            frame(b'2', b""),
+            stale_error(),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("1E".to_owned(), vec![Some(9)]));
+        s.pending.push_back(Expect::Sync);
+        assert_eq!(relay(&mut s, &[frame(b'Z', b"I")]).0, "Z");
+        assert!(s.pending.is_empty());
+    }
 
     #[test]
     fn fence_is_read_from_the_guard_detail() {
