@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-#[path = "../../../tests/support/s3_server.rs"]
+#[path = "../../../../tests/support/s3_server.rs"]
 pub mod s3_server;
 
 use std::sync::Arc;
