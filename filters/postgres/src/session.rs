@@ -790,6 +790,20 @@ async fn relay_replies(
             }
         };
         let Some(frame) = frame else {
+            // The server is gone (or was told to go after a client protocol error): what the
+            // gateway still owes the client (that error, say) is sent before closing.
+            let owed: Vec<Bytes> = shared
+                .lock()
+                .pending
+                .drain(..)
+                .filter_map(|e| match e {
+                    Expect::Local { bytes, .. } => Some(bytes),
+                    _ => None,
+                })
+                .collect();
+            for bytes in owed {
+                let _ = client.write_all(&bytes).await;
+            }
             let _ = client.flush().await;
             let _ = client.shutdown().await;
             return Ok(());
