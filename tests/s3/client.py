@@ -155,7 +155,7 @@ def step(s):
                 first += chunk[: 4096 - n]
             h.update(chunk)
             n += len(chunk)
-        return {"ok": True, "size": n, "sha256": h.hexdigest(), "body": first.decode("latin-1"),
+        return {"ok": True, "size": n, "sha256": h.hexdigest(), "body": first.decode("utf-8", errors="replace"),
                 "etag": r["ETag"], "metadata": meta_of(r)}
     if op == "head":
         r = c.head_object(Bucket=b, Key=k)

@@ -490,7 +490,12 @@ pub fn aws_encode(text: &str) -> String {
 
 /// The AWS canonical form of a raw path: decoded, then encoded keeping `/`.
 pub fn canonical_path(raw_path: &str) -> String {
-    utf8_percent_encode(&decode(raw_path), AWS_ENCODE_PATH).to_string()
+    encode_path(&decode(raw_path))
+}
+
+/// AWS URI encoding of a decoded path (bucket or key), keeping `/`.
+pub fn encode_path(decoded: &str) -> String {
+    utf8_percent_encode(decoded, AWS_ENCODE_PATH).to_string()
 }
 
 fn hmac(key: &[u8], data: &[u8]) -> [u8; 32] {

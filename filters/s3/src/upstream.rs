@@ -16,7 +16,7 @@ use aws_sigv4::http_request::{
 use aws_sigv4::sign::v4;
 
 use crate::error::S3Error;
-use crate::sigv4_verify::canonical_path;
+use crate::sigv4_verify::encode_path;
 
 /// Request headers never copied from a client request to the upstream one: the client's
 /// signature and framing, hop-by-hop headers, and the fencing carrier.
@@ -113,10 +113,10 @@ impl Upstream {
     pub fn path_and_query(bucket: Option<&str>, key: Option<&str>, raw_query: &str) -> String {
         let mut path = String::from("/");
         if let Some(bucket) = bucket {
-            path.push_str(&canonical_path(bucket));
+            path.push_str(&encode_path(bucket));
             if let Some(key) = key {
                 path.push('/');
-                path.push_str(&canonical_path(key));
+                path.push_str(&encode_path(key));
             }
         }
         let query: Vec<&str> = raw_query
@@ -194,6 +194,12 @@ mod tests {
             "/b/a%20b/c?versionId=3"
         );
         assert_eq!(Upstream::path_and_query(None, None, ""), "/");
+        // Keys are decoded once (from the client's path) and encoded once: a literal `%20`
+        // in a key stays a literal `%20`.
+        assert_eq!(
+            Upstream::path_and_query(Some("b"), Some("percent%20literal"), ""),
+            "/b/percent%2520literal"
+        );
     }
 
     #[test]

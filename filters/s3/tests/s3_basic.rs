@@ -90,3 +90,41 @@ fn virtual_hosted_style_and_client_conditions() {
     assert_eq!(matched[1]["body"], "conditional");
     assert_eq!(h.audit.events().len(), 1);
 }
+
+#[test]
+fn keys_with_awkward_characters() {
+    let h = Harness::start();
+    let t = token(5);
+    let keys = [
+        "a b+c&d=e.txt",
+        "ünïcødé/ключ/鍵",
+        "semi;colon,comma!'()*~@$",
+        "tilde~/percent%20literal",
+    ];
+    let mut steps = Vec::new();
+    for key in keys {
+        steps.push(json!({"op": "put", "bucket": "fenced", "key": key, "body": key, "token": t}));
+        steps.push(json!({"op": "get", "bucket": "fenced", "key": key}));
+        steps.push(json!({"op": "copy", "bucket": "fenced", "key": format!("{key}.copy"), "source_key": key, "token": t}));
+        steps.push(json!({"op": "delete", "bucket": "fenced", "key": key, "token": t}));
+    }
+    steps.push(json!({"op": "list", "bucket": "fenced"}));
+    let results = h.run(serde_json::Value::Array(steps));
+    for (i, r) in results.iter().enumerate() {
+        println!("step {i}: {}", truncate(r));
+        assert_eq!(r["ok"], true, "step {i}: {r}");
+    }
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(results[4 * i + 1]["body"], *key);
+    }
+    let mut listed: Vec<String> = serde_json::from_value(results[16]["keys"].clone()).unwrap();
+    listed.sort();
+    let mut want: Vec<String> = keys.iter().map(|k| format!("{k}.copy")).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    // Stored under exactly these names (seen directly in the store, not through the gateway).
+    let direct = h.direct(json!([{"op": "list", "bucket": "fenced"}]));
+    let mut stored: Vec<String> = serde_json::from_value(direct[0]["keys"].clone()).unwrap();
+    stored.sort();
+    assert_eq!(stored, want);
+}
