@@ -221,7 +221,9 @@ pub fn classify(sql: &str) -> Classified {
         });
         let text = sql.get(start..end).unwrap_or("");
         let node = stmt.stmt.as_ref().and_then(|n| n.node.as_ref());
-        let (kind, targets) = classify_statement(node, text);
+        // With one statement, the whole text's parse already describes it.
+        let whole = (raw.len() == 1).then_some(&parsed);
+        let (kind, targets) = classify_statement(node, text, whole);
         // A comment belongs to the statement it is in, or to the one it follows.
         let comment_token = comments
             .iter()
@@ -242,7 +244,11 @@ pub fn classify(sql: &str) -> Classified {
     }
 }
 
-fn classify_statement(node: Option<&NodeEnum>, text: &str) -> (Kind, Vec<String>) {
+fn classify_statement(
+    node: Option<&NodeEnum>,
+    text: &str,
+    whole: Option<&pg_query::ParseResult>,
+) -> (Kind, Vec<String>) {
     let Some(node) = node else {
         return (Kind::Write, Vec::new());
     };
@@ -271,25 +277,26 @@ fn classify_statement(node: Option<&NodeEnum>, text: &str) -> (Kind, Vec<String>
         | NodeEnum::ClosePortalStmt(_)
         | NodeEnum::ListenStmt(_)
         | NodeEnum::UnlistenStmt(_) => (Kind::Read, Vec::new()),
-        NodeEnum::SelectStmt(select) if select.into_clause.is_none() => read_unless(text),
+        NodeEnum::SelectStmt(select) if select.into_clause.is_none() => read_unless(text, whole),
         NodeEnum::ExplainStmt(explain) if !explain_analyzes(&explain.options) => {
             (Kind::Read, Vec::new())
         }
-        NodeEnum::DeclareCursorStmt(_) | NodeEnum::PrepareStmt(_) => read_unless(text),
+        NodeEnum::DeclareCursorStmt(_) | NodeEnum::PrepareStmt(_) => read_unless(text, whole),
         NodeEnum::CopyStmt(copy) if !copy.is_from && copy.relation.is_some() => {
             (Kind::Read, Vec::new())
         }
-        NodeEnum::CopyStmt(copy) if !copy.is_from => read_unless(text),
-        _ => (Kind::Write, targets(text)),
+        NodeEnum::CopyStmt(copy) if !copy.is_from => read_unless(text, whole),
+        _ => (Kind::Write, targets(text, whole)),
     }
 }
 
 /// A statement whose shape is read-only is still a write if it modifies tables (a
 /// data-modifying CTE) or calls a function not known to be read-only.
-fn read_unless(text: &str) -> (Kind, Vec<String>) {
-    let Ok(parsed) = pg_query::parse(text) else {
-        return (Kind::Write, Vec::new());
-    };
+fn read_unless(text: &str, whole: Option<&pg_query::ParseResult>) -> (Kind, Vec<String>) {
+    with_parse(text, whole, read_unless_parsed).unwrap_or((Kind::Write, Vec::new()))
+}
+
+fn read_unless_parsed(parsed: &pg_query::ParseResult) -> (Kind, Vec<String>) {
     let written: Vec<String> = parsed
         .dml_tables()
         .into_iter()
@@ -307,10 +314,23 @@ fn read_unless(text: &str) -> (Kind, Vec<String>) {
     }
 }
 
-fn targets(text: &str) -> Vec<String> {
-    pg_query::parse(text)
-        .map(|p| p.dml_tables().into_iter().chain(p.ddl_tables()).collect())
-        .unwrap_or_default()
+fn targets(text: &str, whole: Option<&pg_query::ParseResult>) -> Vec<String> {
+    with_parse(text, whole, |p| {
+        p.dml_tables().into_iter().chain(p.ddl_tables()).collect()
+    })
+    .unwrap_or_default()
+}
+
+/// Runs `f` on `whole` if given, else on a parse of `text` (`None` if it does not parse).
+fn with_parse<T>(
+    text: &str,
+    whole: Option<&pg_query::ParseResult>,
+    f: impl FnOnce(&pg_query::ParseResult) -> T,
+) -> Option<T> {
+    match whole {
+        Some(parsed) => Some(f(parsed)),
+        None => pg_query::parse(text).ok().map(|p| f(&p)),
+    }
 }
 
 fn explain_analyzes(options: &[protobuf::Node]) -> bool {
@@ -334,6 +354,9 @@ fn set_value(args: &[protobuf::Node]) -> Option<String> {
 
 /// `(offset, token)` for each C-style comment that carries a token.
 fn comments(sql: &str) -> Vec<(usize, String)> {
+    if !sql.contains(carrier::COMMENT_KEY) {
+        return Vec::new();
+    }
     let Ok(scan) = pg_query::scan(sql) else {
         return Vec::new();
     };
