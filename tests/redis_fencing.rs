@@ -3,6 +3,7 @@
 
 mod support;
 
+use fencegate_redis::frame::{parse, Frame, Limits};
 use redis::aio::MultiplexedConnection;
 use redis::RedisResult;
 use support::redis_gateway::RedisGateway;
@@ -409,25 +410,63 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
     let _: () = q(&mut c, &["SET", "k", "2"]).await.unwrap();
     let v: String = q(&mut direct, &["GET", "k"]).await.unwrap();
     assert_eq!(v, "2");
-    // Pipelined writes behind a missing function: each is retried, replies stay in order.
+    // Pipelined writes behind a missing function: replies stay in order, and writes apply in
+    // request order; one that cannot be resent without overtaking later ones gets TRYAGAIN.
     let _: () = q(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
-    let mut pipe = redis::pipe();
-    for i in 0..50 {
-        pipe.cmd("SET").arg(format!("p:{i}")).arg(i);
-        pipe.cmd("INCR").arg("p:count");
+    let replies = raw_pipeline(&gw, "fg1~5~job", 2_000);
+    assert_eq!(replies.len(), 4_000);
+    let mut last = 0;
+    for (i, reply) in replies.iter().enumerate() {
+        match reply {
+            Frame::Simple(ok) if i % 2 == 0 && &ok[..] == b"OK" => {}
+            Frame::Integer(n) if i % 2 == 1 => {
+                assert!(*n > last, "INCR {i} applied out of order: {n} after {last}");
+                last = *n;
+            }
+            Frame::Error(e) if e.starts_with(b"TRYAGAIN ") => {}
+            other => panic!("reply {i}: {other:?}"),
+        }
     }
-    let replies: Vec<redis::Value> = pipe.query_async(&mut c).await.unwrap();
-    for i in 0..50 {
-        assert_eq!(replies[2 * i], redis::Value::Okay, "{replies:?}");
-        assert_eq!(
-            replies[2 * i + 1],
-            redis::Value::Int(i as i64 + 1),
-            "{replies:?}"
-        );
-    }
-    let v: String = q(&mut direct, &["GET", "p:49"]).await.unwrap();
-    assert_eq!(v, "49");
+    let applied = replies
+        .iter()
+        .filter(|r| matches!(r, Frame::Integer(_)))
+        .count() as i64;
+    assert_eq!(last, applied, "every applied INCR counted once, in order");
+    let _: () = q(&mut c, &["SET", "after", "ok"]).await.unwrap();
     let libs: redis::Value = q(&mut direct, &["FUNCTION", "LIST"]).await.unwrap();
     assert!(format!("{libs:?}").contains("fencegate_v1"), "{libs:?}");
     assert!(gw.log_text().contains("reloaded"), "{}", gw.log_text());
+}
+
+/// Sends `FENCE token` and `n` pairs of `SET p:<i> <i>`, `INCR p:count` in one write on a raw
+/// connection and returns the replies after FENCE's.
+fn raw_pipeline(gw: &RedisGateway, token: &str, n: usize) -> Vec<Frame> {
+    use std::io::{Read, Write};
+    let mut request = Vec::new();
+    let mut push = |args: Vec<String>| request.extend_from_slice(&Frame::command(args).to_bytes());
+    push(vec!["FENCE".into(), token.into()]);
+    for i in 0..n {
+        push(vec!["SET".into(), format!("p:{i}"), i.to_string()]);
+        push(vec!["INCR".into(), "p:count".into()]);
+    }
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let writer = {
+        let mut s = s.try_clone().unwrap();
+        std::thread::spawn(move || s.write_all(&request).unwrap())
+    };
+    let (mut buf, mut frames, mut chunk) = (Vec::new(), Vec::new(), [0u8; 65536]);
+    while frames.len() < 2 * n + 1 {
+        let got = s.read(&mut chunk).unwrap();
+        assert!(got > 0, "gateway closed after {} replies", frames.len());
+        buf.extend_from_slice(&chunk[..got]);
+        while let Some((frame, len)) = parse(&buf, &Limits::default()).unwrap() {
+            buf.drain(..len);
+            frames.push(frame);
+        }
+    }
+    writer.join().unwrap();
+    assert_eq!(frames[0], Frame::simple("OK"));
+    frames.split_off(1)
 }

@@ -672,9 +672,13 @@ impl Writer {
                 } else {
                     (frame, raw)
                 };
-                match frame.as_error().and_then(stale_fence) {
-                    Some(fence) => self.audit_stale(ctx.event, fence).await,
-                    None => self.gateway.sink.applied(STORE),
+                match frame.as_error() {
+                    Some(e) if stale_fence(e).is_some() => {
+                        let fence = stale_fence(e).expect("checked");
+                        self.audit_stale(ctx.event, fence).await
+                    }
+                    Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
+                    _ => self.gateway.sink.applied(STORE),
                 }
                 self.out.extend_from_slice(&raw);
             }
@@ -699,16 +703,48 @@ impl Writer {
         Ok(())
     }
 
-    /// The fence script was missing (flush or restart): load it again and resend the call.
-    /// Replies to requests pipelined behind it are read ahead and kept, so the client still gets
-    /// every reply in order.
+    /// The fence script was missing (flush or restart): load it again and, when nothing else of
+    /// this connection is in flight, resend the call (transparent for a client that waits for
+    /// each reply). When later requests were already sent, resending would run this write after
+    /// them, so it is answered `-TRYAGAIN` instead (not applied; order kept).
     async fn retry(&mut self, call: &[Bytes]) -> Result<(Frame, Bytes), RedisError> {
         self.gateway.reload_fence().await?;
+        self.flush().await?;
         let upstream_w = self.upstream_w.clone();
-        let mut up = upstream_w.lock().await;
-        while self.received < up.sent {
-            let reply = self.read_reply().await?;
-            self.stash.push_back(reply);
+        // The reader may hold the lock while its write waits for Redis, which may be waiting
+        // for us to read replies: keep reading (into the stash) until the lock is ours.
+        let mut up = loop {
+            tokio::select! {
+                guard = upstream_w.lock() => break guard,
+                n = self.upstream.read_buf(&mut self.ubuf) => {
+                    if n.map_err(RedisError::io("reading from upstream"))? == 0 {
+                        return Err(RedisError::Upstream("closed the connection".into()));
+                    }
+                    while let Some((frame, raw)) = self.parse_upstream()? {
+                        if matches!(frame, Frame::Push(_)) {
+                            self.out.extend_from_slice(&raw);
+                        } else {
+                            self.received += 1;
+                            self.stash.push_back((frame, raw));
+                        }
+                    }
+                }
+            }
+        };
+        if self.received < up.sent || !self.stash.is_empty() {
+            tracing::warn!(
+                conn = self.id,
+                sent = up.sent,
+                received = self.received,
+                stashed = self.stash.len(),
+                "a pipelined fenced write met a missing fence function; answered TRYAGAIN"
+            );
+            drop(up);
+            let frame = Frame::error(
+                "TRYAGAIN fencegate: the fence function was missing upstream (flush or restart) and is loaded again; this write was not applied, send it again",
+            );
+            let raw = frame.to_bytes();
+            return Ok((frame, raw));
         }
         up.half
             .write_all(&Frame::command(call.iter().cloned()).to_bytes())
