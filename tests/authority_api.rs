@@ -341,3 +341,31 @@ fn a_node_refuses_to_start_without_its_configured_key() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("FG_UNSET_KEY is not set"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_acquire_returns_the_same_lease_and_token() {
+    let cluster = Cluster::start(3, "").await;
+    let body = json!({ "ttl_ms": 5000, "request_id": "retry-1" });
+    // The retry may land on another node than the first attempt (forwarded to the leader).
+    let (s1, first) = cluster
+        .call(1, Method::POST, "/v1/locks/idem", Some(body.clone()))
+        .await;
+    let (s2, again) = cluster
+        .call(2, Method::POST, "/v1/locks/idem", Some(body))
+        .await;
+    assert_eq!(
+        (s1, s2),
+        (StatusCode::OK, StatusCode::OK),
+        "{first} {again}"
+    );
+    assert_eq!(
+        first, again,
+        "a retry must not take a second lease or token"
+    );
+    let other = json!({ "ttl_ms": 5000, "request_id": "retry-2" });
+    let (status, held) = cluster
+        .call(3, Method::POST, "/v1/locks/idem", Some(other))
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{held}");
+    assert_eq!(held["revision"], first["revision"]);
+}
