@@ -440,6 +440,17 @@ async fn copy_from_stdin_is_fenced() {
         0
     );
     assert_eq!(stale_records(&gw).len(), 2);
+    // COPY ... TO STDOUT is a read and streams through without a token.
+    use futures_util::TryStreamExt;
+    let reader = connect(&gw.dsn("postgres")).await;
+    let chunks: Vec<bytes::Bytes> = reader
+        .copy_out("COPY (SELECT v, who FROM items ORDER BY v) TO STDOUT")
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(chunks.concat(), b"1\tnew\n2\tnew\n");
 }
 
 /// Done-means 7: pgbench -S runs through the gateway, and a SELECT reaches the server

@@ -9,6 +9,19 @@
 //!   `session`: the only I/O module, one client connection to one upstream connection.
 //! - Refusals are `ErrorResponse`s with the SQLSTATEs in [`sqlstate`]; each is reported to the
 //!   [`fencegate_core::AuditSink`] before the client sees it.
+//!
+//! Why these libraries:
+//! - **`postgres-protocol`** (the codec under tokio-postgres, maintained with it) rather than
+//!   pgwire: the gateway *relays* a session, byte-for-byte wherever it does not rewrite, and
+//!   only needs to frame messages, decode a few (ErrorResponse, ReadyForQuery) and encode the
+//!   guard's own. pgwire is a server framework that terminates the protocol; relaying through
+//!   it would mean decoding and re-encoding every message and re-implementing each login
+//!   method. postgres-protocol is small and pure Rust.
+//! - **`pg_query`** (libpg_query: PostgreSQL's own grammar built as a library) rather than
+//!   sqlparser-rs: fencing must split multi-statement strings exactly where the server will
+//!   (the guard is spliced at those offsets) and tell reads from writes for every construct
+//!   the server accepts; an approximate grammar would either refuse valid reads or, worse, let
+//!   a write through as a read. The cost is a C build (needs `libclang-dev` for bindgen).
 
 #![deny(missing_docs)]
 
