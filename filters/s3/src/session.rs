@@ -912,9 +912,11 @@ impl WriteSession<'_> {
                 &conditions,
             );
             let plan_headers = match plan {
-                WritePlan::Refuse(rejection) if use_cache => {
-                    // The remembered state may be older than the store's: confirm with a HEAD.
-                    let _ = rejection;
+                WritePlan::Refuse(_) | WritePlan::PreconditionFailed | WritePlan::NoSuchKey
+                    if use_cache =>
+                {
+                    // The remembered state may be older than the store's: any answer other
+                    // than a conditional write is confirmed with a HEAD first.
                     use_cache = false;
                     self.shared.remember(bucket, key, None);
                     continue;
