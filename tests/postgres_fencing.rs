@@ -45,6 +45,18 @@ async fn count(direct: &Client, sql: &str) -> i64 {
     direct.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// Waits (bounded) until new sessions see `log_statement = all` after `pg_reload_conf()`.
+async fn wait_for_log_statement_all(gw: &PgGateway) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gw.pg.psql_as("postgres", "SHOW log_statement") != "all" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "log_statement did not change"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn setup_table(gw: &PgGateway) {
     gw.pg.psql_as(
         "postgres",
@@ -527,7 +539,7 @@ async fn pgbench_select_only_and_reads_are_relayed_unchanged() {
         .batch_execute("SELECT pg_reload_conf()")
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for_log_statement_all(&gw).await;
     let marker = "SELECT   42 AS  \"odd\"  /* keep me */ ;";
     let (c, out, err) = gw.psql("postgres", marker, &[]);
     assert_eq!((c, out.trim()), (0, "42"), "{err}");
@@ -594,7 +606,16 @@ async fn garbage_is_refused_and_cancels_reach_the_backend() {
     // Cancel: the request reaches the backend running the query.
     let cancel = other.cancel_token();
     let sleeper = tokio::spawn(async move { other.simple_query("SELECT pg_sleep(30)").await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Cancel once the backend is really running the sleep (bounded wait, no guessing).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gw.pg.psql_as(
+        "postgres",
+        "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE '%pg_sleep(30)%' AND pid <> pg_backend_pid()",
+    ) != "1"
+    {
+        assert!(std::time::Instant::now() < deadline, "the query never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     cancel.cancel_query(NoTls).await.unwrap();
     let result = tokio::time::timeout(Duration::from_secs(10), sleeper)
         .await
@@ -751,7 +772,7 @@ async fn a_transaction_is_guarded_once_before_its_first_write() {
         .batch_execute("SELECT pg_reload_conf()")
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for_log_statement_all(&gw).await;
     let c = connect_with_token(&gw, &tok(3)).await;
     for sql in [
         "BEGIN",
