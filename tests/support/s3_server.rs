@@ -65,17 +65,35 @@ pub fn venv_python() -> PathBuf {
 impl MotoServer {
     /// Starts moto's S3 server and waits until it accepts connections.
     pub fn start() -> Self {
+        Self::start_inner(None)
+    }
+
+    /// Starts moto's S3 server over HTTPS with this PEM certificate and key (clients must
+    /// trust the certificate: `S3_CA_BUNDLE` for `tests/s3/client.py`).
+    pub fn start_tls(cert: &Path, key: &Path) -> Self {
+        Self::start_inner(Some((cert, key)))
+    }
+
+    fn start_inner(tls: Option<(&Path, &Path)>) -> Self {
         let python = venv_python();
         let port = free_s3_port();
-        let child = Command::new(python)
-            .args([
-                "-m",
-                "moto.server",
-                "-H",
-                "127.0.0.1",
-                "-p",
-                &port.to_string(),
-            ])
+        let mut command = Command::new(python);
+        command.args([
+            "-m",
+            "moto.server",
+            "-H",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+        ]);
+        if let Some((cert, key)) = tls {
+            command
+                .arg("--ssl-cert")
+                .arg(cert)
+                .arg("--ssl-key")
+                .arg(key);
+        }
+        let child = command
             .env("MOTO_S3_CUSTOM_ENDPOINTS", "")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -85,7 +103,10 @@ impl MotoServer {
             });
         let server = Self {
             child,
-            endpoint: format!("http://127.0.0.1:{port}"),
+            endpoint: format!(
+                "{}://127.0.0.1:{port}",
+                if tls.is_some() { "https" } else { "http" }
+            ),
         };
         wait_for_port(port, Duration::from_secs(30));
         server

@@ -6,6 +6,7 @@
 //! # tls_cert = "/etc/fencegate/s3.crt"    # optional: serve HTTPS (PEM cert chain and key)
 //! # tls_key = "/etc/fencegate/s3.key"
 //! upstream = "http://127.0.0.1:9000"     # the S3 endpoint (https:// uses rustls)
+//! # upstream_ca_file = "/etc/fencegate/s3-upstream-ca.pem"  # extra CA for an https upstream
 //! region = "us-east-1"                   # the region clients sign for and the gateway signs with
 //! upstream_access_key = "AKIAGATEWAY"    # the gateway's own upstream credentials ...
 //! upstream_secret_env = "FENCEGATE_S3_UPSTREAM_SECRET"   # ... secret read from this env var
@@ -46,6 +47,10 @@ pub struct S3Config {
     /// The upstream S3 endpoint, `http://host:port` or `https://host[:port]`.
     #[serde(default = "default_upstream")]
     pub upstream: String,
+    /// A PEM CA certificate (bundle) trusted for an `https://` upstream, in addition to the
+    /// public web roots; for stores with a private CA.
+    #[serde(default)]
+    pub upstream_ca_file: Option<PathBuf>,
     /// The region clients sign for, and the gateway signs upstream requests with.
     #[serde(default = "default_region")]
     pub region: String,
@@ -137,6 +142,7 @@ impl Default for S3Config {
             tls_cert: None,
             tls_key: None,
             upstream: default_upstream(),
+            upstream_ca_file: None,
             region: default_region(),
             upstream_access_key: String::new(),
             upstream_secret_env: default_upstream_secret_env(),

@@ -90,6 +90,11 @@ impl S3Gateway {
                 .map_err(|e| S3Error::Listen(format!("{}: {e}", config.listen)))?,
         );
         let conf = ServerConf {
+            // The CA the read path (pingora's rustls connector) trusts for an https upstream.
+            ca_file: config
+                .upstream_ca_file
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned()),
             threads: config.threads,
             grace_period_seconds: Some(0),
             graceful_shutdown_timeout_seconds: Some(1),

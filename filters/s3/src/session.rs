@@ -62,10 +62,18 @@ impl Shared {
         policy: TokenPolicy,
         audit: Arc<dyn AuditSink>,
     ) -> Result<Self, S3Error> {
-        let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(64)
-            .build()
-            .map_err(|e| S3Error::Upstream(e.to_string()))?;
+        let mut http = reqwest::Client::builder().pool_max_idle_per_host(64);
+        if let Some(path) = &config.upstream_ca_file {
+            let pem = std::fs::read(path).map_err(|e| {
+                S3Error::Config(format!("upstream_ca_file {}: {e}", path.display()))
+            })?;
+            for cert in reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| S3Error::Config(format!("upstream_ca_file {}: {e}", path.display())))?
+            {
+                http = http.add_root_certificate(cert);
+            }
+        }
+        let http = http.build().map_err(|e| S3Error::Upstream(e.to_string()))?;
         Ok(Self {
             config,
             clients,

@@ -41,22 +41,105 @@ impl Harness {
     }
 
     pub fn with_policy(policy: TokenPolicy) -> Self {
-        Self::build(policy, false)
+        Self::build(policy, false, false)
+    }
+
+    /// moto serves HTTPS (a fresh self-signed certificate, given to the gateway as
+    /// `upstream_ca_file`); the gateway listens on plain HTTP. Sets `S3_CA_BUNDLE` so the
+    /// boto3 script trusts moto directly too.
+    pub fn with_tls_upstream() -> Self {
+        Self::build(TokenPolicy::default(), false, true)
     }
 
     /// A gateway serving HTTPS with a fresh self-signed certificate (clients trust
     /// [`Harness::ca_bundle`] through `S3_CA_BUNDLE`).
     pub fn with_tls() -> Self {
-        Self::build(TokenPolicy::default(), true)
+        Self::build(TokenPolicy::default(), true, false)
     }
 
-    /// The certificate clients must trust (HTTPS harness only).
+    /// The CA certificate clients must trust (HTTPS harnesses only).
     pub fn ca_bundle(&self) -> std::path::PathBuf {
-        self._dir.path().join("cert.pem")
+        self._dir.path().join("ca.pem")
     }
 
-    fn build(policy: TokenPolicy, tls: bool) -> Self {
-        let moto = MotoServer::start();
+    fn build(policy: TokenPolicy, tls: bool, tls_upstream: bool) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        if tls || tls_upstream {
+            // A test CA and a leaf for 127.0.0.1 signed by it (rustls refuses a self-signed
+            // CA certificate as a server's own).
+            let d = dir.path();
+            std::fs::write(
+                d.join("leaf.ext"),
+                "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+            )
+            .unwrap();
+            let openssl = |args: &[&str]| {
+                let status = std::process::Command::new("openssl")
+                    .args(args)
+                    .current_dir(d)
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .expect("openssl is needed for the HTTPS tests (apt-get install openssl)");
+                assert!(status.success(), "openssl {args:?}");
+            };
+            openssl(
+                &[
+                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                ]
+                .iter()
+                .chain(&[
+                    "-subj",
+                    "/CN=fencegate test CA",
+                    "-keyout",
+                    "ca.key",
+                    "-out",
+                    "ca.pem",
+                ])
+                .copied()
+                .collect::<Vec<_>>(),
+            );
+            openssl(
+                &[
+                    "req",
+                    "-newkey",
+                    "rsa:2048",
+                    "-nodes",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                ]
+                .iter()
+                .chain(&["-keyout", "key.pem", "-out", "leaf.csr"])
+                .copied()
+                .collect::<Vec<_>>(),
+            );
+            openssl(
+                &[
+                    "x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                ]
+                .iter()
+                .chain(&[
+                    "-CAcreateserial",
+                    "-days",
+                    "1",
+                    "-extfile",
+                    "leaf.ext",
+                    "-out",
+                    "cert.pem",
+                ])
+                .copied()
+                .collect::<Vec<_>>(),
+            );
+        }
+        let ca = dir.path().join("ca.pem");
+        if tls_upstream {
+            std::env::set_var("S3_CA_BUNDLE", &ca);
+        }
+        let moto = if tls_upstream {
+            MotoServer::start_tls(&cert, &key)
+        } else {
+            MotoServer::start()
+        };
         let created = moto.direct(serde_json::json!([
             {"op": "create_bucket", "bucket": "fenced"},
             {"op": "create_bucket", "bucket": "open"},
@@ -66,34 +149,13 @@ impl Harness {
             created.as_array().unwrap().iter().all(|r| r["ok"] == true),
             "{created}"
         );
-        let dir = tempfile::tempdir().unwrap();
         let clients = dir.path().join("clients");
         std::fs::write(&clients, format!("# test clients\n{ACCESS_KEY} {SECRET}\n")).unwrap();
         // The same value every time, so concurrent tests setting it agree.
         std::env::set_var(UPSTREAM_SECRET_ENV, "gateway-upstream-secret");
         let port = free_s3_port();
-        let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
-        if tls {
-            let status = std::process::Command::new("openssl")
-                .args([
-                    "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                ])
-                .args([
-                    "-subj",
-                    "/CN=127.0.0.1",
-                    "-addext",
-                    "subjectAltName=IP:127.0.0.1",
-                ])
-                .arg("-keyout")
-                .arg(&key)
-                .arg("-out")
-                .arg(&cert)
-                .stderr(std::process::Stdio::null())
-                .status()
-                .expect("openssl is needed for the HTTPS test (apt-get install openssl)");
-            assert!(status.success());
-        }
         let config = S3Config {
+            upstream_ca_file: tls_upstream.then(|| ca.clone()),
             tls_cert: tls.then(|| cert.clone()),
             tls_key: tls.then(|| key.clone()),
             listen: format!("127.0.0.1:{port}").parse().unwrap(),
