@@ -82,6 +82,23 @@ pub fn verify(dir: &Path) -> Result<Report, VerifyError> {
         prev = record.hash;
     }
     let records = expected_seq - 1;
+    if let Some(kept) = std::fs::read_dir(dir)
+        .ok()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("audit.head.mismatch-"))
+        })
+    {
+        return Err(VerifyError::Broken(Broken {
+            path: kept,
+            line: 1,
+            problem: "the writer found the log shorter than its recorded head at startup (records were removed from the end)".into(),
+        }));
+    }
     if let Some(head) = read_head(dir)? {
         // The head may lag the log (a crash between the batch's fsync and the head's), never
         // lead it: a head beyond the last record means records were cut off the end.

@@ -126,6 +126,16 @@ impl State {
             let n = active_lines.lines().count();
             records.iter().rev().take(n).collect()
         };
+        if let Some(head) = files::read_head(dir)? {
+            let known = records.iter().find(|r| r.seq == head.seq);
+            if head.seq > last_seq || known.is_some_and(|r| r.hash != head.hash) {
+                // Records were removed from the end while the node was down. Keep the evidence:
+                // the head is about to be overwritten by the next batch.
+                let kept = dir.join(format!("{}.mismatch-{}", files::HEAD, head.seq));
+                fs::copy(dir.join(files::HEAD), &kept).map_err(io_error(&kept))?;
+                tracing::error!(head_seq = head.seq, last_seq, kept = %kept.display(), "the audit log ends before its recorded head: records were removed; `fencegate audit verify` will report it");
+            }
+        }
         let file = OpenOptions::new()
             .create(true)
             .append(true)
@@ -311,5 +321,29 @@ mod tests {
         assert_eq!(records[40].seq, 41);
         assert_eq!(records[40].prev, records[39].hash);
         assert_eq!(verify(dir.path()).unwrap().records, 41);
+    }
+
+    #[tokio::test]
+    async fn a_log_cut_short_while_down_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AuditConfig {
+            dir: Some(dir.path().to_owned()),
+            ..AuditConfig::default()
+        };
+        let handle =
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+        for n in 0..3 {
+            handle.refused(event(n)).await.unwrap();
+        }
+        drop(handle);
+        let path = dir.path().join(ACTIVE);
+        let text = fs::read_to_string(&path).unwrap();
+        let two: Vec<&str> = text.lines().take(2).collect();
+        fs::write(&path, two.join("\n") + "\n").unwrap();
+        let handle =
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+        handle.refused(event(3)).await.unwrap();
+        let err = verify(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("audit.head.mismatch-3"), "{err}");
     }
 }
