@@ -381,9 +381,17 @@ async fn extended_protocol_is_fenced_and_pipelines_behave_as_directly() {
         .await
         .unwrap_err();
     assert_eq!(code(&e), "FG001");
+    // SET through the extended protocol works too, and the value never reaches the server.
+    old.execute(&format!("SET fencegate.token = '{}'", tok(3)), &[])
+        .await
+        .unwrap();
+    old.execute(&insert_old, &[&1i32]).await.unwrap();
+    old.batch_execute(&format!("SET fencegate.token = '{}'", tok(2)))
+        .await
+        .unwrap();
     // The session stays usable after a refusal.
     assert_eq!(old.query("SELECT 1", &[]).await.unwrap().len(), 1);
-    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 8);
+    assert_eq!(count(&direct, "SELECT count(*) FROM items").await, 9);
     assert_eq!(stale_records(&gw).len(), 2);
 
     // A pipeline with a failing statement in the middle: compare with the server directly.

@@ -21,6 +21,10 @@ use crate::sqlstate;
 
 /// The name of the guard's prepared statement and portal on the upstream connection.
 pub const GUARD_NAME: &str = "fencegate_guard";
+/// What an extended-protocol `SET fencegate.token = '...'` is prepared as upstream: the same
+/// replies, without the token.
+pub const SET_TOKEN_PLACEHOLDER: &str = "SET fencegate.token TO DEFAULT";
+
 /// Tables in this schema hold the fences; clients may not write them through the gateway.
 pub const FENCE_SCHEMA_PREFIX: &str = "fencegate.";
 

@@ -452,10 +452,26 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
         b'P' => {
             let (name, sql) = message::parse_fields(&frame).map_err(bad)?;
             let classified = classify(&sql);
+            // `SET fencegate.token = '...'` is prepared without its value: the server answers
+            // the same messages, and the token stays in the gateway (applied at Bind).
+            let outgoing = match classified.statements.as_slice() {
+                [only] if matches!(only.kind, Kind::SetToken(Some(_))) => {
+                    let mut buf = BytesMut::new();
+                    frontend::parse(
+                        &name,
+                        rewrite::SET_TOKEN_PLACEHOLDER,
+                        std::iter::empty(),
+                        &mut buf,
+                    )
+                    .map_err(|e| PostgresError::Protocol(format!("statement name: {e}")))?;
+                    buf.freeze()
+                }
+                _ => frame.raw,
+            };
             let mut state = shared.lock();
             state.statements.insert(name, classified);
             state.pending.push_back(Expect::Parse(Role::Client));
-            Ok(vec![frame.raw])
+            Ok(vec![outgoing])
         }
         b'B' => handle_bind(shared, frame).await,
         b'D' => {
