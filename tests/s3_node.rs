@@ -4,29 +4,11 @@
 mod support;
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use support::s3_server::{free_s3_port, run_client, wait_for_port, MotoServer};
-
-fn audit_records(dir: &Path) -> Vec<serde_json::Value> {
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map(|d| d.map(|e| e.unwrap().path()).collect())
-        .unwrap_or_default();
-    names.sort_by_key(|p| (p.file_name().unwrap() == "audit.jsonl", p.clone()));
-    names
-        .iter()
-        .flat_map(|p| {
-            std::fs::read_to_string(p)
-                .unwrap()
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
 
 #[test]
 fn node_serves_s3_and_audits_refusals() {
@@ -105,7 +87,7 @@ fn node_serves_s3_and_audits_refusals() {
         std::fs::read_to_string(&log).unwrap()
     );
     // Refusal records only (the audit writer may keep other lines, e.g. a seal, next to them).
-    let mut records = audit_records(&audit_dir);
+    let mut records = support::audit::records(&audit_dir);
     records.retain(|r| r.get("store").is_some());
     for r in &records {
         println!("audit: {r}");

@@ -2,6 +2,7 @@
 // Each test binary uses only part of the harness.
 #![allow(dead_code)]
 
+pub mod audit;
 pub mod cluster;
 pub mod postgres_server;
 pub mod redis_gateway;

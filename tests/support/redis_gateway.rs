@@ -110,24 +110,7 @@ impl RedisGateway {
 
     /// Every audit record written so far, parsed.
     pub fn audit_records(&self) -> Vec<serde_json::Value> {
-        let mut names: Vec<PathBuf> = std::fs::read_dir(&self.audit_dir)
-            .map(|d| {
-                d.map(|e| e.unwrap().path())
-                    .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-                    .collect()
-            })
-            .unwrap_or_default();
-        names.sort_by_key(|p| (p.file_name().unwrap() == "audit.jsonl", p.clone()));
-        names
-            .iter()
-            .flat_map(|p| {
-                std::fs::read_to_string(p)
-                    .unwrap()
-                    .lines()
-                    .map(|l| serde_json::from_str(l).unwrap())
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+        super::audit::records(&self.audit_dir)
     }
 
     /// Runs `fencegate` with `args`; returns (exit code, stdout, stderr).
