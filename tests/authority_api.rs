@@ -236,6 +236,7 @@ fn check_config_names_the_line_of_an_error() {
 
     for shipped in [
         "config/fencegate.toml",
+        "config/gateway.toml",
         "config/fencegate.example.toml",
         "config/cluster/node1.toml",
         "config/cluster/node2.toml",
