@@ -723,7 +723,7 @@ async fn forged_and_out_of_scope_tokens_and_unprotected_databases() {
         assert_eq!(code(&e), want, "{presented}: {e}");
         // The signature never reaches the audit log.
         let signature = presented.rsplit('~').next().unwrap();
-        let log = std::fs::read_to_string(gw.audit_dir.join("audit.jsonl")).unwrap();
+        let log = std::fs::read_to_string(gw.node.audit_dir.join("audit.jsonl")).unwrap();
         assert!(presented.matches('~').count() < 3 || !log.contains(signature));
     }
     let reasons: Vec<String> = gw

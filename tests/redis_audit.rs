@@ -49,7 +49,7 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
     assert!(cmd::<()>(&mut none, &["DEL", "balance"]).await.is_err());
     assert!(cmd::<()>(&mut none, &["FENCE", "nonsense"]).await.is_err());
 
-    let dir = gw.audit_dir.to_str().unwrap().to_owned();
+    let dir = gw.node.audit_dir.to_str().unwrap().to_owned();
     let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("ok, 5 record(s) in 1 file(s)"), "{out}");
@@ -88,7 +88,7 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
         .all(|r| r["reason"] == "stale" && r["fence"] == 4 && r["revision"] == 3));
 
     // Counters on the admin port: refused by store and reason, applied by store.
-    let metrics_port = std::fs::read_to_string(&gw.config)
+    let metrics_port = std::fs::read_to_string(&gw.node.config)
         .unwrap()
         .lines()
         .find_map(|l| {
@@ -112,7 +112,7 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
     }
 
     // Delete the last line: the head file catches it.
-    let path = gw.audit_dir.join("audit.jsonl");
+    let path = gw.node.audit_dir.join("audit.jsonl");
     let text = std::fs::read_to_string(&path).unwrap();
     let shorter: Vec<&str> = text.lines().take(4).collect();
     std::fs::write(&path, shorter.join("\n") + "\n").unwrap();

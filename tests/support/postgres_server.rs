@@ -2,15 +2,15 @@
 //! port) and a `fencegate serve` process whose `[postgres]` gateway relays to it. Both stop on
 //! drop.
 
-use std::fs::File;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
 use super::cluster::free_port;
+use super::gateway_node::GatewayNode;
 
 /// Users the harness creates, with the login each one uses (see `pg_hba.conf` below).
 pub const SCRAM_USER: &str = "scram_user";
@@ -220,16 +220,12 @@ impl Drop for PgServer {
 
 /// A `fencegate serve` node with a `[postgres]` gateway in front of its own [`PgServer`].
 pub struct PgGateway {
-    child: Child,
+    /// The node: its config, log and audit directory.
+    pub node: GatewayNode,
     /// The upstream server (connect to it directly to check what was stored).
     pub pg: PgServer,
     /// The gateway's port on 127.0.0.1.
     pub port: u16,
-    /// The audit log directory.
-    pub audit_dir: PathBuf,
-    /// The node's stderr.
-    pub log: PathBuf,
-    dir: TempDir,
 }
 
 impl PgGateway {
@@ -244,58 +240,18 @@ impl PgGateway {
 
     /// Starts a node in front of `pg` as it is (no install step of its own).
     pub fn start_on(pg: PgServer, extra: &str, env: &[(&str, &str)]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let api = free_port();
-        let audit_dir = dir.path().join("audit");
-        let config = dir.path().join("fencegate.toml");
-        let text = format!(
-            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n[postgres]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{upstream}\"\n{extra}\n",
-            data = dir.path().join("data").display(),
-            audit = audit_dir.display(),
-            upstream = pg.addr(),
+        let section = format!(
+            "[postgres]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\n{extra}\n",
+            pg.addr()
         );
-        std::fs::write(&config, text).unwrap();
-        let log = dir.path().join("fencegate.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("start fencegate serve");
-        let mut gateway = Self {
-            child,
-            pg,
-            port,
-            audit_dir,
-            log,
-            dir,
-        };
-        gateway.wait_ready(Duration::from_secs(30));
-        gateway
-    }
-
-    fn wait_ready(&mut self, within: Duration) {
-        let deadline = Instant::now() + within;
-        loop {
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "fencegate exited ({status}) before it served PostgreSQL:\n{}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "fencegate's PostgreSQL gateway did not listen within {within:?}:\n{}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let mut node = GatewayNode::start(&section, env);
+        node.wait_ready(
+            "its PostgreSQL gateway listened",
+            Duration::from_secs(30),
+            || TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        );
+        Self { node, pg, port }
     }
 
     /// A libpq key/value DSN for `user` through the gateway.
@@ -325,24 +281,17 @@ impl PgGateway {
 
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.node.log_text()
     }
 
     /// Every audit record written so far, parsed.
     pub fn audit_records(&self) -> Vec<serde_json::Value> {
-        super::audit::records(&self.audit_dir)
+        self.node.audit_records()
     }
 
     /// The temp dir holding config, data and logs.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for PgGateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.node.dir.path()
     }
 }
 

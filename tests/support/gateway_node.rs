@@ -1,0 +1,96 @@
+//! A `fencegate serve` node run for one gateway's tests: config, stderr log, data and audit log
+//! in a temp dir; killed on drop.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::cluster::free_port;
+
+pub struct GatewayNode {
+    child: Child,
+    /// The node's config file.
+    pub config: PathBuf,
+    /// The audit log directory.
+    pub audit_dir: PathBuf,
+    /// The node's stderr.
+    pub log: PathBuf,
+    pub dir: TempDir,
+}
+
+impl GatewayNode {
+    /// Starts a one-node `fencegate serve` whose config is `[node]` and `[audit]` in a temp dir
+    /// followed by `gateway` (the gateway's own section); `env` is given to the process.
+    pub fn start(gateway: &str, env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let audit_dir = dir.path().join("audit");
+        let config = dir.path().join("fencegate.toml");
+        let text = format!(
+            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n{gateway}\n",
+            api = free_port(),
+            data = dir.path().join("data").display(),
+            audit = audit_dir.display(),
+        );
+        std::fs::write(&config, text).unwrap();
+        let log = dir.path().join("fencegate.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("FENCEGATE_LOG", "info,openraft=warn")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap())
+            .spawn()
+            .expect("start fencegate serve");
+        Self {
+            child,
+            config,
+            audit_dir,
+            log,
+            dir,
+        }
+    }
+
+    /// Polls `ready` until it is true; panics with the node's log if the node exits first or
+    /// `within` passes.
+    pub fn wait_ready(&mut self, what: &str, within: Duration, mut ready: impl FnMut() -> bool) {
+        let deadline = Instant::now() + within;
+        loop {
+            if ready() {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "fencegate exited ({status}) before {what}:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fencegate: {what} not within {within:?}:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The node's stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Every audit record written so far, parsed.
+    pub fn audit_records(&self) -> Vec<serde_json::Value> {
+        super::audit::records(&self.audit_dir)
+    }
+}
+
+impl Drop for GatewayNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
