@@ -70,7 +70,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
-    let answer = match command {
+    let (endpoint, method, path, body, timeout) = match command {
         LockCommand::Run {
             resource,
             ttl,
@@ -107,29 +107,30 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
                 "holder": holder,
             });
             let path = format!("/v1/locks/{resource}");
-            client(&endpoint)
-                .call(Method::POST, &path, Some(&body), wait + REQUEST_TIMEOUT)
-                .await?
+            (
+                endpoint,
+                Method::POST,
+                path,
+                Some(body),
+                wait + REQUEST_TIMEOUT,
+            )
         }
         LockCommand::Keepalive { lease_id, endpoint } => {
             let path = format!("/v1/leases/{lease_id}/keepalive");
-            client(&endpoint)
-                .call(Method::POST, &path, None, REQUEST_TIMEOUT)
-                .await?
+            (endpoint, Method::POST, path, None, REQUEST_TIMEOUT)
         }
         LockCommand::Release { lease_id, endpoint } => {
             let path = format!("/v1/leases/{lease_id}");
-            client(&endpoint)
-                .call(Method::DELETE, &path, None, REQUEST_TIMEOUT)
-                .await?
+            (endpoint, Method::DELETE, path, None, REQUEST_TIMEOUT)
         }
         LockCommand::Status { resource, endpoint } => {
             let path = format!("/v1/locks/{resource}");
-            client(&endpoint)
-                .call(Method::GET, &path, None, REQUEST_TIMEOUT)
-                .await?
+            (endpoint, Method::GET, path, None, REQUEST_TIMEOUT)
         }
     };
+    let answer = client(&endpoint)
+        .call(method, &path, body.as_ref(), timeout)
+        .await?;
     print_answer(answer)
 }
 

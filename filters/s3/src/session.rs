@@ -161,28 +161,10 @@ impl Shared {
 
     /// HEADs an object: its state, or `None` when it does not exist.
     async fn head(&self, bucket: &str, key: &str) -> Result<Option<ObjectState>, S3Error> {
-        let path = Upstream::path_and_query(Some(bucket), Some(key), "");
-        let response = self
-            .send(
-                "HEAD",
-                &path,
-                Vec::new(),
-                reqwest::Body::from(Bytes::new()),
-                None,
-            )
-            .await?;
-        match response.status {
-            200 => Ok(ObjectState::from_headers(
-                response
-                    .headers
-                    .iter()
-                    .map(|(n, v)| (n.as_str(), v.as_str())),
-            )),
-            404 => Ok(None),
-            status => Err(S3Error::Upstream(format!(
-                "HEAD {bucket}/{key} answered {status}"
-            ))),
-        }
+        let headers = self.head_headers(bucket, key, "").await?;
+        Ok(headers.and_then(|headers| {
+            ObjectState::from_headers(headers.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+        }))
     }
 
     async fn head_headers(
