@@ -70,6 +70,8 @@ enum End {
 }
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause between failed renewals.
+const RETRY_AFTER: Duration = Duration::from_millis(200);
 
 pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
     if opts.margin >= opts.ttl {
@@ -115,6 +117,32 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         .as_u64()
         .map_or(opts.ttl, Duration::from_millis);
     let mut stop_time = sent_at + granted_ttl - opts.margin;
+    let renew_every = granted_ttl / 3;
+    let keepalive = format!("/v1/leases/{lease_id}/keepalive");
+    let mut next_renewal = sent_at + renew_every;
+
+    // A waited acquire was granted at some unknown point of the wait, so `sent_at` may say
+    // nothing useful about the lease. Renew once first: a renewal that succeeds proves the lease
+    // alive for a full ttl from the moment it was sent, whatever happened during the wait.
+    if Instant::now() >= next_renewal {
+        let deadline = Instant::now() + granted_ttl;
+        loop {
+            match renew(&client, &keepalive, deadline, granted_ttl).await {
+                Renewal::Renewed { sent, ttl } => {
+                    stop_time = sent + ttl - opts.margin.min(ttl);
+                    next_renewal = sent + renew_every;
+                    break;
+                }
+                Renewal::Failed(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(RETRY_AFTER).await
+                }
+                Renewal::Expired | Renewal::Failed(_) => {
+                    eprintln!("fencegate lock run: lease {lease_id} could not be renewed after the wait for the lock; not running the command");
+                    return Ok(EXIT_LEASE_LOST);
+                }
+            }
+        }
+    }
 
     let mut child = Command::new(program)
         .args(args)
@@ -131,9 +159,7 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             source,
         })?;
 
-    let renew_every = granted_ttl / 3;
-    let keepalive = format!("/v1/leases/{lease_id}/keepalive");
-    let mut next_renewal = sent_at + renew_every;
+    let mut failed_renewals = 0u32;
     let mut term = signal(tokio::signal::unix::SignalKind::terminate());
     let mut int = signal(tokio::signal::unix::SignalKind::interrupt());
 
@@ -142,35 +168,36 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             status = child.wait() => break End::Exited(status.map_err(RunError::Wait)?),
             _ = tokio::time::sleep_until(stop_time) => {
                 eprintln!("fencegate lock run: lease {lease_id} not renewed in time; stopping the command");
-                {
-                    stop(&mut child, opts.grace).await?;
-                    break End::LeaseLost;
-                }
+                stop(&mut child, opts.grace).await?;
+                break End::LeaseLost;
             }
             _ = tokio::time::sleep_until(next_renewal) => {
-                // Read before sending: the lease can only be longer than what we assume.
-                let renew_sent = Instant::now();
-                let patience = stop_time.saturating_duration_since(renew_sent);
                 // Bounded by the stop time: a hung authority must not keep us past it.
-                let renewer = client.with_patience(patience);
-                let call = renewer.call(Method::POST, &keepalive, None, REQUEST_TIMEOUT);
-                let answer = tokio::time::timeout_at(stop_time, call).await;
-                match answer {
-                    Ok(Ok(a)) if a.status.is_success() => {
-                        let ttl = a.body["ttl_ms"].as_u64().map_or(granted_ttl, Duration::from_millis);
-                        stop_time = renew_sent + ttl - opts.margin.min(ttl);
-                        next_renewal = renew_sent + renew_every;
+                let failure = match renew(&client, &keepalive, stop_time, granted_ttl).await {
+                    Renewal::Renewed { sent, ttl } => {
+                        stop_time = sent + ttl - opts.margin.min(ttl);
+                        next_renewal = sent + renew_every;
+                        if failed_renewals > 0 {
+                            eprintln!("fencegate lock run: lease {lease_id} renewed after {failed_renewals} failed attempt(s)");
+                            failed_renewals = 0;
+                        }
+                        continue;
                     }
-                    Ok(Ok(a)) if a.status == StatusCode::NOT_FOUND => {
+                    Renewal::Expired => {
                         eprintln!("fencegate lock run: lease {lease_id} has expired; stopping the command");
-                        {
-                    stop(&mut child, opts.grace).await?;
-                    break End::LeaseLost;
-                }
+                        stop(&mut child, opts.grace).await?;
+                        break End::LeaseLost;
                     }
-                    // Unreachable or refused for now: keep trying until the stop time.
-                    _ => next_renewal = Instant::now() + Duration::from_millis(200),
+                    Renewal::Failed(failure) => failure,
+                };
+                // Unreachable or refused for now (e.g. a leader election): keep trying until
+                // the stop time. Said once per streak, so a failover is visible in the log.
+                if failed_renewals == 0 {
+                    let left = stop_time.saturating_duration_since(Instant::now());
+                    eprintln!("fencegate lock run: renewing lease {lease_id} failed ({failure}); retrying until the stop time, {left:.1?} from now");
                 }
+                failed_renewals += 1;
+                next_renewal = Instant::now() + RETRY_AFTER;
             }
             _ = term.recv() => forward(&child, Signal::SIGTERM),
             _ = int.recv() => forward(&child, Signal::SIGINT),
@@ -190,6 +217,36 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             Ok(exit_code(status))
         }
         End::LeaseLost => Ok(EXIT_LEASE_LOST),
+    }
+}
+
+/// What one keepalive got.
+enum Renewal {
+    /// Renewed for `ttl` from `sent`, read on our clock before the request went out.
+    Renewed { sent: Instant, ttl: Duration },
+    /// The authority no longer knows the lease.
+    Expired,
+    /// No decision (unreachable, no leader, timed out): try again.
+    Failed(String),
+}
+
+/// One keepalive of `path`, given up at `deadline`.
+async fn renew(client: &Client, path: &str, deadline: Instant, granted_ttl: Duration) -> Renewal {
+    // Read before sending: the lease can only be longer than what we assume.
+    let sent = Instant::now();
+    let renewer = client.with_patience(deadline.saturating_duration_since(sent));
+    let call = renewer.call(Method::POST, path, None, REQUEST_TIMEOUT);
+    match tokio::time::timeout_at(deadline, call).await {
+        Ok(Ok(a)) if a.status.is_success() => Renewal::Renewed {
+            sent,
+            ttl: a.body["ttl_ms"]
+                .as_u64()
+                .map_or(granted_ttl, Duration::from_millis),
+        },
+        Ok(Ok(a)) if a.status == StatusCode::NOT_FOUND => Renewal::Expired,
+        Ok(Ok(a)) => Renewal::Failed(format!("the authority answered {}", a.status)),
+        Ok(Err(e)) => Renewal::Failed(e.to_string()),
+        Err(_) => Renewal::Failed("no answer in time".to_owned()),
     }
 }
 

@@ -163,3 +163,21 @@ async fn a_command_that_outlives_its_lease_is_stopped_at_the_stop_time() {
         "stopped before any stop time could pass: {took:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_acquire_renews_before_the_command_starts() {
+    // Found by the billing story: after waiting longer than ttl - margin for the lock, the stop
+    // time measured from the acquire's send time had already passed, and the runner stopped the
+    // command it had just started.
+    let cluster = Cluster::start(1, "").await;
+    cluster.acquire(1, "queue", 1_500).await; // never renewed: free again in 1.5 s
+    let out = Command::new(BIN)
+        .args(["lock", "run", "queue", "--ttl", "2s", "--margin", "500ms"])
+        .args(["--wait", "10s", "--", "sh", "-c", "sleep 3; echo finished"])
+        .env("FENCEGATE_ENDPOINT", cluster.url(1))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "finished");
+}
