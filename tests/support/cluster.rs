@@ -55,6 +55,17 @@ impl Cluster {
 
     /// Like `start`, with extra environment variables for every node.
     pub async fn start_with_env(n: usize, extra: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_configured(n, extra, |_| String::new(), env).await
+    }
+
+    /// Like `start_with_env`; `sections(id)` is appended to node `id`'s config after
+    /// `[authority]` (its own gateway sections, say).
+    pub async fn start_configured(
+        n: usize,
+        extra: &str,
+        sections: impl Fn(u64) -> String,
+        env: &[(&str, &str)],
+    ) -> Self {
         let turn = ONE_AT_A_TIME.lock().await;
         let dir = TempDir::new().unwrap();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -68,9 +79,10 @@ impl Cluster {
             let id = i as u64 + 1;
             let config = dir.path().join(format!("node{id}.toml"));
             let text = format!(
-                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n",
+                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n{}",
                 dir.path().join(format!("data{id}")).display(),
                 members.join(", "),
+                sections(id),
             );
             std::fs::write(&config, text).unwrap();
             nodes.push(Node {
@@ -203,28 +215,8 @@ impl Cluster {
 
     /// Waits until every node in `among` names the same leader, itself one of `among`.
     pub async fn wait_for_leader(&self, among: &[u64]) -> u64 {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut seen = Vec::new();
-            for id in among {
-                if let Some((StatusCode::OK, v)) = self.get(*id, "/v1/cluster").await {
-                    seen.push(v["leader_id"].as_u64());
-                }
-            }
-            if seen.len() == among.len() {
-                if let Some(Some(leader)) = seen.first() {
-                    if seen.iter().all(|s| *s == Some(*leader)) && among.contains(leader) {
-                        return *leader;
-                    }
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no agreed leader among {among:?} after 30 s; saw {seen:?}; logs in {}",
-                self.dir.path().display()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let nodes: Vec<(u64, String)> = among.iter().map(|id| (*id, self.url(*id))).collect();
+        agreed_leader(self.http.clone(), nodes, self.dir.path().to_owned()).await
     }
 
     /// Acquires `resource` through node `id` and returns the grant's JSON.
@@ -287,5 +279,41 @@ impl Drop for Cluster {
                 let _ = child.wait();
             }
         }
+    }
+}
+
+/// Waits until every node of `nodes` (id, API URL) names the same leader, itself one of them.
+/// Owns its arguments, so a test can run it as a task while it handles other events.
+pub async fn agreed_leader(http: reqwest::Client, nodes: Vec<(u64, String)>, logs: PathBuf) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let among: Vec<u64> = nodes.iter().map(|(id, _)| *id).collect();
+    loop {
+        let mut seen = Vec::new();
+        for (_, url) in &nodes {
+            let answer = http
+                .get(format!("{url}/v1/cluster"))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await;
+            if let Ok(answer) = answer {
+                if answer.status() == StatusCode::OK {
+                    let v: Value = answer.json().await.unwrap_or(Value::Null);
+                    seen.push(v["leader_id"].as_u64());
+                }
+            }
+        }
+        if seen.len() == nodes.len() {
+            if let Some(Some(leader)) = seen.first() {
+                if seen.iter().all(|s| *s == Some(*leader)) && among.contains(leader) {
+                    return *leader;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no agreed leader among {among:?} after 30 s; saw {seen:?}; logs in {}",
+            logs.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
