@@ -194,7 +194,11 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
                 // the stop time. Said once per streak, so a failover is visible in the log.
                 if failed_renewals == 0 {
                     let left = stop_time.saturating_duration_since(Instant::now());
-                    eprintln!("fencegate lock run: renewing lease {lease_id} failed ({failure}); retrying until the stop time, {left:.1?} from now");
+                    if left.is_zero() {
+                        eprintln!("fencegate lock run: renewing lease {lease_id} failed ({failure}) and its stop time has passed");
+                    } else {
+                        eprintln!("fencegate lock run: renewing lease {lease_id} failed ({failure}); retrying until the stop time, {left:.1?} from now");
+                    }
                 }
                 failed_renewals += 1;
                 next_renewal = Instant::now() + RETRY_AFTER;

@@ -817,6 +817,22 @@ async fn verify(story: &mut Story, [a, b, c]: [u64; 3]) {
 
     // The audit log: exactly A's three refusals of chunk 2, one per store, and a sound chain.
     let records = world.refusals();
+    println!(
+        "\n| node | store | reason | token | fence | operation |\n|---|---|---|---:|---:|---|"
+    );
+    for r in &records {
+        println!(
+            "| {} | {} | {} | {} | {} | {} {} |",
+            r["node"].as_str().unwrap_or_default(),
+            r["store"].as_str().unwrap_or_default(),
+            r["reason"].as_str().unwrap_or_default(),
+            r["revision"],
+            r["fence"],
+            r["operation"]["command"].as_str().unwrap_or_default(),
+            r["operation"]["objects"][0].as_str().unwrap_or_default(),
+        );
+    }
+    println!();
     for r in &records {
         println!("audit: {r}");
     }
