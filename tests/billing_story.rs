@@ -524,18 +524,13 @@ impl Story {
     /// Waits for worker `actor`'s runner to exit, recording what its processes say meanwhile.
     async fn runner_exit(&mut self, actor: &'static str) -> i32 {
         let mut runner = self.workers.get_mut(actor).unwrap().runner.take().unwrap();
-        let deadline = tokio::time::Instant::now() + STEP;
-        let status = loop {
-            tokio::select! {
-                status = runner.wait() => break status.unwrap(),
-                said = self.said.recv() => {
-                    let said = said.unwrap();
-                    self.record(&said).await;
-                    self.seen.push((said.actor, said.event));
-                }
-                _ = tokio::time::sleep_until(deadline) => panic!("{actor}'s runner did not exit within {STEP:?}"),
-            }
-        };
+        let exit = tokio::spawn(async move {
+            tokio::time::timeout(STEP, runner.wait())
+                .await
+                .unwrap_or_else(|_| panic!("{actor}'s runner did not exit within {STEP:?}"))
+                .unwrap()
+        });
+        let status = self.recording(exit).await;
         // Whatever it printed last.
         while let Ok(said) = self.said.try_recv() {
             self.record(&said).await;
