@@ -32,7 +32,13 @@ async fn connect_with_token(gw: &PgGateway, token: &str) -> Client {
         "{} options='-c fencegate.token={token}'",
         gw.dsn("postgres")
     );
-    connect(&dsn).await
+    let (client, connection) = tokio_postgres::connect(&dsn, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {dsn}: {e}; gateway log:\n{}", gw.log_text()));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
 }
 
 fn code(e: &tokio_postgres::Error) -> String {

@@ -77,6 +77,26 @@ impl GatewayNode {
         }
     }
 
+    /// Waits for the node's log line `message` (e.g. "postgres gateway listening") and returns
+    /// the port of its `listen=` field. Gateways configured with port 0 are bound by the node
+    /// itself, so no other process can take the port between choosing and binding it.
+    pub fn bound_port(&mut self, message: &str) -> u16 {
+        let log = self.log.clone();
+        let mut port = None;
+        self.wait_ready(message, Duration::from_secs(30), || {
+            port = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains(message))
+                .find_map(|l| {
+                    let addr = l.split("listen=").nth(1)?.split_whitespace().next()?;
+                    addr.rsplit(':').next()?.parse().ok()
+                });
+            port.is_some()
+        });
+        port.unwrap()
+    }
+
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

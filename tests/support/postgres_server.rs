@@ -240,17 +240,12 @@ impl PgGateway {
 
     /// Starts a node in front of `pg` as it is (no install step of its own).
     pub fn start_on(pg: PgServer, extra: &str, env: &[(&str, &str)]) -> Self {
-        let port = free_port();
         let section = format!(
-            "[postgres]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\n{extra}\n",
+            "[postgres]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n",
             pg.addr()
         );
         let mut node = GatewayNode::start(&section, env);
-        node.wait_ready(
-            "its PostgreSQL gateway listened",
-            Duration::from_secs(30),
-            || TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        );
+        let port = node.bound_port("postgres gateway listening");
         Self { node, pg, port }
     }
 

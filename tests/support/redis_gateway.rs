@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use super::gateway_node::GatewayNode;
-use super::redis_server::{free_port, RedisServer};
+use super::redis_server::RedisServer;
 
 /// A `fencegate serve` node whose Redis gateway relays to its own `redis-server`.
 pub struct RedisGateway {
@@ -24,12 +24,13 @@ impl RedisGateway {
     /// `[redis]` section, `env` given to the process.
     pub fn start(extra: &str, env: &[(&str, &str)]) -> Self {
         let redis = RedisServer::start();
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let section = format!(
-            "[redis]\nlisten = \"{addr}\"\nupstream = \"{}\"\n{extra}\n",
+            "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n",
             redis.addr
         );
         let mut node = GatewayNode::start(&section, env);
+        let port = node.bound_port("redis gateway listening");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         node.wait_ready(
             "its Redis gateway answered PING",
             Duration::from_secs(30),

@@ -102,7 +102,9 @@ impl Gateway {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(RedisError::io(format!("binding {addr}")))?;
-        tracing::info!(listen = %addr, upstream = %self.config.upstream, "redis gateway listening");
+        // The bound address: with port 0 in the config, this line is how the port is learned.
+        let bound = listener.local_addr().unwrap_or(addr);
+        tracing::info!(listen = %bound, upstream = %self.config.upstream, "redis gateway listening");
         Ok(listener)
     }
 }
