@@ -49,3 +49,8 @@ pub fn version(command: &[&str]) -> String {
         })
         .unwrap_or_else(|| "not found".into())
 }
+
+/// The commit the figures were measured at (`git describe --always --dirty`).
+pub fn git_head() -> String {
+    version(&["git", "describe", "--always", "--dirty"])
+}
