@@ -19,10 +19,11 @@ use crate::servers::{redis_section, Node, Redis};
 
 pub const TOKEN: &str = "fg1~1~bench";
 
-/// One `redis-benchmark` run: (requests/s, p50 µs).
+/// One `redis-benchmark` run of `command` (`["-t", "get"]`, or a command and its arguments):
+/// (requests/s, p50 µs), from the last row of its CSV output.
 fn redis_benchmark(
     port: u16,
-    test: &str,
+    command: &[&str],
     clients: usize,
     pipeline: usize,
     requests: u64,
@@ -30,28 +31,29 @@ fn redis_benchmark(
     let out = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(["-c", &clients.to_string(), "-P", &pipeline.to_string()])
-        .args(["-n", &requests.to_string(), "-t", test, "--csv"])
+        .args(["-n", &requests.to_string(), "--csv"])
+        .args(command)
         .output()
         .context("redis-benchmark is needed: apt-get install redis-tools")?;
     let text = String::from_utf8_lossy(&out.stdout);
     let row = text
         .lines()
-        .find(|l| {
-            l.to_ascii_uppercase()
-                .starts_with(&format!("\"{}\"", test.to_ascii_uppercase()))
-        })
+        .rfind(|l| l.starts_with('"') && !l.starts_with("\"test\""))
         .with_context(|| {
             format!(
-                "redis-benchmark printed no {test} row: {text} {}",
+                "redis-benchmark {command:?} printed no result: {text} {}",
                 String::from_utf8_lossy(&out.stderr)
             )
         })?;
-    let fields: Vec<f64> = row
-        .split(',')
-        .skip(1)
+    // The first field is the command, which may itself contain commas: take the numbers from
+    // the end.
+    let mut fields: Vec<f64> = row
+        .rsplit(',')
+        .take(7)
         .map(|f| f.trim_matches('"').parse().unwrap_or(0.0))
         .collect();
-    // rps, avg, min, p50, ...
+    fields.reverse();
+    // rps, avg, min, p50, p95, p99, max
     Ok((fields[0], fields.get(3).copied().unwrap_or(0.0) * 1000.0))
 }
 
@@ -169,7 +171,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         )
     };
     let mut figures = vec![(Vec::new(), Vec::new()); cases.len()];
-    let mut calibration = (Vec::new(), Vec::new());
+    let mut calibration = vec![(Vec::new(), Vec::new()); 2];
     // redis-benchmark counts requests, not seconds: size each run from the last rate seen.
     let mut rate = vec![[30_000.0f64; 2]; cases.len()];
     let requests = |r: f64| ((r * run.as_secs_f64()) as u64).max(2_000);
@@ -179,8 +181,13 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             for (path, port) in [redis.port, listen].into_iter().enumerate() {
                 let (ops, p50) = match case {
                     Case::Benchmark { test, clients } => {
-                        let (ops, p50) =
-                            redis_benchmark(port, test, *clients, 1, requests(rate[c][path]))?;
+                        let (ops, p50) = redis_benchmark(
+                            port,
+                            &["-t", test],
+                            *clients,
+                            1,
+                            requests(rate[c][path]),
+                        )?;
                         rate[c][path] = ops;
                         (ops, p50)
                     }
@@ -199,15 +206,28 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             figures[c].0.push(pair[0]);
             figures[c].1.push(pair[1]);
         }
-        // Calibration of our generator: redis-benchmark's own plain SET, direct only.
+        // Calibration, direct only: redis-benchmark's own plain SET (checks our generator), and
+        // the fence function called directly with FCALL, as the gateway calls it (what the
+        // store itself can do for fenced writes; the gateway loaded the function above).
         for (i, pipeline) in [1usize, 16].into_iter().enumerate() {
             let n = requests(if pipeline == 1 { 40_000.0 } else { 200_000.0 });
-            let (ops, _) = redis_benchmark(redis.port, "set", 50, pipeline, n)?;
-            if i == 0 {
-                calibration.0.push(ops);
-            } else {
-                calibration.1.push(ops);
-            }
+            let (set, _) = redis_benchmark(redis.port, &["SET", "key", "xxx"], 50, pipeline, n)?;
+            let fcall = [
+                "FCALL",
+                "fencegate_fence_v1",
+                "2",
+                "fencegate:fence:{bench}",
+                "key",
+                "bench",
+                "1",
+                "2",
+                "SET",
+                "key",
+                "xxx",
+            ];
+            let (fenced, _) = redis_benchmark(redis.port, &fcall, 50, pipeline, n)?;
+            calibration[i].0.push(set);
+            calibration[i].1.push(fenced);
         }
     }
     if node.rss_kib().is_err() {
@@ -256,9 +276,11 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         headers: ["direct".into(), "gateway".into()],
         rows,
         notes: vec![format!(
-            "Calibration: redis-benchmark's own plain SET direct at 50 clients: {:.0} req/s unpipelined, {:.0} req/s with -P 16 (the generator's direct figures above are the baseline of the ratios).",
-            median(&mut calibration.0),
-            median(&mut calibration.1)
+            "Calibration, direct only, redis-benchmark at 50 clients: plain `SET key xxx` {:.0} req/s unpipelined, {:.0} with -P 16 (the generator's direct figures above are the baseline of the ratios); the fence function called directly (`FCALL fencegate_fence_v1 2 fencegate:fence:{{bench}} key bench 1 2 SET key xxx`, what the gateway sends for each fenced SET) {:.0} req/s unpipelined, {:.0} with -P 16: the store's own ceiling for fenced writes.",
+            median(&mut calibration[0].0),
+            median(&mut calibration[1].0),
+            median(&mut calibration[0].1),
+            median(&mut calibration[1].1),
         )],
     })
 }

@@ -176,7 +176,7 @@ fn shape(sql: &str) -> Option<Shape> {
 
 impl Shape {
     /// A text offset as a key offset; `None` inside a literal.
-    fn to_key(&self, offset: usize) -> Option<usize> {
+    fn key_offset(&self, offset: usize) -> Option<usize> {
         let mut shift = 0isize;
         for l in &self.literals {
             if offset >= l.at + l.len {
@@ -189,7 +189,7 @@ impl Shape {
     }
 
     /// A key offset (at a mark's boundary) as an offset in this text.
-    fn from_key(&self, offset: usize) -> usize {
+    fn text_offset(&self, offset: usize) -> usize {
         let shift: isize = self
             .literals
             .iter()
@@ -243,8 +243,8 @@ impl ClassifyCache {
                 statements: statements
                     .iter()
                     .map(|s| Statement {
-                        start: shape.from_key(s.start),
-                        end: shape.from_key(s.end),
+                        start: shape.text_offset(s.start),
+                        end: shape.text_offset(s.end),
                         ..s.clone()
                     })
                     .collect(),
@@ -258,8 +258,8 @@ impl ClassifyCache {
                 .iter()
                 .map(|s| {
                     Some(Statement {
-                        start: shape.to_key(s.start)?,
-                        end: shape.to_key(s.end)?,
+                        start: shape.key_offset(s.start)?,
+                        end: shape.key_offset(s.end)?,
                         ..s.clone()
                     })
                 })
