@@ -32,6 +32,20 @@ INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :a
 END;
 ";
 
+/// The same transaction with the guard run directly, without the gateway, in the UPDATE's
+/// round trip as the gateway sends it (`\;` makes one Query message of both statements): what
+/// the fence costs the store itself.
+const GUARDED_SCRIPT: &str = "\\set aid random(1, 100000)
+\\set bid random(1, 1)
+\\set tid random(1, 10)
+\\set delta random(-5000, 5000)
+BEGIN;
+SELECT fencegate.guard('bench', 1) \\; UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+";
+
 #[derive(Clone, Copy)]
 enum Workload {
     SelectOnly,
@@ -133,6 +147,8 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         .tempdir()?;
     let script = dir.path().join("write.sql");
     std::fs::write(&script, WRITE_SCRIPT)?;
+    let guarded = dir.path().join("guarded.sql");
+    std::fs::write(&guarded, GUARDED_SCRIPT)?;
     let pg = Postgres::start(100)?;
     let init = Command::new(pgbench_path())
         .args([
@@ -181,6 +197,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     ];
     let mut tps = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut p50 = vec![(Vec::new(), Vec::new()); cases.len()];
+    let mut guard_direct = [Vec::new(), Vec::new()];
     for rep in 0..reps {
         for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
             let log = (*clients == 1).then(|| dir.path().join("log"));
@@ -213,9 +230,28 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             p50[c].0.push(direct.p50_us);
             p50[c].1.push(gateway.p50_us);
         }
+        // Calibration, direct only: the guard run by the store itself, no gateway.
+        for (i, clients) in [1usize, 8].into_iter().enumerate() {
+            let run = pgbench(
+                pg.port,
+                Workload::Write,
+                clients,
+                seconds,
+                None,
+                &guarded,
+                None,
+            )?;
+            eprintln!(
+                "postgres rep {rep}: guard run directly, {clients} clients: {:.0} tps",
+                run.tps
+            );
+            guard_direct[i].push(run.tps);
+        }
     }
     let applied = pg
         .psql("SELECT coalesce(max(revision), 0) FROM fencegate.fences WHERE resource = 'bench'")?;
+    let (guard_1, guard_8) = (median(&mut guard_direct[0]), median(&mut guard_direct[1]));
+    let (plain_1, plain_8) = (median(&mut tps[1].0), median(&mut tps[2].0));
     let mut rows: Vec<Row> = cases
         .iter()
         .zip(tps.iter_mut())
@@ -258,6 +294,9 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["direct".into(), "gateway".into()],
         rows,
-        notes: Vec::new(),
+        notes: vec![format!(
+            "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
+            guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
+        )],
     })
 }
