@@ -59,3 +59,42 @@ pub fn median(values: &mut [f64]) -> f64 {
     values.sort_by(|a, b| a.total_cmp(b));
     values[values.len() / 2]
 }
+
+/// Per-worker counts merged into one [`Outcome`]; for loops that keep a connection per worker.
+pub struct Tally {
+    histogram: Histogram<u64>,
+    pub done: u64,
+    pub errors: u64,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Self {
+            histogram: Histogram::new(3).expect("histogram"),
+            done: 0,
+            errors: 0,
+        }
+    }
+}
+
+impl Tally {
+    /// `ops` operations completed in one round trip that took `took`.
+    pub fn record(&mut self, ops: u64, took: Duration) {
+        self.done += ops;
+        let _ = self.histogram.record(took.as_micros() as u64);
+    }
+
+    pub fn merge(&mut self, other: Tally) {
+        self.histogram.add(other.histogram).expect("same shape");
+        self.done += other.done;
+        self.errors += other.errors;
+    }
+
+    pub fn outcome(&self, elapsed: Duration) -> Outcome {
+        Outcome {
+            ops_per_sec: self.done as f64 / elapsed.as_secs_f64(),
+            p50_us: self.histogram.value_at_quantile(0.5),
+            errors: self.errors,
+        }
+    }
+}

@@ -49,3 +49,19 @@ pub fn version(command: &[&str]) -> String {
         })
         .unwrap_or_else(|| "not found".into())
 }
+
+/// The commit the figures were measured at, `-dirty` when tracked files other than the report
+/// itself differ from it.
+pub fn git_head() -> String {
+    let head = version(&["git", "rev-parse", "--short", "HEAD"]);
+    let dirty = std::process::Command::new("git")
+        .args(["status", "--porcelain", "--untracked-files=no", "--", "."])
+        .arg(":(exclude)docs/BENCHMARKS.md")
+        .output()
+        .is_ok_and(|o| !o.stdout.is_empty());
+    if dirty {
+        format!("{head}-dirty")
+    } else {
+        head
+    }
+}

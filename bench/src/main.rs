@@ -2,13 +2,20 @@
 //! writes the figures to docs/BENCHMARKS.md. Not a test: nothing here asserts a number.
 //!
 //!     cargo build --release -p fencegate -p fencegate-bench
-//!     ./target/release/fencegate-bench authority
+//!     ./target/release/fencegate-bench all
 
 mod authority;
+mod footprint;
 mod load;
 mod machine;
+mod postgres;
 mod process;
+mod redis;
 mod report;
+mod resp;
+mod s3;
+mod servers;
+mod sigv4;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -26,28 +33,75 @@ struct Cli {
     /// Repetitions of each (direct, gateway) pair; medians are reported.
     #[arg(long, global = true, default_value_t = 3)]
     reps: usize,
-    /// The report to update (only this suite's section is replaced).
+    /// The report to update (only the sections of the suites run are replaced).
     #[arg(long, global = true, default_value = "docs/BENCHMARKS.md")]
     out: PathBuf,
 }
 
-#[derive(Subcommand)]
+#[derive(Subcommand, Clone, Copy, PartialEq)]
 enum Suite {
     /// Acquires/s and keepalives/s of a 3-node fencegate authority against a 3-node etcd 3.4,
     /// both over HTTP/JSON on loopback with fsync on; plus the disk's raw fsync rate.
     Authority,
+    /// redis-benchmark GET and a RESP generator's plain vs fenced SET, direct and through the
+    /// Redis gateway.
+    Redis,
+    /// pgbench -S and a durable write transaction (plain direct, fenced through the gateway).
+    Postgres,
+    /// Signed PUTs to moto directly and fenced through the S3 gateway; upstream requests per PUT.
+    S3,
+    /// The gateway's RSS idle and after 1,000 idle connections per gateway.
+    Footprint,
+    /// Every suite above, in one invocation.
+    All,
+}
+
+const EVERY: [Suite; 5] = [
+    Suite::Redis,
+    Suite::Postgres,
+    Suite::S3,
+    Suite::Footprint,
+    Suite::Authority,
+];
+
+async fn run_suite(suite: Suite, run: Duration, reps: usize) -> anyhow::Result<report::Section> {
+    match suite {
+        Suite::Authority => authority::run(run, reps).await,
+        Suite::Redis => redis::run(run, reps).await,
+        Suite::Postgres => postgres::run(run, reps).await,
+        Suite::S3 => s3::run(run, reps).await,
+        Suite::Footprint => footprint::run(reps).await,
+        Suite::All => unreachable!("expanded by main"),
+    }
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let run = Duration::from_secs_f64(cli.seconds);
-    let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let section = match cli.suite {
-        Suite::Authority => authority::run(run, cli.reps).await?,
+    let command = std::env::args()
+        .enumerate()
+        .map(|(i, a)| {
+            if i == 0 {
+                "./target/release/fencegate-bench".to_owned()
+            } else {
+                a
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let suites = if cli.suite == Suite::All {
+        EVERY.to_vec()
+    } else {
+        vec![cli.suite]
     };
-    report::write(&cli.out, &section.name, &section.render(&command))?;
-    println!("{}", section.render(&command));
+    for suite in suites {
+        let section = run_suite(suite, run, cli.reps).await?;
+        let text = section.render(&command);
+        // Each suite's section is written as soon as it is done.
+        report::write(&cli.out, &section.name, &text)?;
+        println!("{text}");
+    }
     println!("written to {}", cli.out.display());
     Ok(())
 }

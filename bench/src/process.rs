@@ -30,6 +30,11 @@ impl Server {
             .with_context(|| format!("starting {name} ({command:?}); is it installed?"))?;
         Ok(Self { child })
     }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for Server {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use fencegate_core::{AuditSink, Resource, TokenPolicy};
 use tokio::net::TcpListener;
 
+use crate::classify_cache::ClassifyCache;
 use crate::config::PostgresConfig;
 use crate::error::PostgresError;
 use crate::session;
@@ -18,8 +19,13 @@ pub struct Gateway {
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) route: Option<Resource>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Statement classifications by shape, shared by every session.
+    pub(crate) classified: ClassifyCache,
     connections: AtomicU64,
 }
+
+/// Statement shapes remembered per gateway (cleared when full).
+const CLASSIFY_CACHE_SHAPES: usize = 1024;
 
 impl Gateway {
     /// A gateway for `config` that verifies tokens with `policy` (its `accept_plain` is taken
@@ -42,6 +48,7 @@ impl Gateway {
             sink,
             route,
             tls,
+            classified: ClassifyCache::new(CLASSIFY_CACHE_SHAPES),
             connections: AtomicU64::new(0),
         }))
     }

@@ -4,7 +4,8 @@
 //!
 //! - [`message`]: framing and the few messages the gateway reads or synthesizes, on top of the
 //!   `postgres-protocol` codec. [`classify`]: read/write classification with `pg_query`
-//!   (PostgreSQL's own parser), failing closed. [`carrier`]: where tokens come from.
+//!   (PostgreSQL's own parser), failing closed; [`classify_cache`]: its results reused for
+//!   statements that differ only in literal values. [`carrier`]: where tokens come from.
 //!   [`rewrite`]: the pure rewrite of a statement and token into the messages sent upstream.
 //!   `session`: the only I/O module, one client connection to one upstream connection.
 //! - Refusals are `ErrorResponse`s with the SQLSTATEs in [`sqlstate`]; each is reported to the
@@ -27,6 +28,7 @@
 
 pub mod carrier;
 pub mod classify;
+pub mod classify_cache;
 pub mod config;
 pub mod error;
 mod gateway;

@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 use crate::carrier;
-use crate::classify::{classify, Classified, Kind};
+use crate::classify::{Classified, Kind};
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
 use crate::message::{self, ErrorFields, Frame, FrameReader, Startup};
@@ -451,7 +451,7 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
         b'Q' => handle_query(shared, frame).await,
         b'P' => {
             let (name, sql) = message::parse_fields(&frame).map_err(bad)?;
-            let classified = classify(&sql);
+            let classified = shared.gateway.classified.classify(&sql);
             // `SET fencegate.token = '...'` is prepared without its value: the server answers
             // the same messages, and the token stays in the gateway (applied at Bind).
             let outgoing = match classified.statements.as_slice() {
@@ -560,7 +560,7 @@ fn shorten(name: &str) -> String {
 
 async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
     let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = classify(&sql);
+    let classified = shared.gateway.classified.classify(&sql);
     let summary = summary_of(&classified, frame.raw.len());
     let plan = {
         let state = shared.lock();

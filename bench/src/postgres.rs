@@ -1,0 +1,302 @@
+//! The PostgreSQL suite: pgbench against the server directly and through the gateway, durable
+//! commits (fsync and synchronous_commit on).
+//!
+//! The write is pgbench's "simple update" transaction as a custom script (`BEGIN`; update an
+//! account; read it back; insert a history row; `END`). Direct, it runs without a token;
+//! through the gateway the same script runs with the token as a session setting in the startup
+//! packet (`PGOPTIONS=-c fencegate.token=...`), so the gateway splices the guard in front of the
+//! transaction's first write (one guard per transaction). Every writer holds the same token on
+//! the same resource, i.e. they all take the same fence row `FOR SHARE`.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use crate::load::median;
+use crate::machine;
+use crate::report::{Row, Section};
+use crate::servers::{install_fence_sql, pg_bin, postgres_section, Node, Postgres};
+
+pub const TOKEN: &str = "fg1~1~bench";
+
+const WRITE_SCRIPT: &str = "\\set aid random(1, 100000)
+\\set bid random(1, 1)
+\\set tid random(1, 10)
+\\set delta random(-5000, 5000)
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+";
+
+/// The same transaction with the guard run directly, without the gateway, in the UPDATE's
+/// round trip as the gateway sends it (`\;` makes one Query message of both statements): what
+/// the fence costs the store itself.
+const GUARDED_SCRIPT: &str = "\\set aid random(1, 100000)
+\\set bid random(1, 1)
+\\set tid random(1, 10)
+\\set delta random(-5000, 5000)
+BEGIN;
+SELECT fencegate.guard('bench', 1) \\; UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+";
+
+#[derive(Clone, Copy)]
+enum Workload {
+    SelectOnly,
+    Write,
+}
+
+struct Run {
+    tps: f64,
+    p50_us: f64,
+}
+
+fn pgbench_path() -> String {
+    if let Ok(bin) = pg_bin() {
+        let p = bin.join("pgbench");
+        if p.exists() {
+            return p.display().to_string();
+        }
+    }
+    "pgbench".into()
+}
+
+/// One pgbench run; with `log`, the per-transaction log gives the p50 latency.
+#[allow(clippy::too_many_arguments)]
+fn pgbench(
+    port: u16,
+    workload: Workload,
+    clients: usize,
+    seconds: u64,
+    token: Option<&str>,
+    script: &Path,
+    log: Option<&Path>,
+) -> anyhow::Result<Run> {
+    let mut command = Command::new(pgbench_path());
+    command
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
+        .args(["-n", "-M", "simple", "-c", &clients.to_string()])
+        .args([
+            "-j",
+            &clients.min(2).to_string(),
+            "-T",
+            &seconds.to_string(),
+        ]);
+    match workload {
+        Workload::SelectOnly => command.arg("-S"),
+        Workload::Write => command.arg("-f").arg(script),
+    };
+    if let Some(dir) = log {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir)?;
+        command
+            .arg("-l")
+            .arg(format!("--log-prefix={}", dir.join("pgb").display()));
+    }
+    if let Some(token) = token {
+        command.env("PGOPTIONS", format!("-c fencegate.token={token}"));
+    }
+    let out = command
+        .arg("postgres")
+        .output()
+        .context("running pgbench")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "pgbench failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let tps = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no tps in pgbench's output:\n{stdout}"))?;
+    let p50_us = match log {
+        Some(dir) => {
+            let mut latencies = Vec::new();
+            for entry in std::fs::read_dir(dir)? {
+                let text = std::fs::read_to_string(entry?.path())?;
+                latencies.extend(
+                    text.lines()
+                        .filter_map(|l| l.split_whitespace().nth(2))
+                        .filter_map(|v| v.parse::<f64>().ok()),
+                );
+            }
+            if latencies.is_empty() {
+                bail!("pgbench wrote no transaction log");
+            }
+            median(&mut latencies)
+        }
+        None => 0.0,
+    };
+    Ok(Run { tps, p50_us })
+}
+
+pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
+    let dir = tempfile::Builder::new()
+        .prefix("fencegate-bench-pgb")
+        .tempdir()?;
+    let script = dir.path().join("write.sql");
+    std::fs::write(&script, WRITE_SCRIPT)?;
+    let guarded = dir.path().join("guarded.sql");
+    std::fs::write(&guarded, GUARDED_SCRIPT)?;
+    let pg = Postgres::start(100)?;
+    let init = Command::new(pgbench_path())
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "postgres",
+        ])
+        .args(["-i", "-s", "1", "-q", "postgres"])
+        .output()?;
+    if !init.status.success() {
+        bail!(
+            "pgbench -i failed: {}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+    }
+    install_fence_sql(&pg)?;
+    pg.psql("VACUUM ANALYZE")?;
+    let listen = crate::process::free_port();
+    let node = Node::start(&postgres_section(listen, pg.port), &[listen])?;
+    let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
+
+    // (workload, clients, with latency log, label, target, report tps or p50)
+    let cases: Vec<(Workload, usize, &str, &str)> = vec![
+        (
+            Workload::SelectOnly,
+            8,
+            "`pgbench -S`, 8 clients, tps",
+            ">= 0.85x",
+        ),
+        (
+            Workload::Write,
+            1,
+            "write transaction, 1 client: plain direct vs fenced, tps",
+            ">= 0.85x",
+        ),
+        (
+            Workload::Write,
+            8,
+            "8 writers, same token, same resource: plain direct vs fenced, tps",
+            ">= 0.75x",
+        ),
+        (Workload::SelectOnly, 1, "`pgbench -S`, 1 client, tps", "-"),
+    ];
+    let mut tps = vec![(Vec::new(), Vec::new()); cases.len()];
+    let mut p50 = vec![(Vec::new(), Vec::new()); cases.len()];
+    let mut guard_direct = [Vec::new(), Vec::new()];
+    for rep in 0..reps {
+        for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
+            let log = (*clients == 1).then(|| dir.path().join("log"));
+            let direct = pgbench(
+                pg.port,
+                *workload,
+                *clients,
+                seconds,
+                None,
+                &script,
+                log.as_deref(),
+            )?;
+            let token = matches!(workload, Workload::Write).then_some(TOKEN);
+            let gateway = pgbench(
+                listen,
+                *workload,
+                *clients,
+                seconds,
+                token,
+                &script,
+                log.as_deref(),
+            )
+            .with_context(|| format!("through the gateway; its log:\n{}", node.log_text()))?;
+            eprintln!(
+                "postgres rep {rep}: {what}: direct {:.0} tps (p50 {:.0} µs), gateway {:.0} tps (p50 {:.0} µs)",
+                direct.tps, direct.p50_us, gateway.tps, gateway.p50_us
+            );
+            tps[c].0.push(direct.tps);
+            tps[c].1.push(gateway.tps);
+            p50[c].0.push(direct.p50_us);
+            p50[c].1.push(gateway.p50_us);
+        }
+        // Calibration, direct only: the guard run by the store itself, no gateway.
+        for (i, clients) in [1usize, 8].into_iter().enumerate() {
+            let run = pgbench(
+                pg.port,
+                Workload::Write,
+                clients,
+                seconds,
+                None,
+                &guarded,
+                None,
+            )?;
+            eprintln!(
+                "postgres rep {rep}: guard run directly, {clients} clients: {:.0} tps",
+                run.tps
+            );
+            guard_direct[i].push(run.tps);
+        }
+    }
+    let applied = pg
+        .psql("SELECT coalesce(max(revision), 0) FROM fencegate.fences WHERE resource = 'bench'")?;
+    let (guard_1, guard_8) = (median(&mut guard_direct[0]), median(&mut guard_direct[1]));
+    let (plain_1, plain_8) = (median(&mut tps[1].0), median(&mut tps[2].0));
+    let mut rows: Vec<Row> = cases
+        .iter()
+        .zip(tps.iter_mut())
+        .map(|((_, _, what, target), (d, g))| {
+            let (d, g) = (median(d), median(g));
+            Row {
+                what: what.to_string(),
+                direct: format!("{d:.0}"),
+                gateway: format!("{g:.0}"),
+                ratio: Some(g / d),
+                target: target.to_string(),
+            }
+        })
+        .collect();
+    for (c, label) in [(1usize, "write transaction"), (3, "`pgbench -S`")] {
+        let (d, g) = (median(&mut p50[c].0), median(&mut p50[c].1));
+        rows.push(Row {
+            what: format!("p50 latency, {label}, 1 client, µs"),
+            direct: format!("{d:.0}"),
+            gateway: format!("{g:.0} ({:+.0})", g - d),
+            ratio: None,
+            target: "-".into(),
+        });
+    }
+    Ok(Section {
+        name: "postgres".into(),
+        title: "PostgreSQL: pgbench direct against through the gateway".into(),
+        setup: vec![
+            format!("Machine: {}", machine::describe()),
+            format!(
+                "{}; {}; fencegate {} ({})",
+                machine::version(&[&pg_bin()?.join("postgres").display().to_string(), "--version"]),
+                machine::version(&[&pgbench_path(), "--version"]),
+                env!("CARGO_PKG_VERSION"),
+                machine::git_head()
+            ),
+            format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database", std::env::temp_dir().display()),
+            format!("{reps} repetitions, direct and gateway interleaved; medians. Latency rows: median of pgbench's per-transaction log (`-l`), gateway cell = p50 (+ added µs)"),
+            format!("Write transaction (pgbench's simple-update, as a `-f` script): `BEGIN; UPDATE pgbench_accounts ...; SELECT abalance ...; INSERT INTO pgbench_history ...; END;`. Direct: no token. Gateway: `PGOPTIONS=\"-c fencegate.token={TOKEN}\"` (session token; the guard runs before the UPDATE in the same Query message, the INSERT is covered by it). All writers share the token and resource `bench` (fence row taken `FOR SHARE`); fence after the run: {applied}"),
+        ],
+        headers: ["direct".into(), "gateway".into()],
+        rows,
+        notes: vec![format!(
+            "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
+            guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
+        )],
+    })
+}

@@ -1,0 +1,286 @@
+//! The Redis suite: redis-server direct against the same server through the gateway.
+//!
+//! Passthrough `GET` is measured with `redis-benchmark` on both paths. `redis-benchmark` cannot
+//! send `FENCE <token>` once per connection before its `SET`s, so writes are measured with our
+//! own RESP load generator ([`crate::resp`]) on both paths: plain `SET` direct, `FENCE` once per
+//! connection then `SET` through the gateway (each one a fence function call upstream). A
+//! `redis-benchmark` run of plain `SET` direct is reported beside it to calibrate the generator.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::load::{median, Outcome, Tally};
+use crate::machine;
+use crate::report::{Row, Section};
+use crate::resp::{encode, Connection};
+use crate::servers::{redis_section, Node, Redis};
+
+pub const TOKEN: &str = "fg1~1~bench";
+
+/// One `redis-benchmark` run of `command` (`["-t", "get"]`, or a command and its arguments):
+/// (requests/s, p50 µs), from the last row of its CSV output.
+fn redis_benchmark(
+    port: u16,
+    command: &[&str],
+    clients: usize,
+    pipeline: usize,
+    requests: u64,
+) -> anyhow::Result<(f64, f64)> {
+    let out = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-c", &clients.to_string(), "-P", &pipeline.to_string()])
+        .args(["-n", &requests.to_string(), "--csv"])
+        .args(command)
+        .output()
+        .context("redis-benchmark is needed: apt-get install redis-tools")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text
+        .lines()
+        .rfind(|l| l.starts_with('"') && !l.starts_with("\"test\""))
+        .with_context(|| {
+            format!(
+                "redis-benchmark {command:?} printed no result: {text} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+    // The first field is the command, which may itself contain commas: take the numbers from
+    // the end.
+    let mut fields: Vec<f64> = row
+        .rsplit(',')
+        .take(7)
+        .map(|f| f.trim_matches('"').parse().unwrap_or(0.0))
+        .collect();
+    fields.reverse();
+    // rps, avg, min, p50, p95, p99, max
+    Ok((fields[0], fields.get(3).copied().unwrap_or(0.0) * 1000.0))
+}
+
+/// `clients` connections each sending `SET` (in batches of `pipeline`) for `run`; with a
+/// token, each connection sends `FENCE <token>` first.
+pub async fn set_load(
+    port: u16,
+    clients: usize,
+    pipeline: usize,
+    token: Option<&str>,
+    run: Duration,
+) -> anyhow::Result<Outcome> {
+    let mut connections = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let mut conn = Connection::connect(port).await?;
+        if let Some(token) = token {
+            conn.call(&[b"FENCE", token.as_bytes()]).await?;
+        }
+        let key = format!("bench:set:{c}");
+        let one = encode(&[b"SET", key.as_bytes(), b"xxx"]);
+        connections.push((conn, one.repeat(pipeline)));
+    }
+    let started = Instant::now();
+    let deadline = started + run;
+    let mut handles = Vec::new();
+    for (mut conn, batch) in connections {
+        handles.push(tokio::spawn(async move {
+            let mut tally = Tally::default();
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                conn.send(&batch).await?;
+                for _ in 0..pipeline {
+                    if let Err(e) = conn.reply().await? {
+                        tally.errors += 1;
+                        bail!("SET failed: {e}");
+                    }
+                }
+                tally.record(pipeline as u64, t.elapsed());
+            }
+            Ok::<_, anyhow::Error>(tally)
+        }));
+    }
+    let mut all = Tally::default();
+    for h in handles {
+        all.merge(h.await??);
+    }
+    Ok(all.outcome(started.elapsed()))
+}
+
+/// A measured case: how to run it on each path.
+enum Case {
+    Benchmark { test: &'static str, clients: usize },
+    Set { clients: usize, pipeline: usize },
+}
+
+pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
+    let dir = tempfile::Builder::new()
+        .prefix("fencegate-bench-redis")
+        .tempdir()?;
+    let redis = Redis::start(dir.path())?;
+    let listen = crate::process::free_port();
+    let node = Node::start(&redis_section(listen, redis.port), &[listen])?;
+    // A value for the GETs to read.
+    Connection::connect(redis.port)
+        .await?
+        .call(&[b"SET", b"key:__rand_int__", b"xxx"])
+        .await?;
+
+    let cases: Vec<(Case, &str, &str)> = vec![
+        (
+            Case::Benchmark {
+                test: "get",
+                clients: 50,
+            },
+            "GET, 50 clients (redis-benchmark), req/s",
+            ">= 0.85x",
+        ),
+        (
+            Case::Set {
+                clients: 50,
+                pipeline: 1,
+            },
+            "SET, 50 clients, unpipelined: plain direct vs fenced, req/s",
+            ">= 0.80x",
+        ),
+        (
+            Case::Set {
+                clients: 50,
+                pipeline: 16,
+            },
+            "SET, 50 clients, -P 16: plain direct vs fenced, req/s",
+            "-",
+        ),
+        (
+            Case::Benchmark {
+                test: "get",
+                clients: 1,
+            },
+            "GET p50 latency, 1 client (redis-benchmark), µs",
+            "-",
+        ),
+        (
+            Case::Set {
+                clients: 1,
+                pipeline: 1,
+            },
+            "SET p50 latency, 1 client: plain direct vs fenced, µs",
+            "-",
+        ),
+    ];
+    let latency = |c: &Case| {
+        matches!(
+            c,
+            Case::Benchmark { clients: 1, .. } | Case::Set { clients: 1, .. }
+        )
+    };
+    let mut figures = vec![(Vec::new(), Vec::new()); cases.len()];
+    let mut calibration = vec![(Vec::new(), Vec::new()); 2];
+    // redis-benchmark counts requests, not seconds: size each run from the last rate seen.
+    let mut rate = vec![[30_000.0f64; 2]; cases.len()];
+    let requests = |r: f64| ((r * run.as_secs_f64()) as u64).max(2_000);
+    for rep in 0..reps {
+        for (c, (case, what, _)) in cases.iter().enumerate() {
+            let mut pair = [0.0f64; 2];
+            for (path, port) in [redis.port, listen].into_iter().enumerate() {
+                let (ops, p50) = match case {
+                    Case::Benchmark { test, clients } => {
+                        let (ops, p50) = redis_benchmark(
+                            port,
+                            &["-t", test],
+                            *clients,
+                            1,
+                            requests(rate[c][path]),
+                        )?;
+                        rate[c][path] = ops;
+                        (ops, p50)
+                    }
+                    Case::Set { clients, pipeline } => {
+                        let token = (path == 1).then_some(TOKEN);
+                        let o = set_load(port, *clients, *pipeline, token, run).await?;
+                        (o.ops_per_sec, o.p50_us as f64)
+                    }
+                };
+                pair[path] = if latency(case) { p50 } else { ops };
+            }
+            eprintln!(
+                "redis rep {rep}: {what}: direct {:.0}, gateway {:.0}",
+                pair[0], pair[1]
+            );
+            figures[c].0.push(pair[0]);
+            figures[c].1.push(pair[1]);
+        }
+        // Calibration, direct only: redis-benchmark's own plain SET (checks our generator), and
+        // the fence function called directly with FCALL, as the gateway calls it (what the
+        // store itself can do for fenced writes; the gateway loaded the function above).
+        for (i, pipeline) in [1usize, 16].into_iter().enumerate() {
+            let n = requests(if pipeline == 1 { 40_000.0 } else { 200_000.0 });
+            let (set, _) = redis_benchmark(redis.port, &["SET", "key", "xxx"], 50, pipeline, n)?;
+            let fcall = [
+                "FCALL",
+                "fencegate_fence_v1",
+                "2",
+                "fencegate:fence:{bench}",
+                "key",
+                "bench",
+                "1",
+                "2",
+                "SET",
+                "key",
+                "xxx",
+            ];
+            let (fenced, _) = redis_benchmark(redis.port, &fcall, 50, pipeline, n)?;
+            calibration[i].0.push(set);
+            calibration[i].1.push(fenced);
+        }
+    }
+    if node.rss_kib().is_err() {
+        bail!("the gateway exited during the run:\n{}", node.log_text());
+    }
+    let rows = cases
+        .iter()
+        .zip(figures.iter_mut())
+        .map(|((case, what, target), (d, g))| {
+            let (d, g) = (median(d), median(g));
+            if latency(case) {
+                Row {
+                    what: what.to_string(),
+                    direct: format!("{d:.0}"),
+                    gateway: format!("{g:.0} ({:+.0})", g - d),
+                    ratio: None,
+                    target: target.to_string(),
+                }
+            } else {
+                Row {
+                    what: what.to_string(),
+                    direct: format!("{d:.0}"),
+                    gateway: format!("{g:.0}"),
+                    ratio: Some(g / d),
+                    target: target.to_string(),
+                }
+            }
+        })
+        .collect();
+    Ok(Section {
+        name: "redis".into(),
+        title: "Redis: direct against through the gateway".into(),
+        setup: vec![
+            format!("Machine: {}", machine::describe()),
+            format!(
+                "{}; {}; fencegate {} ({})",
+                machine::version(&["redis-server", "--version"]),
+                machine::version(&["redis-benchmark", "--version"]),
+                env!("CARGO_PKG_VERSION"),
+                machine::git_head()
+            ),
+            "redis-server on loopback without persistence; the gateway protects every key (`*` enforce); all processes share the 2 cores".into(),
+            format!("{reps} repetitions, direct and gateway interleaved; medians. SET runs last {:.0} s; redis-benchmark runs are sized to about as long", run.as_secs_f64()),
+            format!("SET rows use fencegate-bench's RESP generator on both paths (redis-benchmark cannot send `FENCE` once per connection): direct = plain `SET key xxx`; gateway = `FENCE {TOKEN}` once per connection, then the same `SET`s, each run by the gateway as one fence function call. Latency rows: p50 per round trip, gateway cell = p50 (+ added µs)"),
+        ],
+        headers: ["direct".into(), "gateway".into()],
+        rows,
+        notes: vec![format!(
+            "Calibration, direct only, redis-benchmark at 50 clients: plain `SET key xxx` {:.0} req/s unpipelined, {:.0} with -P 16 (the generator's direct figures above are the baseline of the ratios); the fence function called directly (`FCALL fencegate_fence_v1 2 fencegate:fence:{{bench}} key bench 1 2 SET key xxx`, what the gateway sends for each fenced SET) {:.0} req/s unpipelined, {:.0} with -P 16: the store's own ceiling for fenced writes.",
+            median(&mut calibration[0].0),
+            median(&mut calibration[1].0),
+            median(&mut calibration[0].1),
+            median(&mut calibration[1].1),
+        )],
+    })
+}

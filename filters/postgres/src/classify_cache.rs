@@ -1,0 +1,426 @@
+//! A cache of [`classify`] results keyed by a statement's *shape*: its text with each numeric
+//! and plain string literal masked. Applications send the same few statements over and over
+//! with different values (`... WHERE aid = 4711`), and parsing each one with `pg_query` (the
+//! server's parser, plus a protobuf round trip of the whole tree) cost the gateway about 170,000
+//! instructions per statement, most of its CPU on a read-heavy load.
+//!
+//! What a statement is (read, write, transaction control), where each statement starts and
+//! ends, the tables it writes and its comment token do not depend on literal values, so two
+//! texts with the same shape classify alike, up to offsets, which are mapped through the
+//! literals' lengths. The shape is taken by a deliberately small lexer that only masks what it
+//! is sure is a literal and gives up (no caching: a full parse) on anything it does not fully
+//! understand: escape strings and other prefixed literals (`E'..'`, `U&'..'`, `B'..'`), dollar
+//! quotes, backslashes in strings, nested comments, exponents, NUL bytes. Results that depend on a
+//! literal value (`SET fencegate.token = '...'`) or failed to parse are never cached.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::classify::{classify, Classified, Kind, Statement};
+
+/// Shapes longer than this are not cached (their parse is the cost of their size anyway).
+const MAX_KEY_BYTES: usize = 4096;
+
+/// Marks in the key where a masked literal was; NUL never occurs in a query text.
+const NUMBER_MARK: &str = "\0n";
+const STRING_MARK: &str = "\0s";
+
+/// One masked literal: where it is in the text, and where its mark is in the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Literal {
+    at: usize,
+    len: usize,
+    key_at: usize,
+}
+
+impl Literal {
+    /// How much longer the literal is than its 2-byte mark.
+    fn grows(&self) -> isize {
+        self.len as isize - 2
+    }
+}
+
+/// A query text's shape: the cache key and the literals masked in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Shape {
+    key: String,
+    literals: Vec<Literal>,
+}
+
+fn is_ident_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80
+}
+
+/// The shape of `sql`, or `None` where the lexer does not fully understand the text.
+fn shape(sql: &str) -> Option<Shape> {
+    let b = sql.as_bytes();
+    let n = b.len();
+    let mut key = String::with_capacity(n.min(MAX_KEY_BYTES));
+    let mut literals = Vec::new();
+    let mut copied = 0;
+    let mut i = 0;
+    let at = |j: usize| b.get(j).copied();
+    while i < n {
+        let c = b[i];
+        let literal_end = match c {
+            0 => return None,
+            b'\'' => {
+                // Only a plain literal: a prefix (E, U&, B, X, N) glued to it changes its meaning.
+                let prev = if i == 0 { b' ' } else { b[i - 1] };
+                if !(prev.is_ascii_whitespace() || b"(,=<>[+-*/".contains(&prev)) {
+                    return None;
+                }
+                let mut j = i + 1;
+                loop {
+                    match at(j)? {
+                        b'\\' => return None,
+                        b'\'' if at(j + 1) == Some(b'\'') => j += 2,
+                        b'\'' => break,
+                        _ => j += 1,
+                    }
+                }
+                Some((j + 1, STRING_MARK))
+            }
+            b'0'..=b'9' => {
+                let mut j = i;
+                while at(j).is_some_and(|d| d.is_ascii_digit()) {
+                    j += 1;
+                }
+                if at(j) == Some(b'.') {
+                    j += 1;
+                    if !at(j).is_some_and(|d| d.is_ascii_digit()) {
+                        return None;
+                    }
+                    while at(j).is_some_and(|d| d.is_ascii_digit()) {
+                        j += 1;
+                    }
+                }
+                // `1e5`, `0x1F`, `1_000`, `1.2.3`, `1'a'`: not a plain number.
+                if at(j).is_some_and(|d| is_ident_byte(d) || d == b'.' || d == b'\'') {
+                    return None;
+                }
+                if i > 0 && b[i - 1] == b'.' {
+                    return None;
+                }
+                Some((j, NUMBER_MARK))
+            }
+            b'.' if at(i + 1).is_some_and(|d| d.is_ascii_digit()) => return None,
+            b'$' => {
+                // `$1` parameters are kept; anything else is a dollar quote.
+                if !at(i + 1).is_some_and(|d| d.is_ascii_digit()) {
+                    return None;
+                }
+                i += 1;
+                while at(i).is_some_and(|d| d.is_ascii_digit()) {
+                    i += 1;
+                }
+                if at(i).is_some_and(is_ident_byte) {
+                    return None;
+                }
+                None
+            }
+            b'"' => {
+                let mut j = i + 1;
+                loop {
+                    match at(j)? {
+                        b'"' if at(j + 1) == Some(b'"') => j += 2,
+                        b'"' => break,
+                        _ => j += 1,
+                    }
+                }
+                i = j + 1;
+                None
+            }
+            b'/' if at(i + 1) == Some(b'*') => {
+                let rest = &sql[i + 2..];
+                let close = rest.find("*/")?;
+                if rest[..close].contains("/*") {
+                    return None;
+                }
+                i += 2 + close + 2;
+                None
+            }
+            b'-' if at(i + 1) == Some(b'-') => {
+                i = sql[i..].find('\n').map_or(n, |e| i + e + 1);
+                None
+            }
+            c if is_ident_byte(c) => {
+                while at(i).is_some_and(is_ident_byte) {
+                    i += 1;
+                }
+                None
+            }
+            _ => {
+                i += 1;
+                None
+            }
+        };
+        if let Some((end, mark)) = literal_end {
+            key.push_str(&sql[copied..i]);
+            literals.push(Literal {
+                at: i,
+                len: end - i,
+                key_at: key.len(),
+            });
+            key.push_str(mark);
+            copied = end;
+            i = end;
+        }
+        if key.len() + (i - copied) > MAX_KEY_BYTES {
+            return None;
+        }
+    }
+    key.push_str(&sql[copied..]);
+    Some(Shape { key, literals })
+}
+
+impl Shape {
+    /// A text offset as a key offset; `None` inside a literal.
+    fn key_offset(&self, offset: usize) -> Option<usize> {
+        let mut shift = 0isize;
+        for l in &self.literals {
+            if offset >= l.at + l.len {
+                shift += l.grows();
+            } else if offset > l.at {
+                return None;
+            }
+        }
+        Some((offset as isize - shift) as usize)
+    }
+
+    /// A key offset (at a mark's boundary) as an offset in this text.
+    fn text_offset(&self, offset: usize) -> usize {
+        let shift: isize = self
+            .literals
+            .iter()
+            .filter(|l| offset >= l.key_at + 2)
+            .map(Literal::grows)
+            .sum();
+        (offset as isize + shift) as usize
+    }
+}
+
+/// Whether a classification may be reused for every text of the same shape.
+fn reusable(classified: &Classified) -> bool {
+    classified.parse_error.is_none()
+        && classified
+            .statements
+            .iter()
+            .all(|s| !matches!(s.kind, Kind::SetToken(_)))
+}
+
+/// Classifications by shape, shared by a gateway's sessions; bounded (cleared when full).
+pub struct ClassifyCache {
+    entries: Mutex<HashMap<String, Arc<[Statement]>>>,
+    capacity: usize,
+}
+
+impl ClassifyCache {
+    /// A cache of at most `capacity` shapes.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            entries: Mutex::new(HashMap::new()),
+            capacity,
+        }
+    }
+
+    /// The same as [`classify`]`(sql)`, parsing only the first text of each shape.
+    pub fn classify(&self, sql: &str) -> Classified {
+        if self.capacity == 0 {
+            return classify(sql);
+        }
+        let Some(shape) = shape(sql) else {
+            return classify(sql);
+        };
+        let hit = self
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&shape.key)
+            .cloned();
+        if let Some(statements) = hit {
+            return Classified {
+                statements: statements
+                    .iter()
+                    .map(|s| Statement {
+                        start: shape.text_offset(s.start),
+                        end: shape.text_offset(s.end),
+                        ..s.clone()
+                    })
+                    .collect(),
+                parse_error: None,
+            };
+        }
+        let classified = classify(sql);
+        if reusable(&classified) {
+            let in_key: Option<Vec<Statement>> = classified
+                .statements
+                .iter()
+                .map(|s| {
+                    Some(Statement {
+                        start: shape.key_offset(s.start)?,
+                        end: shape.key_offset(s.end)?,
+                        ..s.clone()
+                    })
+                })
+                .collect();
+            if let Some(in_key) = in_key {
+                let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+                if entries.len() >= self.capacity {
+                    entries.clear();
+                }
+                entries.insert(shape.key, in_key.into());
+            }
+        }
+        classified
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn literals_are_masked_and_the_rest_kept() {
+        let s = shape("SELECT abalance FROM pgbench_accounts WHERE aid = 4711;").unwrap();
+        assert_eq!(
+            s.key,
+            "SELECT abalance FROM pgbench_accounts WHERE aid = \0n;"
+        );
+        let t = shape("SELECT abalance FROM pgbench_accounts WHERE aid = 1;").unwrap();
+        assert_eq!(s.key, t.key);
+        let s = shape("INSERT INTO t VALUES ('it''s', -1.5, $1) /* fencing_token='fg1~7~job' */")
+            .unwrap();
+        assert_eq!(
+            s.key,
+            "INSERT INTO t VALUES (\0s, -\0n, $1) /* fencing_token='fg1~7~job' */"
+        );
+        let s = shape("SELECT \"a'b\", x1, t.c2 FROM t -- it's 42\nWHERE y = 3").unwrap();
+        assert_eq!(
+            s.key,
+            "SELECT \"a'b\", x1, t.c2 FROM t -- it's 42\nWHERE y = \0n"
+        );
+    }
+
+    #[test]
+    fn anything_unclear_is_not_shaped() {
+        for sql in [
+            "SELECT E'a\\'b'",
+            "SELECT U&'d\\0061t'",
+            "SELECT B'101'",
+            "SELECT x'1F'",
+            "SELECT 'a\\'",
+            "SELECT $$ 'x' $$",
+            "SELECT $tag$x$tag$",
+            "SELECT 1e5",
+            "SELECT 0x1F",
+            "SELECT 1_000",
+            "SELECT .5",
+            "SELECT 1.",
+            "SELECT 'unterminated",
+            "SELECT \"unterminated",
+            "SELECT /* a /* nested */ */ 1",
+            "SELECT /* unterminated",
+            "SELECT 'a'::text||'b'",
+        ] {
+            assert_eq!(shape(sql), None, "{sql}");
+        }
+    }
+
+    #[test]
+    fn a_hit_gives_what_a_parse_gives() {
+        let cache = ClassifyCache::new(64);
+        for (first, second) in [
+            (
+                "SELECT abalance FROM pgbench_accounts WHERE aid = 1;",
+                "SELECT abalance FROM pgbench_accounts WHERE aid = 123456;",
+            ),
+            (
+                "UPDATE t SET a = a + 5 WHERE id = 1 /* fencing_token='fg1~7~job' */",
+                "UPDATE t SET a = a + -12345 WHERE id = 99999 /* fencing_token='fg1~7~job' */",
+            ),
+            (
+                "BEGIN; INSERT INTO t VALUES (1, 'x'); SELECT 'yy', 2; COMMIT;",
+                "BEGIN; INSERT INTO t VALUES (1234567, 'a much longer string'); SELECT '', 20; COMMIT;",
+            ),
+            (
+                "  SELECT 1 ;  SELECT 'a' ;",
+                "  SELECT 100 ;  SELECT 'abcdef' ;",
+            ),
+            ("SELECT nextval('s')", "SELECT nextval('other_sequence')"),
+        ] {
+            assert_eq!(cache.classify(first), classify(first), "{first}");
+            assert_eq!(cache.classify(second), classify(second), "{second}");
+            assert_eq!(cache.classify(first), classify(first), "{first}");
+        }
+    }
+
+    #[test]
+    fn literal_dependent_results_are_not_reused() {
+        let cache = ClassifyCache::new(64);
+        for sql in [
+            "SET fencegate.token = 'fg1~7~job'",
+            "SET fencegate.token = 'fg1~8~job'",
+            "SELEC 'x'",
+            "SELEC 'yy'",
+        ] {
+            assert_eq!(cache.classify(sql), classify(sql), "{sql}");
+        }
+        assert!(cache.entries.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_cache_stays_bounded() {
+        let cache = ClassifyCache::new(4);
+        for i in 0..10 {
+            cache.classify(&format!("SELECT c{i} FROM t WHERE a = {i}"));
+        }
+        assert!(cache.entries.lock().unwrap().len() <= 4);
+    }
+
+    /// Two literals of the same class (so their texts have the same shape).
+    fn literal() -> impl Strategy<Value = (String, String)> {
+        let text = "[a-zA-Z0-9 ;/*$\"-]{0,12}";
+        prop_oneof![
+            (0u64..10_000_000_000, 0u64..10).prop_map(|(a, b)| (a.to_string(), b.to_string())),
+            (0u32..100_000, 0u32..1000).prop_map(|(a, b)| (format!("{a}.{b}"), format!("{b}.{a}"))),
+            (text, text).prop_map(|(a, b)| (format!("'{a}'"), format!("'{b}'"))),
+            ("[a-z]{0,3}", "[a-z]{0,3}")
+                .prop_map(|(a, b)| (format!("'{a}''{a}'"), format!("'{b}''{b}'"))),
+        ]
+    }
+
+    proptest! {
+        /// Whatever literals fill a template, a cached answer equals a fresh parse.
+        #[test]
+        fn cached_equals_parsed(
+            template in 0usize..6,
+            a in literal(),
+            b in literal(),
+            c in literal(),
+        ) {
+            let templates = [
+                "SELECT abalance FROM pgbench_accounts WHERE aid = {a} AND x = {b}; -- it's\nSELECT {c}",
+                "BEGIN; UPDATE t SET v = {a} WHERE k = {b} /* fencing_token='fg1~3~r' */; SELECT {c}; END;",
+                "INSERT INTO s.t (a, b) VALUES ({a}, {b}), ({c}, {a}) RETURNING *",
+                "WITH d AS (DELETE FROM t WHERE a = {a} RETURNING *) SELECT {b}, {c} FROM d",
+                "SELECT {a}; SELECT {b} ;SELECT {c}",
+                "SELECT lower({a}) || {b}, count(*) FROM t GROUP BY {c}",
+            ];
+            let fill = |a: &str, b: &str, c: &str| {
+                templates[template].replace("{a}", a).replace("{b}", b).replace("{c}", c)
+            };
+            let cache = ClassifyCache::new(8);
+            // Warm the cache with other literals of the same classes, then compare.
+            let warm = fill(&a.1, &b.1, &c.1);
+            prop_assert_eq!(cache.classify(&warm), classify(&warm));
+            let sql = fill(&a.0, &b.0, &c.0);
+            let key = shape(&sql).map(|s| s.key);
+            prop_assert!(key.is_some(), "{sql}");
+            prop_assert_eq!(key, shape(&warm).map(|s| s.key));
+            prop_assert_eq!(cache.classify(&sql), classify(&sql));
+        }
+    }
+}
