@@ -33,6 +33,7 @@ pub mod config;
 pub mod error;
 mod gateway;
 pub mod install;
+mod lazy_writer;
 pub mod message;
 pub mod rewrite;
 mod session;

@@ -6,6 +6,10 @@
 //! guard's Parse/Bind/Execute/Close) uses `postgres_protocol::message::frontend`; backend
 //! messages are decoded with `postgres_protocol::message::backend` where their fields matter.
 
+use std::future::{poll_fn, Future};
+use std::pin::pin;
+use std::task::Poll;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fallible_iterator::FallibleIterator;
 use postgres_protocol::message::backend;
@@ -259,7 +263,14 @@ pub fn error_code_and_detail(frame: &Frame) -> Option<(String, Option<String>)> 
     code.map(|c| (c, detail))
 }
 
+/// The capacity of a frame reader's buffer while in use.
+const BUFFER: usize = 8 * 1024;
+
 /// Reads frames from one side of a connection.
+///
+/// The buffer exists only while it holds bytes or more are already waiting: an empty buffer is
+/// given back before the reader waits and taken again, at full capacity, when bytes arrive. So
+/// an idle connection holds none.
 pub struct FrameReader<R> {
     stream: R,
     buffer: BytesMut,
@@ -271,7 +282,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(stream: R, max: usize) -> Self {
         Self {
             stream,
-            buffer: BytesMut::with_capacity(8 * 1024),
+            buffer: BytesMut::new(),
             max,
         }
     }
@@ -325,11 +336,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// Reads more bytes; `false` at end of stream (an error if a frame was cut off).
     async fn fill(&mut self) -> Result<bool, PostgresError> {
-        let n = self
-            .stream
-            .read_buf(&mut self.buffer)
-            .await
-            .map_err(PostgresError::io("reading"))?;
+        let n = if self.buffer.is_empty() {
+            self.read_idle().await
+        } else {
+            self.stream.read_buf(&mut self.buffer).await
+        }
+        .map_err(PostgresError::io("reading"))?;
         if n == 0 {
             if self.buffer.is_empty() {
                 return Ok(false);
@@ -339,6 +351,37 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             ));
         }
         Ok(true)
+    }
+
+    /// Reads into an empty buffer; `Ok(0)` only at end of stream. Bytes already waiting go into
+    /// the buffer held. Otherwise the buffer is given back while waiting; the first byte to
+    /// arrive is read on its own (a stream offers no wait for readability) and a fresh buffer of
+    /// `BUFFER` bytes takes it. Cancel safe: every byte read is in the buffer before the next
+    /// wait.
+    async fn read_idle(&mut self) -> std::io::Result<usize> {
+        if self.buffer.capacity() > 0 {
+            let (stream, buffer) = (&mut self.stream, &mut self.buffer);
+            let now = poll_fn(|cx| {
+                let read = pin!(stream.read_buf(&mut *buffer));
+                Poll::Ready(match read.poll(cx) {
+                    Poll::Ready(result) => Some(result),
+                    Poll::Pending => None,
+                })
+            })
+            .await;
+            if let Some(result) = now {
+                return result;
+            }
+        }
+        self.buffer = BytesMut::new();
+        let mut first = [0u8; 1];
+        let n = self.stream.read(&mut first).await?;
+        if n > 0 {
+            // Never read into no room: that would return 0 and look like end of stream.
+            self.buffer = BytesMut::with_capacity(BUFFER);
+            self.buffer.put_slice(&first[..n]);
+        }
+        Ok(n)
     }
 
     /// The underlying stream.

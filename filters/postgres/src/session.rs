@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
-use tokio::io::{AsyncWrite, AsyncWriteExt, BufWriter, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -23,6 +23,7 @@ use crate::carrier;
 use crate::classify::{Classified, Kind};
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
+use crate::lazy_writer::LazyWriter;
 use crate::message::{self, ErrorFields, Frame, FrameReader, Startup};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
@@ -349,9 +350,9 @@ async fn session(
     let replies = tokio::spawn(relay_replies(
         shared.clone(),
         upstream_read,
-        BufWriter::new(client_write),
+        LazyWriter::new(client_write),
     ));
-    let requests = relay_requests(shared.clone(), client_read, BufWriter::new(upstream_write));
+    let requests = relay_requests(shared.clone(), client_read, LazyWriter::new(upstream_write));
     let result = requests.await;
     if result.is_err() {
         // Let the reply task deliver what is queued (a protocol error, say), then stop.
@@ -384,7 +385,7 @@ async fn fatal<W: AsyncWrite + Unpin>(client: &mut W, code: &str, message: &str)
 async fn relay_requests(
     shared: Arc<Shared>,
     mut client: FrameReader<ReadHalf<ClientStream>>,
-    mut upstream: BufWriter<OwnedWriteHalf>,
+    mut upstream: LazyWriter<OwnedWriteHalf>,
 ) -> Result<(), PostgresError> {
     loop {
         let frame = match client.read_frame().await {
@@ -793,7 +794,7 @@ struct Outcome {
 async fn relay_replies(
     shared: Arc<Shared>,
     mut upstream: FrameReader<OwnedReadHalf>,
-    mut client: BufWriter<WriteHalf<ClientStream>>,
+    mut client: LazyWriter<WriteHalf<ClientStream>>,
 ) -> Result<(), PostgresError> {
     loop {
         let frame = tokio::select! {
@@ -863,7 +864,7 @@ async fn relay_replies(
 /// Sends the local answers at the front of the queue. `true`: the session must end.
 async fn deliver_local(
     shared: &Shared,
-    client: &mut BufWriter<WriteHalf<ClientStream>>,
+    client: &mut LazyWriter<WriteHalf<ClientStream>>,
 ) -> Result<bool, PostgresError> {
     let mut out = Vec::new();
     let mut close = false;

@@ -6,6 +6,10 @@
 //! reply is written at once, an upstream slot takes the next upstream reply. So pipelined
 //! requests keep their order even when some are answered by the gateway. Client output is
 //! flushed once per batch: whenever the writer would wait.
+//!
+//! Buffers exist only while there is something in them: a buffer that is empty when its task
+//! would wait is given back and taken again (at full capacity) when bytes arrive, so an idle
+//! connection holds none of them.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -14,7 +18,7 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Token};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
@@ -28,17 +32,20 @@ use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
 const SLOT_QUEUE: usize = 4096;
+/// The capacity of each read and write buffer while it is in use.
+const BUFFER: usize = 16 * 1024;
 
 /// Runs one client session to completion; errors are logged, never returned.
 pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: SocketAddr) {
     let id = gateway.next_connection_id();
     client.set_nodelay(true).ok();
-    let ready = async {
+    // Boxed: the connect state is dead once the session runs, so it stays out of the task.
+    let ready = Box::pin(async {
         Ok::<_, RedisError>((
             gateway.info().await?,
             upstream::connect(&gateway.config).await?,
         ))
-    };
+    });
     let (info, upstream) = match ready.await {
         Ok(pair) => pair,
         Err(e) => {
@@ -63,7 +70,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         id,
         peer,
         client: client_r,
-        buf: BytesMut::with_capacity(16 * 1024),
+        buf: BytesMut::new(),
         upstream: up_w.clone(),
         slots: tx,
         resp3: resp3.clone(),
@@ -77,9 +84,9 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         gateway,
         id,
         client: client_w,
-        out: BytesMut::with_capacity(16 * 1024),
+        out: BytesMut::new(),
         upstream: up_r,
-        ubuf: BytesMut::with_capacity(16 * 1024),
+        ubuf: BytesMut::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
         received: 0,
@@ -186,9 +193,7 @@ impl Batch {
 impl Reader {
     async fn run(mut self) -> Result<(), RedisError> {
         loop {
-            let n = self
-                .client
-                .read_buf(&mut self.buf)
+            let n = read(&mut self.client, &mut self.buf)
                 .await
                 .map_err(RedisError::io("reading from client"))?;
             if n == 0 {
@@ -615,10 +620,10 @@ impl Writer {
                 }
             };
             match slot {
-                Slot::Local(frame) => frame.encode(&mut self.out),
+                Slot::Local(frame) => frame.encode(self.out()),
                 Slot::Refuse(frame, event) => {
                     self.audit(*event).await;
-                    frame.encode(&mut self.out);
+                    frame.encode(self.out());
                 }
                 Slot::Close => return Ok(()),
                 Slot::Upstream(_) if self.relay => {}
@@ -634,12 +639,12 @@ impl Writer {
     async fn relay_until_slot(&mut self) -> Result<Option<Slot>, RedisError> {
         loop {
             while let Some((_, raw)) = self.parse_upstream()? {
-                self.out.extend_from_slice(&raw);
+                self.out().extend_from_slice(&raw);
             }
             self.flush().await?;
             tokio::select! {
                 slot = self.slots.recv() => return Ok(slot),
-                n = self.upstream.read_buf(&mut self.ubuf) => {
+                n = read(&mut self.upstream, &mut self.ubuf) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
@@ -654,17 +659,17 @@ impl Writer {
         (frame, raw): (Frame, Bytes),
     ) -> Result<(), RedisError> {
         match expect {
-            Expect::Plain => self.out.extend_from_slice(&raw),
-            Expect::Replace(replacement) => replacement.encode(&mut self.out),
+            Expect::Plain => self.out().extend_from_slice(&raw),
+            Expect::Replace(replacement) => replacement.encode(self.out()),
             Expect::Hello { previous } => {
                 if frame.as_error().is_some() {
                     self.resp3.store(previous, Ordering::Relaxed);
                 }
-                self.out.extend_from_slice(&raw);
+                self.out().extend_from_slice(&raw);
             }
             Expect::EnterRelay => {
                 self.relay = true;
-                self.out.extend_from_slice(&raw);
+                self.out().extend_from_slice(&raw);
             }
             Expect::Fenced(ctx) => {
                 let (frame, raw) = if frame.as_error().is_some_and(is_missing_script) {
@@ -680,7 +685,7 @@ impl Writer {
                     Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
                     _ => self.gateway.sink.applied(STORE),
                 }
-                self.out.extend_from_slice(&raw);
+                self.out().extend_from_slice(&raw);
             }
             Expect::Exec(ctx) => {
                 if let Frame::Array(items) = &frame {
@@ -697,7 +702,7 @@ impl Writer {
                         self.gateway.sink.applied(STORE);
                     }
                 }
-                self.out.extend_from_slice(&raw);
+                self.out().extend_from_slice(&raw);
             }
         }
         Ok(())
@@ -716,13 +721,13 @@ impl Writer {
         let mut up = loop {
             tokio::select! {
                 guard = upstream_w.lock() => break guard,
-                n = self.upstream.read_buf(&mut self.ubuf) => {
+                n = read(&mut self.upstream, &mut self.ubuf) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
                     while let Some((frame, raw)) = self.parse_upstream()? {
                         if matches!(frame, Frame::Push(_)) {
-                            self.out.extend_from_slice(&raw);
+                            self.out().extend_from_slice(&raw);
                         } else {
                             self.received += 1;
                             self.stash.push_back((frame, raw));
@@ -785,16 +790,14 @@ impl Writer {
         loop {
             while let Some((frame, raw)) = self.parse_upstream()? {
                 if matches!(frame, Frame::Push(_)) {
-                    self.out.extend_from_slice(&raw);
+                    self.out().extend_from_slice(&raw);
                     continue;
                 }
                 self.received += 1;
                 return Ok((frame, raw));
             }
             self.flush().await?;
-            let n = self
-                .upstream
-                .read_buf(&mut self.ubuf)
+            let n = read(&mut self.upstream, &mut self.ubuf)
                 .await
                 .map_err(RedisError::io("reading from upstream"))?;
             if n == 0 {
@@ -817,15 +820,54 @@ impl Writer {
         }
     }
 
+    /// The client output buffer, taken at full capacity when the first reply of a batch goes in.
+    fn out(&mut self) -> &mut BytesMut {
+        if self.out.capacity() == 0 {
+            self.out = BytesMut::with_capacity(BUFFER);
+        }
+        &mut self.out
+    }
+
+    /// Writes the batch to the client and gives the output buffer back: the writer waits next.
     async fn flush(&mut self) -> Result<(), RedisError> {
         if !self.out.is_empty() {
             self.client
                 .write_all(&self.out)
                 .await
                 .map_err(RedisError::io("writing to client"))?;
-            self.out.clear();
         }
+        self.out = BytesMut::new();
         Ok(())
+    }
+}
+
+/// Reads what `stream` has into `buf`, like `read_buf`; `Ok(0)` only at end of stream.
+///
+/// A buffer holding part of a frame is read into as it is. An empty buffer is kept while bytes
+/// are already waiting; otherwise it is given back before waiting, and a fresh one of `BUFFER`
+/// bytes is taken once the socket is readable. Cancel safe: bytes are only read once the wait
+/// is over, and what the buffer holds is never dropped.
+async fn read(stream: &mut OwnedReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
+    if !buf.is_empty() {
+        return stream.read_buf(buf).await;
+    }
+    if buf.capacity() > 0 {
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            result => return result,
+        }
+    }
+    *buf = BytesMut::new();
+    loop {
+        stream.readable().await?;
+        if buf.capacity() == 0 {
+            // Never read into no room: that would return 0 and look like end of stream.
+            *buf = BytesMut::with_capacity(BUFFER);
+        }
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            result => return result,
+        }
     }
 }
 
