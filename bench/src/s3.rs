@@ -190,7 +190,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         setup: vec![
             format!("Machine: {}", machine::describe()),
             format!("{moto_version} (`moto.server`, Python, one process); fencegate {} ({})", env!("CARGO_PKG_VERSION"), machine::git_head()),
-            "Client: fencegate-bench's own SigV4 signer (`UNSIGNED-PAYLOAD`, header auth) over reqwest keep-alive connections, the same on both paths; the gateway verifies each signature and re-signs upstream".into(),
+            "Client: SigV4 by the S3 filter's aws-sigv4 signer (`UNSIGNED-PAYLOAD`, header auth) over reqwest keep-alive connections, the same on both paths; the gateway verifies each signature and re-signs upstream".into(),
             format!("Each client rewrites its own object (`bench/obj-<n>`, 4 KiB, new bytes each time) for {:.0} s; gateway: header `Fencing-Token: {TOKEN}` on every PUT, bucket `bench` protected in object mode", run.as_secs_f64()),
             format!("{reps} repetitions, direct and gateway interleaved; medians. Upstream requests = lines in moto's request log during the run / PUTs completed"),
         ],
