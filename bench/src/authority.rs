@@ -368,16 +368,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let rows = cases
         .iter()
         .zip(figures.iter_mut())
-        .map(|((_, _, what, target), (e, f))| {
-            let (e, f) = (median(e), median(f));
-            Row {
-                what: what.to_string(),
-                direct: format!("{e:.0}"),
-                gateway: format!("{f:.0}"),
-                ratio: Some(f / e),
-                target: target.to_string(),
-            }
-        })
+        .map(|((_, _, what, target), (e, f))| Row::ratio(*what, median(e), median(f), target))
         .collect();
     Ok(Section {
         name: "authority".into(),

@@ -255,26 +255,16 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut rows: Vec<Row> = cases
         .iter()
         .zip(tps.iter_mut())
-        .map(|((_, _, what, target), (d, g))| {
-            let (d, g) = (median(d), median(g));
-            Row {
-                what: what.to_string(),
-                direct: format!("{d:.0}"),
-                gateway: format!("{g:.0}"),
-                ratio: Some(g / d),
-                target: target.to_string(),
-            }
-        })
+        .map(|((_, _, what, target), (d, g))| Row::ratio(*what, median(d), median(g), target))
         .collect();
     for (c, label) in [(1usize, "write transaction"), (3, "`pgbench -S`")] {
         let (d, g) = (median(&mut p50[c].0), median(&mut p50[c].1));
-        rows.push(Row {
-            what: format!("p50 latency, {label}, 1 client, µs"),
-            direct: format!("{d:.0}"),
-            gateway: format!("{g:.0} ({:+.0})", g - d),
-            ratio: None,
-            target: "-".into(),
-        });
+        rows.push(Row::added(
+            format!("p50 latency, {label}, 1 client, µs"),
+            d,
+            g,
+            "-",
+        ));
     }
     Ok(Section {
         name: "postgres".into(),

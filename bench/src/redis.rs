@@ -239,21 +239,9 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         .map(|((case, what, target), (d, g))| {
             let (d, g) = (median(d), median(g));
             if latency(case) {
-                Row {
-                    what: what.to_string(),
-                    direct: format!("{d:.0}"),
-                    gateway: format!("{g:.0} ({:+.0})", g - d),
-                    ratio: None,
-                    target: target.to_string(),
-                }
+                Row::added(*what, d, g, target)
             } else {
-                Row {
-                    what: what.to_string(),
-                    direct: format!("{d:.0}"),
-                    gateway: format!("{g:.0}"),
-                    ratio: Some(g / d),
-                    target: target.to_string(),
-                }
+                Row::ratio(*what, d, g, target)
             }
         })
         .collect();

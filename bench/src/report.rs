@@ -13,6 +13,30 @@ pub struct Row {
     pub target: String,
 }
 
+impl Row {
+    /// A throughput row: both medians and their ratio, gateway/direct.
+    pub fn ratio(what: impl Into<String>, direct: f64, gateway: f64, target: &str) -> Self {
+        Self {
+            what: what.into(),
+            direct: format!("{direct:.0}"),
+            gateway: format!("{gateway:.0}"),
+            ratio: Some(gateway / direct),
+            target: target.to_owned(),
+        }
+    }
+
+    /// A latency row: the gateway's cell also says how much the gateway added.
+    pub fn added(what: impl Into<String>, direct: f64, gateway: f64, target: &str) -> Self {
+        Self {
+            what: what.into(),
+            direct: format!("{direct:.0}"),
+            gateway: format!("{gateway:.0} ({:+.0})", gateway - direct),
+            ratio: None,
+            target: target.to_owned(),
+        }
+    }
+}
+
 pub struct Section {
     pub name: String,
     pub title: String,

@@ -153,13 +153,12 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut rows = Vec::new();
     for (c, (_, what)) in cases.iter().enumerate() {
         let (d, g) = (median(&mut puts[c].0), median(&mut puts[c].1));
-        rows.push(Row {
-            what: format!("PUT 4 KiB, {what}: direct vs fenced, PUT/s"),
-            direct: format!("{d:.0}"),
-            gateway: format!("{g:.0}"),
-            ratio: Some(g / d),
-            target: "-".into(),
-        });
+        rows.push(Row::ratio(
+            format!("PUT 4 KiB, {what}: direct vs fenced, PUT/s"),
+            d,
+            g,
+            "-",
+        ));
     }
     for (c, (_, what)) in cases.iter().enumerate() {
         let (d, g) = (median(&mut per_put[c].0), median(&mut per_put[c].1));
@@ -172,13 +171,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         });
     }
     let (d, g) = (median(&mut p50[0].0), median(&mut p50[0].1));
-    rows.push(Row {
-        what: "p50 latency, PUT, 1 client, µs".into(),
-        direct: format!("{d:.0}"),
-        gateway: format!("{g:.0} ({:+.0})", g - d),
-        ratio: None,
-        target: "-".into(),
-    });
+    rows.push(Row::added("p50 latency, PUT, 1 client, µs", d, g, "-"));
     let moto_version = machine::version(&[
         &venv_python()?.display().to_string(),
         "-c",
