@@ -433,7 +433,6 @@ impl Story {
                 ),
             };
             self.record(&said).await;
-            self.seen.push((said.actor, said.event.clone()));
             if said.actor == actor && wanted(&said.event) {
                 return said.event;
             }
@@ -444,8 +443,9 @@ impl Story {
         self.until(actor, name, |e| e["event"] == name).await
     }
 
-    /// Turns a worker's event into a row.
+    /// Keeps a worker's event and turns it into a row.
     async fn record(&mut self, said: &Said) {
+        self.seen.push((said.actor, said.event.clone()));
         let e = &said.event;
         let chunk = e["chunk"].as_u64().map(|n| n as u32);
         let results = |e: &Value| {
@@ -534,7 +534,6 @@ impl Story {
         // Whatever it printed last.
         while let Ok(said) = self.said.try_recv() {
             self.record(&said).await;
-            self.seen.push((said.actor, said.event));
         }
         status.code().unwrap_or(-1)
     }
@@ -547,7 +546,6 @@ impl Story {
                 said = self.said.recv() => {
                     let said = said.unwrap();
                     self.record(&said).await;
-                    self.seen.push((said.actor, said.event));
                 }
             }
         }
