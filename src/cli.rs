@@ -34,6 +34,47 @@ pub enum Command {
     /// PostgreSQL gateway tools.
     #[command(subcommand)]
     Postgres(PostgresCommand),
+    /// The cluster's token signing keys: list, rotate, retire.
+    #[command(subcommand)]
+    TokenKey(TokenKeyCommand),
+    /// Make a cluster CA, node certificates and API credentials for a quick start.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenKeyCommand {
+    /// Key ids, which one signs, which are retired (never secrets).
+    List {
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+    /// Add a new key: once replicated it signs new tokens; older keys still verify (admin).
+    Rotate {
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+    /// Retire key KID: tokens it signed are refused by every gateway from now on (admin).
+    Retire {
+        kid: u32,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CertsCommand {
+    /// Write ca.crt/ca.key, node<N>.crt/.key for each --node, and a credentials file with one
+    /// admin and one client secret, into --dir. Refuses to overwrite existing files.
+    Init {
+        /// Output directory.
+        #[arg(long, default_value = "certs")]
+        dir: PathBuf,
+        /// Nodes as ID=HOST[,HOST...], e.g. 1=127.0.0.1,localhost (host names or IP
+        /// addresses the node is reached at; they go into its certificate).
+        #[arg(long = "node", required = true)]
+        nodes: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,6 +154,13 @@ pub struct EndpointArg {
         value_delimiter = ','
     )]
     pub endpoint: Vec<String>,
+    /// A file holding this client's API credential (the secret of a `[security]` credential).
+    /// FENCEGATE_API_TOKEN, when set, holds the secret itself and takes precedence.
+    #[arg(long, env = "FENCEGATE_CREDENTIAL_FILE")]
+    pub credential_file: Option<PathBuf>,
+    /// The cluster CA (PEM) to trust for https:// endpoints (`fencegate certs init` writes it).
+    #[arg(long, env = "FENCEGATE_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -162,15 +210,15 @@ pub enum LockCommand {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// Renew a lease; prints the remaining ttl.
+    /// Renew a lease; prints the remaining ttl. LEASE is the handle acquire printed.
     Keepalive {
-        lease_id: u64,
+        lease_id: String,
         #[command(flatten)]
         endpoint: EndpointArg,
     },
-    /// Release a lease and every lock it holds.
+    /// Release a lease and every lock it holds. LEASE is the handle acquire printed.
     Release {
-        lease_id: u64,
+        lease_id: String,
         #[command(flatten)]
         endpoint: EndpointArg,
     },
@@ -203,6 +251,13 @@ pub enum SnapshotCommand {
     /// `authority.restore_bump` so that no token is ever handed out twice.
     Restore {
         file: PathBuf,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+    /// Raise the revision by N (admin): after the stores were restored from a backup, or to get
+    /// above fences that a wiped authority no longer knows of.
+    Bump {
+        by: u64,
         #[command(flatten)]
         endpoint: EndpointArg,
     },

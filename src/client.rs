@@ -6,8 +6,17 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use thiserror::Error;
 
+use crate::cli::EndpointArg;
+
 #[derive(Debug, Error)]
 pub enum ClientError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a PEM CA certificate: {message}")]
+    BadCa { path: String, message: String },
     #[error("no endpoint answered within {0:?} (tried {1}); is the authority running? set --endpoint or FENCEGATE_ENDPOINT")]
     Unreachable(Duration, String),
     #[error("endpoint {0} answered with something that is not JSON: {1}")]
@@ -24,14 +33,42 @@ pub struct Client {
     endpoints: Vec<String>,
     http: reqwest::Client,
     patience: Duration,
+    /// The bearer credential, if the user gave one.
+    credential: Option<String>,
 }
 
 /// Pause between rounds over the endpoint list.
 const ROUND_PAUSE: Duration = Duration::from_millis(200);
 
 impl Client {
-    pub fn new(endpoints: &[String], patience: Duration) -> Self {
-        let endpoints = endpoints
+    /// A client for `arg`'s endpoints, with its credential and CA, if any.
+    pub fn new(arg: &EndpointArg, patience: Duration) -> Result<Self, ClientError> {
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|source| ClientError::Read {
+                path: path.display().to_string(),
+                source,
+            })
+        };
+        let credential = match (std::env::var("FENCEGATE_API_TOKEN"), &arg.credential_file) {
+            (Ok(secret), _) if !secret.trim().is_empty() => Some(secret.trim().to_owned()),
+            (_, Some(path)) => Some(String::from_utf8_lossy(&read(path)?).trim().to_owned()),
+            _ => None,
+        };
+        let mut http = reqwest::Client::builder();
+        if let Some(path) = &arg.ca_file {
+            let ca =
+                reqwest::Certificate::from_pem(&read(path)?).map_err(|e| ClientError::BadCa {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                })?;
+            http = http.use_rustls_tls().add_root_certificate(ca);
+        }
+        let http = http.build().map_err(|e| ClientError::BadCa {
+            path: "(client)".into(),
+            message: e.to_string(),
+        })?;
+        let endpoints = arg
+            .endpoint
             .iter()
             .map(|e| e.trim().trim_end_matches('/'))
             .filter(|e| !e.is_empty())
@@ -43,11 +80,12 @@ impl Client {
                 }
             })
             .collect();
-        Self {
+        Ok(Self {
             endpoints,
-            http: reqwest::Client::new(),
+            http,
             patience,
-        }
+            credential,
+        })
     }
 
     /// The same endpoints and connection pool, trying for at most `patience`.
@@ -56,6 +94,7 @@ impl Client {
             endpoints: self.endpoints.clone(),
             http: self.http.clone(),
             patience,
+            credential: self.credential.clone(),
         }
     }
 
@@ -77,6 +116,9 @@ impl Client {
                     .timeout(timeout);
                 if let Some(body) = body {
                     req = req.json(body);
+                }
+                if let Some(credential) = &self.credential {
+                    req = req.bearer_auth(credential);
                 }
                 let Ok(answer) = req.send().await else {
                     continue;

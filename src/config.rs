@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use fencegate_core::Revision;
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -47,6 +48,76 @@ pub struct Config {
     /// The audit log of refused writes.
     #[serde(default)]
     pub audit: crate::audit::AuditConfig,
+    /// Who may call the API and the Raft RPCs, and over what.
+    #[serde(default)]
+    pub security: SecurityConfig,
+}
+
+/// The `[security]` section: TLS for the API and the peer port, client credentials.
+///
+/// Secure by default: a node without certificates and credentials refuses to start unless
+/// `insecure = true` says this is local development.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// Plain HTTP on the API and peer ports, and no credentials needed (credentials that are
+    /// configured are still enforced). For local development only; logged loudly at start.
+    #[serde(default)]
+    pub insecure: bool,
+    /// The cluster CA (PEM): peers' client certificates must chain to it; clients and peers
+    /// trust it for this node's certificate.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// This node's certificate chain (PEM), served on the API and peer ports and presented to
+    /// peers as a client certificate.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// The private key of `cert_file` (PEM).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// API credentials, one `name role secret` per line (`#` comments); role is `client` or
+    /// `admin`.
+    #[serde(default)]
+    pub credentials_file: Option<PathBuf>,
+    /// Name of an environment variable holding credentials as `name:role:secret,...`.
+    #[serde(default)]
+    pub credentials_env: Option<String>,
+}
+
+impl SecurityConfig {
+    /// Whether TLS is configured (all three files named).
+    pub fn tls(&self) -> bool {
+        self.ca_file.is_some() && self.cert_file.is_some() && self.key_file.is_some()
+    }
+
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        let named = [&self.ca_file, &self.cert_file, &self.key_file]
+            .iter()
+            .filter(|f| f.is_some())
+            .count();
+        if named != 0 && named != 3 {
+            return Err((
+                "security",
+                "ca_file, cert_file and key_file go together: name all three, or none".into(),
+            ));
+        }
+        if self.insecure {
+            return Ok(());
+        }
+        if !self.tls() {
+            return Err((
+                "security",
+                "no TLS configured: set [security] ca_file, cert_file and key_file (`fencegate certs init` makes a cluster CA and node certificates), or `insecure = true` for local development".into(),
+            ));
+        }
+        if self.credentials_file.is_none() && self.credentials_env.is_none() {
+            return Err((
+                "security",
+                "no API credentials configured: set [security] credentials_file or credentials_env (`fencegate certs init` writes a credentials file), or `insecure = true` for local development".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -55,9 +126,12 @@ pub struct NodeConfig {
     /// This node's Raft id; unique in the cluster.
     #[serde(default = "default_node_id")]
     pub id: u64,
-    /// HTTP API and Raft RPC address.
+    /// HTTP API address (clients; also Raft RPCs when `peer` is not set).
     #[serde(default = "default_api")]
     pub api: SocketAddr,
+    /// Raft RPC address, served with mutual TLS. Required unless `[security] insecure`.
+    #[serde(default)]
+    pub peer: Option<SocketAddr>,
     /// Where the Raft log, vote and snapshots live (relative paths: to the working directory).
     #[serde(default = "default_data_dir")]
     pub data_dir: PathBuf,
@@ -91,19 +165,43 @@ pub struct AuthorityConfig {
     /// log rather than by a full snapshot transfer.
     #[serde(default = "default_snapshot_keep_logs")]
     pub snapshot_keep_logs: u64,
-    /// Name of an environment variable holding the token signing secret (32+ bytes). When set,
-    /// tokens are signed and gateways can refuse forged ones offline.
+    /// Name of an environment variable holding an operator-supplied token signing secret
+    /// (32+ bytes). Without it (and without `token_key_file`) the cluster makes its own key at
+    /// first start and replicates it; either way tokens are signed.
     #[serde(default)]
     pub token_key_env: Option<String>,
+    /// A file holding an operator-supplied token signing secret (32+ bytes, trailing newline
+    /// ignored). Every node must be given the same secret.
+    #[serde(default)]
+    pub token_key_file: Option<PathBuf>,
+    /// Accept unsigned tokens (`fg1~<rev>~<resource>`): any client can then type one. For
+    /// development only; logged loudly at start.
+    #[serde(default)]
+    pub accept_unsigned: bool,
+    /// No token is ever issued at or below this revision: set it above the fences the stores
+    /// hold when the authority's data was lost or re-created.
+    #[serde(default)]
+    pub initial_revision: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct MemberConfig {
     pub id: u64,
-    /// `host:port` peers and clients reach the member at: an IP address, or a DNS name
-    /// (Docker Compose service, Kubernetes StatefulSet pod).
+    /// `host:port` clients (and followers forwarding to a leader) reach the member at: an IP
+    /// address, or a DNS name (Docker Compose service, Kubernetes StatefulSet pod).
     pub api: String,
+    /// `host:port` of the member's peer (Raft) port; with TLS the host must be in its
+    /// certificate. Unset: Raft runs on `api` (insecure mode only).
+    #[serde(default)]
+    pub peer: Option<String>,
+}
+
+impl MemberConfig {
+    /// Where Raft RPCs reach this member.
+    pub fn raft_addr(&self) -> &str {
+        self.peer.as_deref().unwrap_or(&self.api)
+    }
 }
 
 impl MemberConfig {
@@ -173,6 +271,9 @@ impl Default for AuthorityConfig {
             snapshot_every_logs: default_snapshot_logs(),
             snapshot_keep_logs: default_snapshot_keep_logs(),
             token_key_env: None,
+            token_key_file: None,
+            accept_unsigned: false,
+            initial_revision: 0,
         }
     }
 }
@@ -219,6 +320,7 @@ impl Config {
             vec![MemberConfig {
                 id: self.node.id,
                 api: self.node.api.to_string(),
+                peer: self.node.peer.map(|p| p.to_string()),
             }]
         } else {
             self.authority.members.clone()
@@ -229,6 +331,31 @@ impl Config {
         let a = &self.authority;
         if self.node.id == 0 {
             return Err(("id", "node ids start at 1".into()));
+        }
+        self.security.validate()?;
+        if !self.security.insecure && self.node.peer.is_none() {
+            return Err((
+                "peer",
+                "[node] peer is not set: Raft RPCs need their own port with mutual TLS (e.g. peer = \"127.0.0.1:7170\"), or `[security] insecure = true` for local development".into(),
+            ));
+        }
+        if self.node.peer == Some(self.node.api) {
+            return Err((
+                "peer",
+                "node.peer and node.api must be different ports".into(),
+            ));
+        }
+        if a.token_key_env.is_some() && a.token_key_file.is_some() {
+            return Err((
+                "token_key_file",
+                "token_key_env and token_key_file both name a key; keep one".into(),
+            ));
+        }
+        if a.initial_revision > Revision::MAX {
+            return Err((
+                "initial_revision",
+                format!("initial_revision must be at most {}", Revision::MAX),
+            ));
         }
         if a.heartbeat_ms == 0 || a.heartbeat_ms * 3 > a.election_timeout_min_ms {
             return Err((
@@ -261,6 +388,19 @@ impl Config {
             return Err((
                 "snapshot_every_logs",
                 "snapshot_every_logs must be positive".into(),
+            ));
+        }
+        if let Some(bad) = a
+            .members
+            .iter()
+            .find(|m| m.peer.is_none() && !self.security.insecure)
+        {
+            return Err((
+                "members",
+                format!(
+                    "member {} has no peer address; every member needs one unless [security] insecure = true",
+                    bad.id
+                ),
             ));
         }
         if !a.members.is_empty() {
@@ -336,14 +476,40 @@ mod tests {
         Config::parse(Path::new("test.toml"), text)
     }
 
+    /// The same config in insecure mode, for tests about other sections.
+    fn parse_insecure(text: &str) -> Result<Config, ConfigError> {
+        parse(&format!("{text}\n[security]\ninsecure = true\n"))
+    }
+
+    #[test]
+    fn secure_by_default() {
+        let err = parse("[node]\n").unwrap_err().to_string();
+        assert!(err.contains("fencegate certs init"), "{err}");
+        assert!(err.contains("insecure = true"), "{err}");
+        let tls = "[security]\nca_file = \"ca.crt\"\ncert_file = \"n.crt\"\nkey_file = \"n.key\"\n";
+        let err = parse(&format!("[node]\npeer = \"127.0.0.1:7170\"\n{tls}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no API credentials"), "{err}");
+        let err = parse(&format!("[node]\n{tls}credentials_env = \"C\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("peer is not set"), "{err}");
+        assert!(parse(&format!(
+            "[node]\npeer = \"127.0.0.1:7170\"\n{tls}credentials_env = \"C\"\n"
+        ))
+        .is_ok());
+    }
+
     #[test]
     fn defaults_make_a_one_node_cluster() {
-        let c = parse("[node]\n").unwrap();
+        let c = parse("[node]\n[security]\ninsecure = true\n").unwrap();
         assert_eq!(
             c.members(),
             vec![MemberConfig {
                 id: 1,
-                api: "127.0.0.1:7070".into()
+                api: "127.0.0.1:7070".into(),
+                peer: None,
             }]
         );
         assert_eq!(c.authority.restore_bump, 1_000_000);
@@ -351,14 +517,16 @@ mod tests {
 
     #[test]
     fn unknown_keys_name_the_line() {
-        let err = parse("[node]\nid = 1\nttl = 3\n").unwrap_err().to_string();
+        let err = parse_insecure("[node]\nid = 1\nttl = 3\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("line 3"), "{err}");
         assert!(err.contains("unknown field `ttl`"), "{err}");
     }
 
     #[test]
     fn invalid_values_name_the_line_and_key() {
-        let err = parse(
+        let err = parse_insecure(
             "[node]\n[authority]\nelection_timeout_min_ms = 900\nelection_timeout_max_ms = 800\n",
         )
         .unwrap_err()
@@ -372,28 +540,31 @@ mod tests {
     #[test]
     fn a_node_may_bind_every_interface_on_its_member_port() {
         let members = "[[authority.members]]\nid = 1\napi = \"10.0.0.1:7071\"\n";
-        assert!(parse(&format!("[node]\napi = \"0.0.0.0:7071\"\n{members}")).is_ok());
-        assert!(parse(&format!("[node]\napi = \"0.0.0.0:7072\"\n{members}")).is_err());
+        assert!(parse_insecure(&format!("[node]\napi = \"0.0.0.0:7071\"\n{members}")).is_ok());
+        assert!(parse_insecure(&format!("[node]\napi = \"0.0.0.0:7072\"\n{members}")).is_err());
     }
 
     #[test]
     fn members_may_be_named_by_dns() {
         let text = "[node]\nid = 2\napi = \"0.0.0.0:7070\"\n[authority]\nmembers = [\n  { id = 1, api = \"fencegate-0.fencegate:7070\" },\n  { id = 2, api = \"fencegate-1.fencegate:7070\" },\n]\n";
         assert_eq!(
-            parse(text).unwrap().members()[1].api,
+            parse_insecure(text).unwrap().members()[1].api,
             "fencegate-1.fencegate:7070"
         );
-        let err = parse(&text.replace("fencegate-1.fencegate:7070", "fencegate-1"))
+        let err = parse_insecure(&text.replace("fencegate-1.fencegate:7070", "fencegate-1"))
             .unwrap_err()
             .to_string();
         assert!(err.contains("expected host:port"), "{err}");
-        assert!(parse(&text.replace("fencegate-1.fencegate:7070", "fencegate-1:7071")).is_err());
+        assert!(
+            parse_insecure(&text.replace("fencegate-1.fencegate:7070", "fencegate-1:7071"))
+                .is_err()
+        );
     }
 
     #[test]
     fn this_node_must_be_a_member() {
         let text = "[node]\nid = 4\napi = \"127.0.0.1:7074\"\n[[authority.members]]\nid = 1\napi = \"127.0.0.1:7071\"\n";
-        let err = parse(text).unwrap_err().to_string();
+        let err = parse_insecure(text).unwrap_err().to_string();
         assert!(
             err.contains(":4: members: node id 4 is not among the members"),
             "{err}"

@@ -58,7 +58,7 @@ pub struct RunOptions {
     pub wait: Duration,
     pub grace: Duration,
     pub holder: Option<String>,
-    pub endpoints: Vec<String>,
+    pub endpoint: crate::cli::EndpointArg,
     pub command: Vec<String>,
 }
 
@@ -81,7 +81,7 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         });
     }
     let (program, args) = opts.command.split_first().ok_or(RunError::NoCommand)?;
-    let client = Client::new(&opts.endpoints, Duration::from_secs(10));
+    let client = Client::new(&opts.endpoint, Duration::from_secs(10))?;
 
     let sent_at = Instant::now();
     let body = json!({
@@ -112,13 +112,16 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         });
     }
     let grant = answer.body;
-    let lease_id = grant["lease_id"].as_u64().unwrap_or_default();
+    // The handle is a credential: it goes to the command and the API, never to the log, which
+    // names the lease by its number.
+    let handle = grant["lease_id"].as_str().unwrap_or_default().to_owned();
+    let lease_id = handle.split('.').next().unwrap_or_default().to_owned();
     let granted_ttl = grant["ttl_ms"]
         .as_u64()
         .map_or(opts.ttl, Duration::from_millis);
     let mut stop_time = sent_at + granted_ttl - opts.margin;
     let renew_every = granted_ttl / 3;
-    let keepalive = format!("/v1/leases/{lease_id}/keepalive");
+    let keepalive = format!("/v1/leases/{handle}/keepalive");
     let mut next_renewal = sent_at + renew_every;
 
     // A waited acquire was granted at some unknown point of the wait, so `sent_at` may say
@@ -148,7 +151,7 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         .args(args)
         .env("FENCING_TOKEN", grant["token"].as_str().unwrap_or_default())
         .env("FENCING_RESOURCE", &opts.resource)
-        .env("FENCING_LEASE_ID", lease_id.to_string())
+        .env("FENCING_LEASE_ID", &handle)
         .env("FENCING_REVISION", grant["revision"].to_string())
         // Its own process group, so stopping it reaches whatever it started too.
         .process_group(0)
@@ -208,7 +211,7 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         }
     };
 
-    let path = format!("/v1/leases/{lease_id}");
+    let path = format!("/v1/leases/{handle}");
     match end {
         End::Exited(status) => {
             if let Err(e) = client

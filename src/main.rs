@@ -3,12 +3,14 @@ mod audit;
 mod authority;
 mod cli;
 mod cli_audit;
+mod cli_certs;
 mod cli_postgres;
 mod client;
 mod config;
 mod lock_run;
 mod metrics;
 mod server;
+mod tls;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -18,7 +20,10 @@ use clap::Parser;
 use reqwest::Method;
 use serde_json::json;
 
-use cli::{Cli, ClusterCommand, Command, EndpointArg, LockCommand, SnapshotCommand};
+use cli::{
+    CertsCommand, Cli, ClusterCommand, Command, EndpointArg, LockCommand, SnapshotCommand,
+    TokenKeyCommand,
+};
 use client::{Answer, Client};
 use config::Config;
 
@@ -48,7 +53,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::CheckConfig(arg) => {
             let config = Config::load(&arg.config)?;
-            server::token_key(&config)?;
+            server::Secrets::load(&config)?;
             println!(
                 "{}: ok (node {}, {} member(s))",
                 arg.config.display(),
@@ -59,13 +64,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Lock(command) => lock(command).await,
         Command::Cluster(ClusterCommand::Status { endpoint }) => print_answer(
-            client(&endpoint)
+            client(&endpoint)?
                 .call(Method::GET, "/v1/cluster", None, REQUEST_TIMEOUT)
                 .await?,
         ),
         Command::Snapshot(command) => snapshot(command).await,
         Command::Audit(command) => cli_audit::run(command),
         Command::Postgres(command) => cli_postgres::run(command).await,
+        Command::TokenKey(command) => token_key(command).await,
+        Command::Certs(CertsCommand::Init { dir, nodes }) => {
+            cli_certs::init(&dir, &nodes)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -88,7 +98,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
                 wait,
                 grace,
                 holder,
-                endpoints: endpoint.endpoint,
+                endpoint,
                 command,
             };
             return Ok(ExitCode::from(lock_run::run(opts).await?));
@@ -128,7 +138,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
             (endpoint, Method::GET, path, None, REQUEST_TIMEOUT)
         }
     };
-    let answer = client(&endpoint)
+    let answer = client(&endpoint)?
         .call(method, &path, body.as_ref(), timeout)
         .await?;
     print_answer(answer)
@@ -137,7 +147,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
 async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
     match command {
         SnapshotCommand::Save { file, endpoint } => {
-            let answer = client(&endpoint)
+            let answer = client(&endpoint)?
                 .call(Method::GET, "/v1/snapshot", None, REQUEST_TIMEOUT)
                 .await?;
             if !answer.status.is_success() {
@@ -154,13 +164,23 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        SnapshotCommand::Bump { by, endpoint } => print_answer(
+            client(&endpoint)?
+                .call(
+                    Method::POST,
+                    "/v1/revision/bump",
+                    Some(&json!({ "by": by })),
+                    REQUEST_TIMEOUT,
+                )
+                .await?,
+        ),
         SnapshotCommand::Restore { file, endpoint } => {
             let text =
                 std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
             let body: serde_json::Value = serde_json::from_slice(&text)
                 .with_context(|| format!("{} is not a snapshot file", file.display()))?;
             print_answer(
-                client(&endpoint)
+                client(&endpoint)?
                     .call(
                         Method::POST,
                         "/v1/snapshot/restore",
@@ -173,8 +193,27 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn client(endpoint: &EndpointArg) -> Client {
-    Client::new(&endpoint.endpoint, PATIENCE)
+async fn token_key(command: TokenKeyCommand) -> anyhow::Result<ExitCode> {
+    let (endpoint, method, path) = match command {
+        TokenKeyCommand::List { endpoint } => (endpoint, Method::GET, "/v1/token-keys".to_owned()),
+        TokenKeyCommand::Rotate { endpoint } => {
+            (endpoint, Method::POST, "/v1/token-keys".to_owned())
+        }
+        TokenKeyCommand::Retire { kid, endpoint } => (
+            endpoint,
+            Method::POST,
+            format!("/v1/token-keys/{kid}/retire"),
+        ),
+    };
+    print_answer(
+        client(&endpoint)?
+            .call(method, &path, None, REQUEST_TIMEOUT)
+            .await?,
+    )
+}
+
+fn client(endpoint: &EndpointArg) -> anyhow::Result<Client> {
+    Ok(Client::new(endpoint, PATIENCE)?)
 }
 
 /// Prints the API's JSON on stdout; a refusal also exits 1 so scripts can test it.

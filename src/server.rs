@@ -1,16 +1,19 @@
 //! `fencegate serve`: assembles a node from its config and runs it until SIGINT or SIGTERM.
 
-use std::future::IntoFuture;
 use std::sync::Arc;
 
-use fencegate_core::TokenKey;
+use fencegate_core::{KeyRing, SharedKeyRing, TokenKey};
 use thiserror::Error;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
+use crate::api::auth::{CredentialError, Credentials};
 use crate::api::{self, ApiState};
+use crate::authority::network::Network;
 use crate::authority::{Authority, AuthorityError};
 use crate::config::Config;
 use crate::metrics::Metrics;
+use crate::tls::{NodeTls, TlsError};
 
 #[derive(Debug, Error)]
 pub enum ServeError {
@@ -19,14 +22,21 @@ pub enum ServeError {
         addr: String,
         source: std::io::Error,
     },
-    #[error("token signing key: environment variable {0} is not set; set it to a secret of 32 or more bytes, or remove authority.token_key_env")]
+    #[error("token signing key: environment variable {0} is not set; set it to a secret of 32 or more bytes, or remove authority.token_key_env (the cluster then makes its own key)")]
     KeyMissing(String),
     #[error("token signing key in {0} is shorter than 32 bytes; use a longer secret")]
     KeyShort(String),
+    #[error("token signing key file {path}: {source}")]
+    KeyFile {
+        path: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Authority(#[from] AuthorityError),
-    #[error("the API server failed: {0}")]
-    Http(std::io::Error),
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Credentials(#[from] CredentialError),
     #[error("audit log: {0}")]
     Audit(#[from] crate::audit::AuditError),
     #[error(transparent)]
@@ -37,22 +47,84 @@ pub enum ServeError {
     S3(#[from] fencegate_s3::S3Error),
 }
 
-/// Reads the token signing key named by `authority.token_key_env`, if any.
-pub fn token_key(config: &Config) -> Result<Option<TokenKey>, ServeError> {
-    let Some(var) = &config.authority.token_key_env else {
-        return Ok(None);
+/// The id of an operator-supplied key. Replicated keys start at 1, so the two never collide.
+pub const OPERATOR_KEY_ID: u32 = 0;
+
+/// Reads the operator-supplied token signing key (`authority.token_key_env` or
+/// `token_key_file`), if any.
+pub fn operator_key(config: &Config) -> Result<Option<TokenKey>, ServeError> {
+    let a = &config.authority;
+    let (secret, origin) = match (&a.token_key_env, &a.token_key_file) {
+        (Some(var), _) => (
+            std::env::var(var).map_err(|_| ServeError::KeyMissing(var.clone()))?,
+            var.clone(),
+        ),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|source| ServeError::KeyFile {
+                path: path.display().to_string(),
+                source,
+            })?;
+            (
+                text.trim_end_matches(['\n', '\r']).to_owned(),
+                path.display().to_string(),
+            )
+        }
+        (None, None) => return Ok(None),
     };
-    let secret = std::env::var(var).map_err(|_| ServeError::KeyMissing(var.clone()))?;
-    TokenKey::new(secret.as_bytes())
+    TokenKey::new(OPERATOR_KEY_ID, secret.as_bytes())
         .map(Some)
-        .ok_or_else(|| ServeError::KeyShort(var.clone()))
+        .ok_or(ServeError::KeyShort(origin))
+}
+
+/// What a node needs from outside its config file, read and checked: `check-config` and
+/// `serve` build it the same way.
+pub struct Secrets {
+    pub operator_key: Option<TokenKey>,
+    pub tls: Option<NodeTls>,
+    pub credentials: Option<Arc<Credentials>>,
+}
+
+impl Secrets {
+    pub fn load(config: &Config) -> Result<Self, ServeError> {
+        Ok(Self {
+            operator_key: operator_key(config)?,
+            tls: NodeTls::load(&config.security)?,
+            credentials: Credentials::load(&config.security)?.map(Arc::new),
+        })
+    }
 }
 
 /// How long in-flight requests may finish after SIGINT or SIGTERM.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
+async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: addr.to_string(),
+            source,
+        })
+}
+
 pub async fn serve(config: Config) -> Result<(), ServeError> {
-    let key = token_key(&config)?;
+    let secrets = Secrets::load(&config)?;
+    if config.security.insecure {
+        tracing::warn!("[security] insecure = true: the API and Raft are plain HTTP and need no credentials unless some are configured; use only for local development");
+    }
+    if config.authority.accept_unsigned {
+        tracing::warn!("[authority] accept_unsigned = true: the gateways accept unsigned tokens, which any client can type; use only for local development");
+    }
+    let keys = SharedKeyRing::default();
+    if let Some(key) = &secrets.operator_key {
+        let mut ring = KeyRing::default();
+        ring.pin(key.clone());
+        keys.replace(ring);
+    }
+    let policy = fencegate_core::TokenPolicy {
+        keys: keys.clone(),
+        accept_unsigned: config.authority.accept_unsigned,
+        accept_plain: false,
+    };
     let metrics = Arc::new(Metrics::default());
     let audit = crate::audit::AuditWriter::start(
         &config.audit,
@@ -60,12 +132,28 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         &config.node.id.to_string(),
         metrics.fences.clone(),
     )?;
+    let (peer_http, api_http) = match &secrets.tls {
+        Some(tls) => (tls.peer_client()?, tls.api_client()?),
+        None => (reqwest::Client::new(), reqwest::Client::new()),
+    };
+    let api_listener = bind(config.node.api).await?;
+    let peer_listener = match config.node.peer {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    let authority = Authority::start(
+        &config,
+        keys,
+        secrets.operator_key.clone(),
+        metrics.clone(),
+        Network::new(peer_http, secrets.tls.is_some()),
+    )
+    .await?;
+    // The gateways start once the authority has opened its state, so the key ring already
+    // holds the keys from its last snapshot (and the operator's key) when the first client
+    // presents a token.
     if let Some(redis) = config.redis.clone() {
-        let policy = fencegate_core::TokenPolicy {
-            key: key.clone(),
-            accept_plain: false,
-        };
-        let gateway = fencegate_redis::Gateway::new(redis, policy, audit.sink())?;
+        let gateway = fencegate_redis::Gateway::new(redis, policy.clone(), audit.sink())?;
         let listener = gateway.bind().await?;
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
@@ -74,11 +162,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         });
     }
     if let Some(postgres) = config.postgres.clone() {
-        let policy = fencegate_core::TokenPolicy {
-            key: key.clone(),
-            accept_plain: false,
-        };
-        let gateway = fencegate_postgres::Gateway::new(postgres, policy, audit.sink())?;
+        let gateway = fencegate_postgres::Gateway::new(postgres, policy.clone(), audit.sink())?;
         gateway.install_if_configured().await?;
         let listener = gateway.bind().await?;
         tokio::spawn(async move {
@@ -90,49 +174,82 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     // The S3 gateway is a pingora server with its own runtime, on its own thread (see
     // filters/s3/src/proxy.rs); this runtime only starts and stops it.
     let s3 = match config.s3.clone() {
-        Some(s3) => {
-            let policy = fencegate_core::TokenPolicy {
-                key: key.clone(),
-                accept_plain: false,
-            };
-            Some(fencegate_s3::S3Gateway::new(s3, policy, audit.sink())?.start()?)
-        }
+        Some(s3) => Some(fencegate_s3::S3Gateway::new(s3, policy.clone(), audit.sink())?.start()?),
         None => None,
     };
-    let http = reqwest::Client::builder()
-        .build()
-        .expect("a plain HTTP client always builds");
-    let addr = config.node.api;
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind {
-            addr: addr.to_string(),
-            source,
-        })?;
-    let authority = Authority::start(&config, key, metrics.clone(), http.clone()).await?;
     let state = ApiState {
         authority: authority.clone(),
         limits: Arc::new(config.authority.clone()),
         metrics,
-        http,
+        http: api_http,
+        scheme: if secrets.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        },
     };
-    tracing::info!(node_id = config.node.id, api = %addr, data_dir = %config.node.data_dir.display(), "node started");
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(async {
-        let _ = stop_rx.await;
-    });
-    let mut server = std::pin::pin!(server.into_future());
-    tokio::select! {
-        result = &mut server => result.map_err(ServeError::Http)?,
-        () = shutdown_signal() => {
-            tracing::info!(grace = ?SHUTDOWN_GRACE, "shutting down; finishing requests in flight");
-            let _ = stop_tx.send(());
-            // Waiting acquires can run for minutes; they are cut off after the grace period
-            // (their clients retry elsewhere).
-            if tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await.is_err() {
-                tracing::warn!("requests still in flight after the grace period; closing them");
+    let mut app = api::router(state.clone(), secrets.credentials.clone());
+    let peer_app = api::peer_router(state);
+    if peer_listener.is_none() {
+        app = app.merge(peer_app.clone());
+    }
+    tracing::info!(
+        node_id = config.node.id,
+        api = %config.node.api,
+        peer = ?config.node.peer,
+        tls = secrets.tls.is_some(),
+        credentials = secrets.credentials.as_ref().map_or(0, |c| c.len()),
+        data_dir = %config.node.data_dir.display(),
+        "node started"
+    );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut servers = tokio::task::JoinSet::new();
+    let plain = |listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>| async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(error = %e, "an API listener failed");
+        }
+    };
+    match &secrets.tls {
+        Some(tls) => {
+            servers.spawn(crate::tls::serve(
+                api_listener,
+                tls.api_acceptor()?,
+                app,
+                stop_rx.clone(),
+            ));
+            if let Some(listener) = peer_listener {
+                servers.spawn(crate::tls::serve(
+                    listener,
+                    tls.peer_acceptor()?,
+                    peer_app,
+                    stop_rx.clone(),
+                ));
             }
         }
+        None => {
+            servers.spawn(plain(api_listener, app, stop_rx.clone()));
+            if let Some(listener) = peer_listener {
+                servers.spawn(plain(listener, peer_app, stop_rx.clone()));
+            }
+        }
+    }
+    shutdown_signal().await;
+    tracing::info!(grace = ?SHUTDOWN_GRACE, "shutting down; finishing requests in flight");
+    let _ = stop_tx.send(true);
+    // Waiting acquires can run for minutes; they are cut off after the grace period (their
+    // clients retry elsewhere).
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while servers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("requests still in flight after the grace period; closing them");
     }
     if let Some(s3) = s3 {
         let _ = tokio::task::spawn_blocking(move || s3.shutdown()).await;

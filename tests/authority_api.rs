@@ -84,13 +84,13 @@ async fn bad_input_gets_400_with_a_reason_and_the_node_keeps_serving() {
             Method::POST,
             "/v1/leases/abc/keepalive".into(),
             "",
-            "lease id \"abc\" is not a number",
+            "not a lease handle",
         ),
         (
             Method::DELETE,
             "/v1/leases/-1".into(),
             "",
-            "is not a number",
+            "not a lease handle",
         ),
         (
             Method::GET,
@@ -171,7 +171,7 @@ async fn the_cli_tries_the_next_endpoint_and_follows_the_leader() {
     ]);
     assert_eq!(code, 0, "{out}");
     let grant: Value = serde_json::from_str(&out).unwrap();
-    let lease = grant["lease_id"].to_string();
+    let lease = grant["lease_id"].as_str().unwrap().to_owned();
     let (code, out) = cluster.cli(&["lock", "acquire", "cli:job", "--endpoint", &endpoints]);
     assert_eq!(code, 1, "a held lock exits 1: {out}");
     assert_eq!(
@@ -234,6 +234,22 @@ fn check_config_names_the_line_of_an_error() {
         "{stderr}"
     );
 
+    // The TLS files the shipped configs name, made the way their comments say.
+    let certs = dir.path().join("certs");
+    let made = std::process::Command::new(BIN)
+        .args(["certs", "init", "--dir"])
+        .arg(&certs)
+        .args([
+            "--node",
+            "1=127.0.0.1",
+            "--node",
+            "2=127.0.0.1",
+            "--node",
+            "3=127.0.0.1",
+        ])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
     for shipped in [
         "config/fencegate.toml",
         "config/gateway.toml",
@@ -242,9 +258,11 @@ fn check_config_names_the_line_of_an_error() {
         "config/cluster/node2.toml",
         "config/cluster/node3.toml",
     ] {
+        // Relative paths (certs/...) are taken from the working directory.
         let out = std::process::Command::new(BIN)
-            .args(["check-config", "--config", shipped])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["check-config", "--config"])
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(shipped))
+            .current_dir(dir.path())
             .output()
             .unwrap();
         assert!(
@@ -272,21 +290,27 @@ fn check_config_names_the_line_of_an_error() {
         .map(|l| l.strip_prefix("    ").unwrap_or(l))
         .collect::<Vec<_>>()
         .join("\n");
+    // The containers mount the certificates at /etc/fencegate/tls.
+    let mounted = |text: &str| text.replace("/etc/fencegate/tls", &certs.display().to_string());
     let mut configs = vec![];
     for ordinal in 0..3 {
         let rendered = dir.path().join(format!("pod{ordinal}.toml"));
         std::fs::write(
             &rendered,
-            template.replace("NODE_ID", &(ordinal + 1).to_string()),
+            mounted(&template.replace("NODE_ID", &(ordinal + 1).to_string())),
         )
         .unwrap();
         configs.push(rendered);
     }
     for n in 1..=3 {
-        configs.push(
+        let text = std::fs::read_to_string(
             std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join(format!("deploy/docker/node{n}.toml")),
-        );
+        )
+        .unwrap();
+        let rendered = dir.path().join(format!("compose{n}.toml"));
+        std::fs::write(&rendered, mounted(&text)).unwrap();
+        configs.push(rendered);
     }
     for config in configs {
         let out = std::process::Command::new(BIN)
@@ -316,9 +340,9 @@ async fn tokens_are_signed_with_the_cluster_key() {
     let grant = cluster.acquire(2, "signed:job", 5000).await;
     let token = fencegate_core::Token::parse(grant["token"].as_str().unwrap()).unwrap();
     assert_eq!(token.revision().get(), grant["revision"].as_u64().unwrap());
-    let key = fencegate_core::TokenKey::new(secret.as_bytes()).unwrap();
+    let key = fencegate_core::TokenKey::new(0, secret.as_bytes()).unwrap();
     assert_eq!(token.verify(&key), Ok(()));
-    let other = fencegate_core::TokenKey::new(b"some other cluster's secret, 32b").unwrap();
+    let other = fencegate_core::TokenKey::new(0, b"some other cluster's secret, 32b").unwrap();
     assert!(token.verify(&other).is_err());
 }
 
@@ -329,7 +353,7 @@ fn a_node_refuses_to_start_without_its_configured_key() {
     let port = free_port();
     std::fs::write(
         &path,
-        format!("[node]\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n[authority]\ntoken_key_env = \"FG_UNSET_KEY\"\n", dir.path().join("d").display()),
+        format!("[node]\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n[authority]\ntoken_key_env = \"FG_UNSET_KEY\"\n[security]\ninsecure = true\n", dir.path().join("d").display()),
     )
     .unwrap();
     let out = std::process::Command::new(BIN)

@@ -105,7 +105,10 @@ async fn a_paused_leader_answers_no_keepalive_after_it_is_deposed() {
     let cluster = Cluster::start(3, "").await;
     let old = cluster.wait_for_leader(&cluster.ids()).await;
     let grant = cluster.acquire(old, "job", 30_000).await;
-    let keepalive = format!("/v1/leases/{}/keepalive", grant["lease_id"]);
+    let keepalive = format!(
+        "/v1/leases/{}/keepalive",
+        grant["lease_id"].as_str().unwrap()
+    );
     let (status, _) = cluster.call(old, Method::POST, &keepalive, None).await;
     assert_eq!(status, StatusCode::OK);
 

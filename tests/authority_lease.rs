@@ -14,7 +14,10 @@ async fn keepalives_hold_a_lease_for_three_ttls_and_silence_lets_it_expire() {
     let ttl = Duration::from_millis(1500);
     let grant = cluster.acquire(1, "job", ttl.as_millis() as u64).await;
     let token_a = grant["revision"].as_u64().unwrap();
-    let keepalive = format!("/v1/leases/{}/keepalive", grant["lease_id"]);
+    let keepalive = format!(
+        "/v1/leases/{}/keepalive",
+        grant["lease_id"].as_str().unwrap()
+    );
 
     let started = Instant::now();
     let mut tick = tokio::time::interval(ttl / 3);
@@ -114,7 +117,7 @@ async fn waiters_are_served_one_at_a_time_in_arrival_order() {
             (
                 n,
                 grant["revision"].as_u64().unwrap(),
-                grant["lease_id"].as_u64().unwrap(),
+                grant["lease_id"].as_str().unwrap().to_owned(),
             )
         }));
         // Event, not sleep: the next waiter arrives only once this one is queued.
@@ -136,7 +139,7 @@ async fn waiters_are_served_one_at_a_time_in_arrival_order() {
     assert_eq!(status, StatusCode::CONFLICT);
 
     cluster
-        .release(leader, first["lease_id"].as_u64().unwrap())
+        .release(leader, first["lease_id"].as_str().unwrap())
         .await;
     let mut last = first["revision"].as_u64().unwrap();
     for (expected, handle) in waiters.into_iter().enumerate() {
@@ -146,6 +149,6 @@ async fn waiters_are_served_one_at_a_time_in_arrival_order() {
         // Exactly one waiter holds the lock at a time: the rest are still waiting.
         assert_eq!(waiting_now(&cluster, leader).await, 2 - n);
         last = token;
-        cluster.release(leader, lease).await;
+        cluster.release(leader, &lease).await;
     }
 }

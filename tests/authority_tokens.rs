@@ -11,10 +11,13 @@ use support::cluster::Cluster;
 fn token_of(grant: &Value) -> u64 {
     let revision = grant["revision"].as_u64().expect("revision");
     let token = grant["token"].as_str().expect("token");
+    // Signed by default, with the cluster's own key.
+    let parsed = fencegate_core::Token::parse(token).expect("a well-formed token");
     assert_eq!(
-        token,
+        parsed.unsigned_form(),
         format!("fg1~{revision}~{}", grant["resource"].as_str().unwrap())
     );
+    assert!(parsed.key_id().is_some(), "unsigned token {token}");
     revision
 }
 
@@ -30,7 +33,7 @@ async fn tokens_strictly_increase_over_1000_acquire_release_cycles() {
         assert!(token > last, "cycle {cycle}: token {token} after {last}");
         last = token;
         cluster
-            .release((cycle + 1) % 3 + 1, grant["lease_id"].as_u64().unwrap())
+            .release((cycle + 1) % 3 + 1, grant["lease_id"].as_str().unwrap())
             .await;
     }
     println!("1000 cycles: last token {last}");
@@ -45,7 +48,7 @@ async fn a_full_restart_keeps_locks_leases_and_the_revision() {
         let grant = cluster.acquire(2, "churn", 60_000).await;
         issued.insert(token_of(&grant));
         cluster
-            .release(3, grant["lease_id"].as_u64().unwrap())
+            .release(3, grant["lease_id"].as_str().unwrap())
             .await;
     }
     // A linearizable read (forwarded to the leader); a follower's local view may lag.
@@ -64,9 +67,15 @@ async fn a_full_restart_keeps_locks_leases_and_the_revision() {
     let (status, lock) = cluster.get(leader, "/v1/locks/held").await.unwrap();
     assert_eq!(status, StatusCode::OK, "{lock}");
     assert_eq!(lock["revision"], held["revision"]);
-    assert_eq!(lock["lease_id"], held["lease_id"]);
+    assert_eq!(
+        Some(lock["lease"].to_string().as_str()),
+        held["lease_id"].as_str().unwrap().split('.').next()
+    );
     // The lease survived with its id: its holder can still renew it.
-    let path = format!("/v1/leases/{}/keepalive", held["lease_id"]);
+    let path = format!(
+        "/v1/leases/{}/keepalive",
+        held["lease_id"].as_str().unwrap()
+    );
     let (status, body) = cluster.call(leader, Method::POST, &path, None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
 
@@ -107,7 +116,7 @@ async fn a_restored_snapshot_bumps_the_revision_above_everything_issued() {
         let grant = cluster.acquire(2, "after-backup", 10_000).await;
         highest = highest.max(token_of(&grant));
         cluster
-            .release(2, grant["lease_id"].as_u64().unwrap())
+            .release(2, grant["lease_id"].as_str().unwrap())
             .await;
     }
     assert!(highest > snapshot_revision);
@@ -166,7 +175,7 @@ async fn a_lagging_node_catches_up_from_a_snapshot() {
     for _ in 0..60 {
         let grant = cluster.acquire(leader, "churn", 10_000).await;
         cluster
-            .release(leader, grant["lease_id"].as_u64().unwrap())
+            .release(leader, grant["lease_id"].as_str().unwrap())
             .await;
     }
     let held = cluster.acquire(leader, "held", 60_000).await;

@@ -702,7 +702,7 @@ async fn forged_and_out_of_scope_tokens_and_unprotected_databases() {
         &[("FG_TEST_KEY", secret)],
     );
     setup_table(&gw);
-    let key = TokenKey::new(secret.as_bytes()).unwrap();
+    let key = TokenKey::new(0, secret.as_bytes()).unwrap();
     let token = |resource: &str, revision: u64, key: &TokenKey| {
         Token::new(
             Resource::new(resource).unwrap(),
@@ -715,7 +715,7 @@ async fn forged_and_out_of_scope_tokens_and_unprotected_databases() {
     good.simple_query("INSERT INTO items (v, who) VALUES (1, 'signed')")
         .await
         .unwrap();
-    let other_key = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
+    let other_key = TokenKey::new(0, b"another cluster's key, 32 bytes!").unwrap();
     for (presented, want) in [
         ("fg1~9~job".to_owned(), "FG004"),
         (token("job", 9, &other_key), "FG004"),

@@ -234,9 +234,9 @@ async fn forged_and_unsigned_tokens_are_refused_when_a_key_is_configured() {
     let token = Token::new(Resource::new("job").unwrap(), Revision::new(5).unwrap());
     let good = token
         .clone()
-        .signed(&TokenKey::new(secret.as_bytes()).unwrap())
+        .signed(&TokenKey::new(0, secret.as_bytes()).unwrap())
         .to_string();
-    let other = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
+    let other = TokenKey::new(0, b"another cluster's key, 32 bytes!").unwrap();
     let forged = token.clone().signed(&other).to_string();
     let mut c = connect(&gw.url()).await;
     for bad in [forged.as_str(), "fg1~5~job"] {

@@ -23,6 +23,7 @@ fn node_serves_s3_and_audits_refusals() {
         &config,
         format!(
             "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n\
+             [authority]\naccept_unsigned = true\n\n[security]\ninsecure = true\n\n\
              [s3]\nlisten = \"127.0.0.1:{s3}\"\nupstream = \"{upstream}\"\nupstream_access_key = \"gateway\"\n\
              upstream_secret_env = \"S3_UPSTREAM_SECRET\"\nclients_env = \"S3_CLIENTS\"\n\n\
              [[s3.protect]]\nbucket = \"billing\"\nprefix = \"out/\"\nresource = \"billing\"\n",

@@ -41,7 +41,7 @@ async fn start_fencegate(dir: &TempDir, http: &reqwest::Client) -> anyhow::Resul
         std::fs::write(
             &config,
             format!(
-                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n[authority]\nmembers = [{}]\nmax_ttl_ms = 600000\n[log]\nlevel = \"warn\"\n",
+                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n[authority]\nmembers = [{}]\nmax_ttl_ms = 600000\n[log]\nlevel = \"warn\"\n[security]\ninsecure = true\n",
                 dir.path().join(format!("fg{id}")).display(),
                 members.join(", ")
             ),
@@ -153,7 +153,7 @@ async fn start_etcd(dir: &TempDir, http: &reqwest::Client) -> anyhow::Result<Clu
     })
 }
 
-async fn fg_acquire(http: &reqwest::Client, base: &str, resource: &str) -> Option<u64> {
+async fn fg_acquire(http: &reqwest::Client, base: &str, resource: &str) -> Option<String> {
     let answer = http
         .post(format!("{base}/v1/locks/{resource}"))
         .json(&json!({ "ttl_ms": 300_000 }))
@@ -168,7 +168,9 @@ async fn fg_acquire(http: &reqwest::Client, base: &str, resource: &str) -> Optio
         );
         return None;
     }
-    answer.json::<Value>().await.ok()?["lease_id"].as_u64()
+    answer.json::<Value>().await.ok()?["lease_id"]
+        .as_str()
+        .map(str::to_owned)
 }
 
 async fn etcd_grant(http: &reqwest::Client, base: &str) -> Option<String> {

@@ -279,7 +279,7 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[log]\nlevel = \"warn\"\n\n{sections}\n",
+                "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[log]\nlevel = \"warn\"\n\n[authority]\naccept_unsigned = true\n\n[security]\ninsecure = true\n\n{sections}\n",
                 data = dir.path().join("data").display(),
             ),
         )?;

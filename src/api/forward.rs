@@ -71,10 +71,13 @@ pub async fn or_forward(
         return ApiError::from(AuthorityError::NotLeader { leader: None }).into_response();
     }
     let path = original.uri.path_and_query().map_or("/", |p| p.as_str());
-    let url = format!("http://{leader}{path}");
-    let sent = state
-        .http
-        .request(original.method, url)
+    let url = format!("{}://{leader}{path}", state.scheme);
+    let mut request = state.http.request(original.method, url);
+    // The leader checks the client's credential again (every node has the same ones).
+    if let Some(authorization) = original.headers.get(axum::http::header::AUTHORIZATION) {
+        request = request.header(axum::http::header::AUTHORIZATION, authorization);
+    }
+    let sent = request
         .header(FORWARDED_HEADER, state.authority_id().to_string())
         .header("content-type", "application/json")
         .body(original.body)

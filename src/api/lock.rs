@@ -12,7 +12,7 @@ use serde_json::json;
 use super::forward::{answer, Original};
 use super::reply::{ok, parse_body, ApiError};
 use super::ApiState;
-use crate::authority::{AcquireOutcome, AcquireRequest};
+use crate::authority::{AcquireOutcome, AcquireRequest, LeaseHandle};
 
 /// How long a forwarded call may take beyond any wait the client asked for.
 const FORWARD_SLACK: Duration = Duration::from_secs(10);
@@ -48,9 +48,12 @@ fn resource(name: String) -> Result<Resource, ApiError> {
     Resource::new(name).map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
-fn lease_id(text: &str) -> Result<u64, ApiError> {
-    text.parse()
-        .map_err(|_| ApiError::bad_request(format!("lease id {text:?} is not a number")))
+fn lease_id(text: &str) -> Result<LeaseHandle, ApiError> {
+    LeaseHandle::parse(text).ok_or_else(|| {
+        ApiError::bad_request(
+            "the lease id is not a lease handle (<number>.<32 hex digits>, as acquire returned it)",
+        )
+    })
 }
 
 fn acquire_request(
@@ -106,8 +109,8 @@ pub async fn keepalive(
     Path(id): Path<String>,
     original: Original,
 ) -> Result<Response, ApiError> {
-    let id = lease_id(&id)?;
-    let result = state.authority.keepalive(id).await;
+    let handle = lease_id(&id)?;
+    let result = state.authority.keepalive(&handle).await;
     Ok(
         answer(&state, original, FORWARD_SLACK, result, |ttl| match ttl {
             Some(ttl_ms) => ok(json!({ "lease_id": id, "ttl_ms": ttl_ms })),
@@ -122,8 +125,8 @@ pub async fn release(
     Path(id): Path<String>,
     original: Original,
 ) -> Result<Response, ApiError> {
-    let id = lease_id(&id)?;
-    let result = state.authority.release(id).await;
+    let handle = lease_id(&id)?;
+    let result = state.authority.release(&handle).await;
     Ok(answer(
         &state,
         original,

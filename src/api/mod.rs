@@ -1,7 +1,9 @@
 //! The node's HTTP API: the lock service for clients, Raft RPCs for peers, health and metrics
 //! for operators. One port serves all of it.
 
+pub mod auth;
 mod forward;
+mod keys;
 mod lock;
 mod ops;
 mod raft_rpc;
@@ -17,6 +19,7 @@ use crate::authority::network::{APPEND_PATH, SNAPSHOT_PATH, VOTE_PATH};
 use crate::authority::Authority;
 use crate::config::AuthorityConfig;
 use crate::metrics::Metrics;
+use auth::{Credentials, Gate, Role};
 
 /// Marks a request a follower already forwarded, so it is never forwarded twice.
 pub const FORWARDED_HEADER: &str = "fencegate-forwarded";
@@ -26,21 +29,24 @@ pub struct ApiState {
     pub authority: Arc<Authority>,
     pub limits: Arc<AuthorityConfig>,
     pub metrics: Arc<Metrics>,
+    /// For forwarding to the leader's API (trusts the cluster CA when TLS is on).
     pub http: reqwest::Client,
+    /// `https` when the APIs serve TLS.
+    pub scheme: &'static str,
 }
 
 /// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
 /// state: all can be far above axum's 2 MiB default body limit.
 const LARGE_BODY: usize = 256 * 1024 * 1024;
 
-pub fn router(state: ApiState) -> Router {
-    let peer = Router::new()
-        .route(APPEND_PATH, post(raft_rpc::append))
-        .route(VOTE_PATH, post(raft_rpc::vote))
-        .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
-        .route("/v1/snapshot/restore", post(ops::restore))
-        .layer(DefaultBodyLimit::max(LARGE_BODY));
-    Router::new()
+/// The client API: lock calls for the `client` role, operations for `admin`, health and
+/// metrics open. `credentials` is `None` only in insecure mode without any configured.
+pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router {
+    let gate = |needs| Gate {
+        credentials: credentials.clone(),
+        needs,
+    };
+    let client = Router::new()
         .route(
             "/v1/locks/{*resource}",
             post(lock::acquire).get(lock::status),
@@ -48,9 +54,36 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/leases/{lease_id}/keepalive", post(lock::keepalive))
         .route("/v1/leases/{lease_id}", delete(lock::release))
         .route("/v1/cluster", get(ops::cluster))
+        .route("/v1/token-keys", get(keys::list))
+        .route_layer(axum::middleware::from_fn_with_state(
+            gate(Role::Client),
+            auth::require,
+        ));
+    let admin = Router::new()
         .route("/v1/snapshot", get(ops::snapshot))
+        .route("/v1/snapshot/restore", post(ops::restore))
+        .route("/v1/revision/bump", post(ops::bump))
+        .route("/v1/token-keys", post(keys::rotate))
+        .route("/v1/token-keys/{kid}/retire", post(keys::retire))
+        .route_layer(axum::middleware::from_fn_with_state(
+            gate(Role::Admin),
+            auth::require,
+        ))
+        .layer(DefaultBodyLimit::max(LARGE_BODY));
+    Router::new()
         .route("/healthz", get(ops::healthz))
         .route("/metrics", get(ops::metrics))
-        .merge(peer)
+        .merge(client)
+        .merge(admin)
+        .with_state(state)
+}
+
+/// The Raft RPCs, for the peer port (or merged into the API in insecure mode without one).
+pub fn peer_router(state: ApiState) -> Router {
+    Router::new()
+        .route(APPEND_PATH, post(raft_rpc::append))
+        .route(VOTE_PATH, post(raft_rpc::vote))
+        .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
+        .layer(DefaultBodyLimit::max(LARGE_BODY))
         .with_state(state)
 }

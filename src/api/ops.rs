@@ -67,6 +67,28 @@ pub async fn restore(
     )
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BumpBody {
+    by: u64,
+}
+
+/// Raises the revision (after stores were restored from a backup, or to get above fences a
+/// wiped authority no longer knows).
+pub async fn bump(State(state): State<ApiState>, original: Original) -> Result<Response, ApiError> {
+    let body: BumpBody = parse_body(&original.body)?;
+    if body.by == 0 {
+        return Err(ApiError::bad_request("by must be positive"));
+    }
+    let result = state.authority.bump(body.by).await;
+    Ok(
+        answer(&state, original, FORWARD_TIMEOUT, result, |revision| {
+            ok(json!({ "revision": revision }))
+        })
+        .await,
+    )
+}
+
 pub async fn healthz(State(state): State<ApiState>) -> Response {
     let status = state.authority.cluster().await;
     match status.leader_id {

@@ -61,6 +61,9 @@ impl From<AuthorityError> for ApiError {
                 e.to_string(),
             ),
             AuthorityError::BadSnapshot(_) => Self::bad_request(e.to_string()),
+            AuthorityError::KeyRefused(_) => {
+                Self::new(StatusCode::CONFLICT, "key_refused", e.to_string())
+            }
             AuthorityError::RevisionExhausted => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "revision_exhausted",

@@ -1,8 +1,12 @@
 //! Prometheus counters for fenced writes, by store and reason.
 
 use prometheus_client::encoding::EncodeLabelSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -23,6 +27,10 @@ struct RefusedLabels {
 pub struct FenceCounters {
     applied: Family<StoreLabel, Counter>,
     refused: Family<RefusedLabels, Counter>,
+    /// The highest fence a store reported in a refusal on this node.
+    highest_fence: Arc<AtomicU64>,
+    /// 1 while that fence is above every revision the authority has issued.
+    above_authority: Gauge,
 }
 
 impl FenceCounters {
@@ -38,6 +46,31 @@ impl FenceCounters {
             "Refused writes whose audit record is on disk, by store and reason",
             self.refused.clone(),
         );
+        registry.register(
+            "fence_above_authority",
+            "1 when a store reported a fence above every revision the authority has issued (the authority was reset: set authority.initial_revision or run `fencegate snapshot bump`)",
+            self.above_authority.clone(),
+        );
+    }
+
+    /// Notes the fence a store reported in a refusal.
+    pub fn saw_fence(&self, fence: Option<u64>) {
+        if let Some(fence) = fence {
+            self.highest_fence.fetch_max(fence, Ordering::Relaxed);
+        }
+    }
+
+    /// Compares the highest fence seen with the authority's `revision`; logs the first time a
+    /// fence is above it. Returns the fence when it is.
+    pub fn check_floor(&self, revision: u64) -> Option<u64> {
+        let fence = self.highest_fence.load(Ordering::Relaxed);
+        let above = fence > revision;
+        if above && self.above_authority.set(1) == 0 {
+            tracing::error!(fence, revision, "a store holds a fence above every revision this authority has issued: every write to that resource will be refused as stale. The authority's data was lost or re-created; set authority.initial_revision above the fence (or run `fencegate snapshot bump`) so new tokens pass");
+        } else if !above {
+            self.above_authority.set(0);
+        }
+        above.then_some(fence)
     }
 
     /// Counts one applied fenced write.

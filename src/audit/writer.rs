@@ -87,6 +87,7 @@ fn run(
         for s in submissions {
             if result.is_ok() {
                 counters.refused(&s.event.store, &s.event.reason);
+                counters.saw_fence(s.event.fence);
             }
             let _ = s.done.send(result.clone());
         }

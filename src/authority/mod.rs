@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{Resource, Revision, Token, TokenKey};
+use fencegate_core::{Resource, Revision, SharedKeyRing, Token, TokenKey};
 use openraft::error::{
     CheckIsLeaderError, ClientWriteError, ForwardToLeader, InitializeError, RaftError,
 };
@@ -55,6 +55,8 @@ pub enum AuthorityError {
     RevisionExhausted,
     #[error("the snapshot is not consistent: {0}")]
     BadSnapshot(String),
+    #[error("token key change refused: {0}")]
+    KeyRefused(String),
 }
 
 /// A lock granted to a client.
@@ -63,8 +65,67 @@ pub struct Grant {
     pub resource: String,
     pub token: String,
     pub revision: u64,
-    pub lease_id: u64,
+    /// The lease handle, `<id>.<secret>`: a credential, needed to renew or release.
+    pub lease_id: String,
     pub ttl_ms: u64,
+}
+
+/// A lease handle as clients present it: the lease's number and its secret part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseHandle {
+    pub id: u64,
+    secret: Option<String>,
+}
+
+impl LeaseHandle {
+    /// Parses `<id>.<32 hex digits>` (or a bare `<id>` for leases that predate handles).
+    pub fn parse(text: &str) -> Option<Self> {
+        let (id, secret) = match text.split_once('.') {
+            Some((id, secret)) => (id, Some(secret)),
+            None => (text, None),
+        };
+        let id = id.parse().ok().filter(|id| *id > 0)?;
+        if let Some(secret) = secret {
+            if secret.len() != 32 || !secret.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
+        }
+        Some(Self {
+            id,
+            secret: secret.map(str::to_owned),
+        })
+    }
+
+    fn render(id: u64, secret: Option<&str>) -> String {
+        match secret {
+            Some(secret) => format!("{id}.{secret}"),
+            None => id.to_string(),
+        }
+    }
+
+    /// Whether this handle opens `lease`; compares the secret in constant time.
+    fn opens(&self, lease: &state::Lease) -> bool {
+        match (&self.secret, &lease.secret) {
+            (Some(given), Some(stored)) => {
+                given.len() == stored.len()
+                    && given
+                        .bytes()
+                        .zip(stored.bytes())
+                        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                        == 0
+            }
+            (_, None) => true,
+            (None, Some(_)) => false,
+        }
+    }
+}
+
+/// What `GET /v1/token-keys` shows: ids and states, never secrets.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyInfo {
+    pub kid: u32,
+    pub retired: bool,
+    pub signing: bool,
 }
 
 pub enum AcquireOutcome {
@@ -78,7 +139,8 @@ pub enum AcquireOutcome {
 pub struct LockStatus {
     pub resource: String,
     pub revision: u64,
-    pub lease_id: u64,
+    /// The lease's number (not its handle, which is the holder's credential).
+    pub lease: u64,
     pub holder: Option<String>,
     pub ttl_ms: u64,
 }
@@ -87,6 +149,7 @@ pub struct LockStatus {
 pub struct Member {
     pub id: NodeId,
     pub api: String,
+    pub peer: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -100,6 +163,9 @@ pub struct ClusterStatus {
     /// Last log index covered by this node's latest snapshot.
     pub snapshot: Option<u64>,
     pub revision: u64,
+    /// A fence a store reported above every revision issued so far (the authority was reset
+    /// below the stores): writes to that resource are refused until the revision passes it.
+    pub fence_above_authority: Option<u64>,
 }
 
 pub struct AcquireRequest {
@@ -116,7 +182,15 @@ pub struct Authority {
     applied: Arc<RwLock<Applied>>,
     clock: Arc<LeaseClock>,
     waiters: Arc<Waiters>,
-    key: Option<TokenKey>,
+    keys: SharedKeyRing,
+    /// Tokens are never issued below this (see `authority.initial_revision`).
+    initial_revision: u64,
+    /// Each member's client API address, by node id (Raft's membership holds peer addresses).
+    apis: BTreeMap<NodeId, String>,
+    /// Serializes making and promoting token keys.
+    key_setup: tokio::sync::Mutex<()>,
+    /// How long a new key verifies before it signs.
+    key_settle: Duration,
     metrics: Arc<Metrics>,
     restore_bump: u64,
     max_ttl_ms: u64,
@@ -131,9 +205,10 @@ impl Authority {
     /// leader's expiry loop.
     pub async fn start(
         config: &Config,
-        key: Option<TokenKey>,
+        keys: SharedKeyRing,
+        pinned: Option<TokenKey>,
         metrics: Arc<Metrics>,
-        http: reqwest::Client,
+        network: Network,
     ) -> Result<Arc<Self>, AuthorityError> {
         let dir = &config.node.data_dir;
         let open_err = |message: String| AuthorityError::Open {
@@ -146,18 +221,13 @@ impl Authority {
         );
         let log = LogStore::open(db.clone()).map_err(|e| open_err(e.to_string()))?;
         let waiters = Arc::new(Waiters::default());
-        let sm = StateMachine::open(db, waiters.clone()).map_err(|e| open_err(e.to_string()))?;
+        let sm = StateMachine::open(db, waiters.clone(), keys.clone(), pinned)
+            .map_err(|e| open_err(e.to_string()))?;
         let applied = sm.applied();
         let raft_config = raft_config(&config.authority).map_err(AuthorityError::Unavailable)?;
-        let raft = Raft::new(
-            config.node.id,
-            Arc::new(raft_config),
-            Network::new(http),
-            log,
-            sm,
-        )
-        .await
-        .map_err(|e| open_err(e.to_string()))?;
+        let raft = Raft::new(config.node.id, Arc::new(raft_config), network, log, sm)
+            .await
+            .map_err(|e| open_err(e.to_string()))?;
 
         initialize(&raft, &config.members()).await?;
 
@@ -167,7 +237,15 @@ impl Authority {
             applied,
             clock: Arc::new(LeaseClock::default()),
             waiters,
-            key,
+            keys,
+            initial_revision: config.authority.initial_revision,
+            apis: config
+                .members()
+                .into_iter()
+                .map(|m| (m.id, m.api))
+                .collect(),
+            key_setup: tokio::sync::Mutex::new(()),
+            key_settle: Duration::from_millis(config.authority.heartbeat_ms * 5),
             metrics,
             restore_bump: config.authority.restore_bump,
             max_ttl_ms: config.authority.max_ttl_ms,
@@ -192,13 +270,13 @@ impl Authority {
 
     /// The API address of the leader this node knows of, if it is not itself.
     pub fn leader_api(&self) -> Option<String> {
-        let metrics = self.raft.metrics().borrow().clone();
-        let leader = metrics.current_leader.filter(|l| *l != self.id)?;
-        metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .map(|n| n.addr.clone())
+        let leader = self
+            .raft
+            .metrics()
+            .borrow()
+            .current_leader
+            .filter(|l| *l != self.id)?;
+        self.apis.get(&leader).cloned()
     }
 
     /// Grants the lock, waiting (in arrival order) up to `wait` while it is held.
@@ -210,22 +288,25 @@ impl Authority {
                 token,
                 lease_id,
                 ttl_ms,
+                secret,
                 ..
             }) = known
             {
                 return Ok(AcquireOutcome::Granted(self.grant(
                     &req.resource,
                     token,
-                    lease_id,
+                    LeaseHandle::render(lease_id, secret.as_deref()),
                     ttl_ms,
-                )));
+                )?));
             }
         }
+        self.ensure_signing_key().await?;
         let command = Command::Acquire {
             resource: resource.clone(),
             ttl_ms: req.ttl.as_millis() as u64,
             request_id: req.request_id.clone(),
             holder: req.holder.clone(),
+            secret: Some(random_hex()),
         };
         let slot = self.waiters.slot(&resource);
         let _waiting = (!req.wait.is_zero()).then(|| Waiting::new(&self.metrics));
@@ -254,15 +335,16 @@ impl Authority {
                     token,
                     lease_id,
                     ttl_ms,
+                    secret,
                     ..
                 } => {
                     self.metrics.acquires.inc();
                     return Ok(AcquireOutcome::Granted(self.grant(
                         &req.resource,
                         token,
-                        lease_id,
+                        LeaseHandle::render(lease_id, secret.as_deref()),
                         ttl_ms,
-                    )));
+                    )?));
                 }
                 Outcome::Held { revision } => {
                     if tokio::time::timeout_at(deadline, slot.freed.notified())
@@ -282,12 +364,14 @@ impl Authority {
         }
     }
 
-    /// Renews a lease; `None` when it has expired or never existed.
-    pub async fn keepalive(&self, lease_id: u64) -> Result<Option<u64>, AuthorityError> {
+    /// Renews a lease; `None` when it has expired, never existed, or the handle's secret does
+    /// not match (the same answer, so handles cannot be probed).
+    pub async fn keepalive(&self, handle: &LeaseHandle) -> Result<Option<u64>, AuthorityError> {
         let term = self.recent_leadership().await?;
+        let lease_id = handle.id;
         let ttl_ms = match self.applied.read().await.state.leases.get(&lease_id) {
-            Some(lease) => lease.ttl_ms,
-            None => return Ok(None),
+            Some(lease) if handle.opens(lease) => lease.ttl_ms,
+            _ => return Ok(None),
         };
         match self.clock.renew(
             term,
@@ -306,8 +390,23 @@ impl Authority {
         }
     }
 
-    /// Releases a lease and its locks; `false` when there was no such lease.
-    pub async fn release(&self, lease_id: u64) -> Result<bool, AuthorityError> {
+    /// Releases a lease and its locks; `false` when there was no such lease or the handle's
+    /// secret does not match.
+    pub async fn release(&self, handle: &LeaseHandle) -> Result<bool, AuthorityError> {
+        let lease_id = handle.id;
+        let opens = match self.applied.read().await.state.leases.get(&lease_id) {
+            Some(lease) => handle.opens(lease),
+            None => false,
+        };
+        if !opens {
+            // A follower's copy may lag: let the leader judge.
+            if self.raft.metrics().borrow().state != ServerState::Leader {
+                return Err(AuthorityError::NotLeader {
+                    leader: self.leader_api(),
+                });
+            }
+            return Ok(false);
+        }
         match self.propose(Command::Release { lease_id }).await? {
             Outcome::Released { .. } => {
                 self.metrics.releases.inc();
@@ -334,7 +433,7 @@ impl Authority {
         Ok(Some(LockStatus {
             resource: resource.to_string(),
             revision: lock.token,
-            lease_id: lock.lease_id,
+            lease: lock.lease_id,
             holder: lock.holder.clone(),
             ttl_ms: left.as_millis() as u64,
         }))
@@ -343,13 +442,15 @@ impl Authority {
     /// This node's view of the cluster; answered locally, without asking the leader.
     pub async fn cluster(&self) -> ClusterStatus {
         let metrics = self.raft.metrics().borrow().clone();
+        let revision = self.applied.read().await.state.revision;
         let members = metrics
             .membership_config
             .membership()
             .nodes()
             .map(|(id, node)| Member {
                 id: *id,
-                api: node.addr.clone(),
+                api: self.apis.get(id).cloned().unwrap_or_default(),
+                peer: node.addr.clone(),
             })
             .collect();
         ClusterStatus {
@@ -360,7 +461,8 @@ impl Authority {
             members,
             last_applied: metrics.last_applied.map(|l| l.index),
             snapshot: metrics.snapshot.map(|l| l.index),
-            revision: self.applied.read().await.state.revision,
+            revision,
+            fence_above_authority: self.metrics.fences.check_floor(revision),
         }
     }
 
@@ -405,20 +507,152 @@ impl Authority {
             .active_leases
             .set(applied.state.leases.len() as i64);
         self.metrics.revision.set(applied.state.revision as i64);
+        self.metrics.fences.check_floor(applied.state.revision);
     }
 
-    fn grant(&self, resource: &Resource, token: u64, lease_id: u64, ttl_ms: u64) -> Grant {
+    fn grant(
+        &self,
+        resource: &Resource,
+        token: u64,
+        lease_id: String,
+        ttl_ms: u64,
+    ) -> Result<Grant, AuthorityError> {
         let revision = Revision::new(token).expect("the state machine issues revisions in range");
-        let mut encoded = Token::new(resource.clone(), revision);
-        if let Some(key) = &self.key {
-            encoded = encoded.signed(key);
-        }
-        Grant {
+        let encoded = self
+            .keys
+            .read(|ring| {
+                ring.signer()
+                    .map(|key| Token::new(resource.clone(), revision).signed(key))
+            })
+            .ok_or_else(|| {
+                AuthorityError::Unavailable(
+                    "no active token signing key; rotate one in (fencegate token-key rotate)"
+                        .into(),
+                )
+            })?;
+        Ok(Grant {
             resource: resource.to_string(),
             token: encoded.to_string(),
             revision: token,
             lease_id,
             ttl_ms,
+        })
+    }
+
+    /// Makes the cluster's first token key if it has none, and raises the revision to
+    /// `initial_revision`; run by a leader before it grants anything.
+    async fn ensure_signing_key(&self) -> Result<(), AuthorityError> {
+        let (has_signer, revision) = (
+            self.keys.read(|ring| ring.signer().is_some()),
+            self.applied.read().await.state.revision,
+        );
+        if revision < self.initial_revision {
+            self.propose(Command::Floor {
+                revision: self.initial_revision,
+            })
+            .await?;
+        }
+        if has_signer {
+            return Ok(());
+        }
+        // One setup at a time: concurrent first acquires wait for the same key.
+        let _setup = self.key_setup.lock().await;
+        if self.keys.read(|ring| ring.signer().is_some()) {
+            return Ok(());
+        }
+        let pending = {
+            let state = &self.applied.read().await.state;
+            state
+                .token_keys
+                .iter()
+                .rev()
+                .find(|(_, k)| !k.retired)
+                .map(|(kid, _)| *kid)
+        };
+        let kid = match pending {
+            // A key added by an earlier leader that was never promoted.
+            Some(kid) => kid,
+            None => self.add_key().await?,
+        };
+        self.promote_key(kid).await?;
+        tracing::info!(kid, "the cluster's first token signing key is in use");
+        Ok(())
+    }
+
+    /// Proposes a new verify-only key with the next id.
+    async fn add_key(&self) -> Result<u32, AuthorityError> {
+        let next = self
+            .applied
+            .read()
+            .await
+            .state
+            .newest_key()
+            .map_or(1, |kid| kid + 1);
+        match self.propose(new_key_command(next)).await? {
+            Outcome::KeyAdded { kid } => Ok(kid),
+            Outcome::KeyRefused { reason } => Err(AuthorityError::KeyRefused(reason)),
+            other => Err(AuthorityError::Unavailable(format!(
+                "unexpected outcome {other:?}"
+            ))),
+        }
+    }
+
+    /// Lets `kid` sign, once followers have had time to apply it: they learn of a commit with
+    /// the next heartbeat, so a few heartbeats cover every node that is up and in touch.
+    async fn promote_key(&self, kid: u32) -> Result<(), AuthorityError> {
+        tokio::time::sleep(self.key_settle).await;
+        match self.propose(Command::PromoteTokenKey { kid }).await? {
+            Outcome::KeyAdded { .. } => Ok(()),
+            Outcome::KeyRefused { reason } => Err(AuthorityError::KeyRefused(reason)),
+            other => Err(AuthorityError::Unavailable(format!(
+                "unexpected outcome {other:?}"
+            ))),
+        }
+    }
+
+    /// Adds a new token signing key; once replicated it signs, and older keys still verify.
+    pub async fn rotate_key(&self) -> Result<u32, AuthorityError> {
+        self.confirm_leadership().await?;
+        let _setup = self.key_setup.lock().await;
+        let kid = self.add_key().await?;
+        self.promote_key(kid).await?;
+        tracing::info!(kid, "rotated the token signing key");
+        Ok(kid)
+    }
+
+    /// Retires key `kid`: tokens it signed are refused by every gateway from now on.
+    pub async fn retire_key(&self, kid: u32) -> Result<(), AuthorityError> {
+        match self.propose(Command::RetireTokenKey { kid }).await? {
+            Outcome::KeyRetired { .. } => Ok(()),
+            Outcome::KeyRefused { reason } => Err(AuthorityError::KeyRefused(reason)),
+            other => Err(AuthorityError::Unavailable(format!(
+                "unexpected outcome {other:?}"
+            ))),
+        }
+    }
+
+    /// The token keys this node knows, without secrets.
+    pub fn key_list(&self) -> Vec<KeyInfo> {
+        self.keys.read(|ring| {
+            let signer = ring.signer().map(TokenKey::id);
+            ring.keys()
+                .map(|(key, state)| KeyInfo {
+                    kid: key.id(),
+                    retired: state == fencegate_core::KeyState::Retired,
+                    signing: Some(key.id()) == signer,
+                })
+                .collect()
+        })
+    }
+
+    /// Raises the revision by `by` (after restoring stores from a backup, say).
+    pub async fn bump(&self, by: u64) -> Result<u64, AuthorityError> {
+        match self.propose(Command::Bump { by }).await? {
+            Outcome::Bumped { revision } => Ok(revision),
+            Outcome::RevisionExhausted => Err(AuthorityError::RevisionExhausted),
+            other => Err(AuthorityError::Unavailable(format!(
+                "unexpected outcome {other:?}"
+            ))),
         }
     }
 
@@ -486,8 +720,30 @@ impl Authority {
 
     fn not_leader(&self, f: ForwardToLeader<NodeId, BasicNode>) -> AuthorityError {
         AuthorityError::NotLeader {
-            leader: f.leader_node.map(|n| n.addr).or_else(|| self.leader_api()),
+            leader: f
+                .leader_id
+                .and_then(|id| self.apis.get(&id).cloned())
+                .or_else(|| self.leader_api()),
         }
+    }
+}
+
+/// 128 random bits as 32 hex digits: lease handle secrets.
+fn random_hex() -> String {
+    use rand::Rng;
+    let bytes: [u8; 16] = rand::thread_rng().gen();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new token key with a fresh 256-bit secret, made by the proposer (applying stays
+/// deterministic: the secret is in the entry).
+fn new_key_command(kid: u32) -> Command {
+    use base64::Engine;
+    use rand::Rng;
+    let secret: [u8; 32] = rand::thread_rng().gen();
+    Command::AddTokenKey {
+        kid,
+        secret: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret),
     }
 }
 
@@ -531,7 +787,7 @@ async fn initialize(raft: &Raft, members: &[MemberConfig]) -> Result<(), Authori
             (
                 m.id,
                 BasicNode {
-                    addr: m.api.clone(),
+                    addr: m.raft_addr().to_owned(),
                 },
             )
         })
@@ -557,6 +813,16 @@ async fn watch_leadership(authority: Arc<Authority>) {
             (m.state == ServerState::Leader).then_some(m.current_term)
         };
         authority.clock.observe(leader_term);
+        if leader_term.is_some() {
+            // A new leader makes the cluster's first key (and applies initial_revision) before
+            // anyone asks for a token.
+            let authority = authority.clone();
+            tokio::spawn(async move {
+                if let Err(e) = authority.ensure_signing_key().await {
+                    tracing::debug!(error = %e, "token key setup deferred to the first acquire");
+                }
+            });
+        }
         if metrics.changed().await.is_err() {
             return;
         }

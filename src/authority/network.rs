@@ -1,4 +1,5 @@
-//! Raft RPCs between nodes: JSON over HTTP, on the same port as the client API.
+//! Raft RPCs between nodes: JSON over HTTPS with mutual TLS on the peer port (plain HTTP only
+//! in insecure mode).
 
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
@@ -21,16 +22,20 @@ pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
 #[derive(Clone)]
 pub struct Network {
     http: reqwest::Client,
+    scheme: &'static str,
 }
 
 impl Network {
-    pub fn new(http: reqwest::Client) -> Self {
-        Self { http }
+    /// `http` presents this node's client certificate when `tls` (see `crate::tls`).
+    pub fn new(http: reqwest::Client, tls: bool) -> Self {
+        let scheme = if tls { "https" } else { "http" };
+        Self { http, scheme }
     }
 }
 
 pub struct Connection {
     http: reqwest::Client,
+    scheme: &'static str,
     target: NodeId,
     addr: String,
 }
@@ -41,6 +46,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Connection {
         Connection {
             http: self.http.clone(),
+            scheme: self.scheme,
             target,
             addr: node.addr.clone(),
         }
@@ -59,7 +65,7 @@ impl Connection {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
-        let url = format!("http://{}{}", self.addr, path);
+        let url = format!("{}://{}{}", self.scheme, self.addr, path);
         let sent = self
             .http
             .post(url)

@@ -22,6 +22,10 @@ pub enum Command {
         ttl_ms: u64,
         request_id: Option<String>,
         holder: Option<String>,
+        /// The lease handle's secret part, made by the proposing leader: only the client that
+        /// acquired can renew or release the lease.
+        #[serde(default)]
+        secret: Option<String>,
     },
     /// The holder gives the lease (and its locks) back.
     Release { lease_id: u64 },
@@ -29,6 +33,16 @@ pub enum Command {
     Expire { lease_id: u64 },
     /// Raise the revision by `by` without touching any lock.
     Bump { by: u64 },
+    /// Raise the revision to at least `revision` (an operator's `initial_revision`, so a new or
+    /// wiped authority never issues tokens below fences the stores already hold).
+    Floor { revision: u64 },
+    /// Add token key `kid`, verify-only until promoted. Ids only grow.
+    AddTokenKey { kid: u32, secret: String },
+    /// Let key `kid` sign; the newest signing key does. Proposed once every node has had time
+    /// to apply the key, so no gateway meets a token signed with a key it has not seen.
+    PromoteTokenKey { kid: u32 },
+    /// Retire key `kid`: tokens it signed are refused from now on.
+    RetireTokenKey { kid: u32 },
     /// Replace the whole state with a saved one, then raise the revision by `bump` above both
     /// the saved and the current revision.
     Restore {
@@ -46,6 +60,8 @@ pub enum Outcome {
         token: u64,
         lease_id: u64,
         ttl_ms: u64,
+        #[serde(default)]
+        secret: Option<String>,
     },
     /// The lock is held; `revision` is the holder's token.
     Held {
@@ -60,6 +76,17 @@ pub enum Outcome {
     },
     /// The revision cannot move further without leaving what stores can keep.
     RevisionExhausted,
+    KeyAdded {
+        kid: u32,
+    },
+    KeyRetired {
+        kid: u32,
+    },
+    /// A key command that cannot apply (an id not above the newest, an unknown key, or the
+    /// last active key); the reason is for the operator.
+    KeyRefused {
+        reason: String,
+    },
     /// Blank and membership entries.
     Nothing,
 }
@@ -77,6 +104,20 @@ pub struct Lease {
     pub ttl_ms: u64,
     pub resources: BTreeSet<String>,
     pub request_id: Option<String>,
+    /// The secret part of the lease's handle (`<id>.<secret>`); `None` for leases restored
+    /// from snapshots older than handles.
+    #[serde(default)]
+    pub secret: Option<String>,
+}
+
+/// A replicated token signing key. The secret is base64url; it lives in the Raft log and in
+/// snapshots, which is why both are admin-only and the data directory is private.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredKey {
+    pub secret: String,
+    pub retired: bool,
+    #[serde(default)]
+    pub signs: bool,
 }
 
 /// The replicated state: what a snapshot holds and a restore brings back.
@@ -89,6 +130,9 @@ pub struct AuthorityState {
     pub leases: BTreeMap<u64, Lease>,
     /// Request ids of live leases, so a retried acquire gets the same lease and token.
     pub requests: BTreeMap<String, u64>,
+    /// Token signing keys by id.
+    #[serde(default)]
+    pub token_keys: BTreeMap<u32, StoredKey>,
 }
 
 impl AuthorityState {
@@ -101,7 +145,32 @@ impl AuthorityState {
                 ttl_ms,
                 request_id,
                 holder,
-            } => self.acquire(resource, *ttl_ms, request_id.as_deref(), holder.as_deref()),
+                secret,
+            } => self.acquire(
+                resource,
+                *ttl_ms,
+                request_id.as_deref(),
+                holder.as_deref(),
+                secret.as_deref(),
+            ),
+            Command::Floor { revision } => {
+                let revision = (*revision).min(Revision::MAX);
+                self.revision = self.revision.max(revision);
+                Outcome::Bumped {
+                    revision: self.revision,
+                }
+            }
+            Command::AddTokenKey { kid, secret } => self.add_key(*kid, secret),
+            Command::RetireTokenKey { kid } => self.retire_key(*kid),
+            Command::PromoteTokenKey { kid } => match self.token_keys.get_mut(kid) {
+                Some(key) if !key.retired => {
+                    key.signs = true;
+                    Outcome::KeyAdded { kid: *kid }
+                }
+                _ => Outcome::KeyRefused {
+                    reason: format!("there is no active key {kid}"),
+                },
+            },
             Command::Release { lease_id } | Command::Expire { lease_id } => {
                 self.revoke(*lease_id, freed)
             }
@@ -117,8 +186,13 @@ impl AuthorityState {
                         .filter(|r| !state.locks.contains_key(*r))
                         .cloned(),
                 );
+                // Keys are not rolled back: tokens signed since the snapshot must still verify,
+                // and a retired key must stay retired.
+                let mut keys = state.token_keys.clone();
+                keys.extend(std::mem::take(&mut self.token_keys));
                 *self = (**state).clone();
                 self.revision = floor;
+                self.token_keys = keys;
                 match self.advance(*bump) {
                     Some(revision) => Outcome::Bumped { revision },
                     None => Outcome::RevisionExhausted,
@@ -207,7 +281,53 @@ impl AuthorityState {
             token: lock.token,
             lease_id,
             ttl_ms: lease.ttl_ms,
+            secret: lease.secret.clone(),
         })
+    }
+
+    /// The id of the newest token key, if any.
+    pub fn newest_key(&self) -> Option<u32> {
+        self.token_keys.keys().next_back().copied()
+    }
+
+    fn add_key(&mut self, kid: u32, secret: &str) -> Outcome {
+        if self.newest_key().is_some_and(|newest| kid <= newest) {
+            return Outcome::KeyRefused {
+                reason: format!("key {kid} is not above the newest key"),
+            };
+        }
+        self.token_keys.insert(
+            kid,
+            StoredKey {
+                secret: secret.to_owned(),
+                retired: false,
+                signs: false,
+            },
+        );
+        Outcome::KeyAdded { kid }
+    }
+
+    fn retire_key(&mut self, kid: u32) -> Outcome {
+        let active = self
+            .token_keys
+            .values()
+            .filter(|k| k.signs && !k.retired)
+            .count();
+        match self.token_keys.get_mut(&kid) {
+            None => Outcome::KeyRefused {
+                reason: format!("there is no key {kid}"),
+            },
+            Some(key) if key.retired => Outcome::KeyRetired { kid },
+            Some(_) if active <= 1 => Outcome::KeyRefused {
+                reason: format!(
+                    "key {kid} is the last active key; rotate first (fencegate token-key rotate)"
+                ),
+            },
+            Some(key) => {
+                key.retired = true;
+                Outcome::KeyRetired { kid }
+            }
+        }
     }
 
     fn acquire(
@@ -216,6 +336,7 @@ impl AuthorityState {
         ttl_ms: u64,
         request_id: Option<&str>,
         holder: Option<&str>,
+        secret: Option<&str>,
     ) -> Outcome {
         if let Some(done) = request_id.and_then(|id| self.by_request(id, resource)) {
             return done;
@@ -244,6 +365,7 @@ impl AuthorityState {
                 ttl_ms,
                 resources: BTreeSet::from([resource.to_owned()]),
                 request_id: request_id.map(str::to_owned),
+                secret: secret.map(str::to_owned),
             },
         );
         if let Some(id) = request_id {
@@ -254,6 +376,7 @@ impl AuthorityState {
             token,
             lease_id,
             ttl_ms,
+            secret: secret.map(str::to_owned),
         }
     }
 
@@ -297,6 +420,7 @@ mod tests {
             ttl_ms: 1000,
             request_id: request_id.map(Into::into),
             holder: None,
+            secret: None,
         }
     }
 
@@ -313,7 +437,8 @@ mod tests {
                 resource: "a".into(),
                 token: 1,
                 lease_id: 1,
-                ttl_ms: 1000
+                ttl_ms: 1000,
+                secret: None,
             }
         );
         assert_eq!(
@@ -332,7 +457,8 @@ mod tests {
                 resource: "a".into(),
                 token: 3,
                 lease_id: 2,
-                ttl_ms: 1000
+                ttl_ms: 1000,
+                secret: None,
             }
         );
         assert_eq!(
@@ -400,6 +526,13 @@ mod tests {
             Command::Release { lease_id: 1 },
             Command::Expire { lease_id: 1 },
             Command::Bump { by: 5 },
+            Command::Floor { revision: 7 },
+            Command::AddTokenKey {
+                kid: 1,
+                secret: "c2VjcmV0".into(),
+            },
+            Command::RetireTokenKey { kid: 1 },
+            Command::PromoteTokenKey { kid: 1 },
             Command::Restore {
                 state: Box::new(state),
                 bump: 1_000_000,
@@ -430,6 +563,47 @@ mod tests {
         bad_name.locks.insert("a b".into(), lock);
         assert!(bad_name.validate(10_000).is_err());
         assert!(good.validate(10).unwrap_err().contains("ttl_ms"));
+    }
+
+    #[test]
+    fn keys_only_grow_and_the_last_active_key_stays() {
+        let mut s = AuthorityState::default();
+        let add = |kid| Command::AddTokenKey {
+            kid,
+            secret: "c2VjcmV0".into(),
+        };
+        assert_eq!(apply(&mut s, add(1)), Outcome::KeyAdded { kid: 1 });
+        assert!(
+            !s.token_keys[&1].signs,
+            "a new key verifies before it signs"
+        );
+        apply(&mut s, Command::PromoteTokenKey { kid: 1 });
+        assert!(s.token_keys[&1].signs);
+        assert!(matches!(apply(&mut s, add(1)), Outcome::KeyRefused { .. }));
+        assert!(matches!(
+            apply(&mut s, Command::RetireTokenKey { kid: 1 }),
+            Outcome::KeyRefused { .. }
+        ));
+        assert_eq!(apply(&mut s, add(2)), Outcome::KeyAdded { kid: 2 });
+        apply(&mut s, Command::PromoteTokenKey { kid: 2 });
+        assert_eq!(
+            apply(&mut s, Command::RetireTokenKey { kid: 1 }),
+            Outcome::KeyRetired { kid: 1 }
+        );
+        assert_eq!(s.newest_key(), Some(2));
+    }
+
+    #[test]
+    fn floor_raises_and_never_lowers() {
+        let mut s = AuthorityState::default();
+        apply(&mut s, Command::Floor { revision: 500 });
+        assert_eq!(s.revision, 500);
+        apply(&mut s, Command::Floor { revision: 10 });
+        assert_eq!(s.revision, 500);
+        assert!(matches!(
+            apply(&mut s, acquire("a", None)),
+            Outcome::Acquired { token: 501, .. }
+        ));
     }
 
     #[test]

@@ -19,7 +19,9 @@ use redb::{Database, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::RwLock;
 
-use super::state::{AuthorityState, Outcome};
+use fencegate_core::{KeyRing, KeyState, SharedKeyRing, TokenKey};
+
+use super::state::{AuthorityState, Command, Outcome};
 use super::type_config::{NodeId, StorageError, TypeConfig};
 use super::waiters::Waiters;
 
@@ -45,6 +47,41 @@ pub struct StateMachine {
     applied: Arc<RwLock<Applied>>,
     db: Arc<Database>,
     waiters: Arc<Waiters>,
+    /// The node's token keys, rebuilt whenever the replicated keys change; the gateways verify
+    /// with it.
+    keys: SharedKeyRing,
+    /// An operator-supplied key (kid 0) that signs instead of the replicated ones.
+    pinned: Option<TokenKey>,
+}
+
+/// The key ring for `state`'s replicated keys, plus the operator's pinned key.
+pub fn key_ring(state: &AuthorityState, pinned: Option<&TokenKey>) -> KeyRing {
+    use base64::Engine;
+    let mut ring = KeyRing::default();
+    for (kid, stored) in &state.token_keys {
+        let key = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(&stored.secret)
+            .ok()
+            .and_then(|secret| TokenKey::new(*kid, &secret));
+        match key {
+            Some(key) => ring.insert(
+                key,
+                match (stored.retired, stored.signs) {
+                    (true, _) => KeyState::Retired,
+                    (false, true) => KeyState::Signing,
+                    (false, false) => KeyState::Verifying,
+                },
+            ),
+            None => tracing::error!(
+                kid,
+                "a replicated token key is not a valid secret; ignoring it"
+            ),
+        }
+    }
+    if let Some(key) = pinned {
+        ring.pin(key.clone());
+    }
+    ring
 }
 
 fn sm_err(verb: ErrorVerb, e: impl std::error::Error + 'static) -> StorageError {
@@ -53,7 +90,12 @@ fn sm_err(verb: ErrorVerb, e: impl std::error::Error + 'static) -> StorageError 
 
 impl StateMachine {
     /// Opens the state machine, loading the last snapshot from `db` if there is one.
-    pub fn open(db: Arc<Database>, waiters: Arc<Waiters>) -> Result<Self, StorageError> {
+    pub fn open(
+        db: Arc<Database>,
+        waiters: Arc<Waiters>,
+        keys: SharedKeyRing,
+        pinned: Option<TokenKey>,
+    ) -> Result<Self, StorageError> {
         let mut applied = Applied::default();
         if let Some(stored) = Self::load(&db)? {
             applied.state =
@@ -61,10 +103,13 @@ impl StateMachine {
             applied.last_applied = stored.meta.last_log_id;
             applied.membership = stored.meta.last_membership;
         }
+        keys.replace(key_ring(&applied.state, pinned.as_ref()));
         Ok(Self {
             applied: Arc::new(RwLock::new(applied)),
             db,
             waiters,
+            keys,
+            pinned,
         })
     }
 
@@ -155,17 +200,31 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         let mut freed = Vec::new();
         {
             let mut applied = self.applied.write().await;
+            let mut keys_changed = false;
             for entry in entries {
                 applied.last_applied = Some(entry.log_id);
                 let outcome = match entry.payload {
                     EntryPayload::Blank => Outcome::Nothing,
-                    EntryPayload::Normal(command) => applied.state.apply(&command, &mut freed),
+                    EntryPayload::Normal(command) => {
+                        keys_changed |= matches!(
+                            command,
+                            Command::AddTokenKey { .. }
+                                | Command::PromoteTokenKey { .. }
+                                | Command::RetireTokenKey { .. }
+                                | Command::Restore { .. }
+                        );
+                        applied.state.apply(&command, &mut freed)
+                    }
                     EntryPayload::Membership(membership) => {
                         applied.membership = StoredMembership::new(Some(entry.log_id), membership);
                         Outcome::Nothing
                     }
                 };
                 outcomes.push(outcome);
+            }
+            if keys_changed {
+                self.keys
+                    .replace(key_ring(&applied.state, self.pinned.as_ref()));
             }
         }
         for resource in freed {
@@ -204,6 +263,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 .filter(|r| !state.locks.contains_key(*r))
                 .cloned()
                 .collect();
+            self.keys.replace(key_ring(&state, self.pinned.as_ref()));
             *applied = Applied {
                 last_applied: meta.last_log_id,
                 membership: meta.last_membership.clone(),

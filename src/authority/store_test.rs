@@ -19,7 +19,13 @@ struct Builder;
 fn open(dir: &TempDir) -> (LogStore, StateMachine) {
     let db = Arc::new(Database::create(dir.path().join("authority.redb")).expect("create db"));
     let log = LogStore::open(db.clone()).expect("open log");
-    let sm = StateMachine::open(db, Arc::new(Waiters::default())).expect("open state machine");
+    let sm = StateMachine::open(
+        db,
+        Arc::new(Waiters::default()),
+        fencegate_core::SharedKeyRing::default(),
+        None,
+    )
+    .expect("open state machine");
     (log, sm)
 }
 
@@ -57,6 +63,7 @@ async fn log_vote_and_snapshot_survive_reopening() {
             ttl_ms: 1000,
             request_id: None,
             holder: None,
+            secret: None,
         };
         let entries = vec![
             entry(1, acquire.clone()),

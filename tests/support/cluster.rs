@@ -25,6 +25,16 @@ pub struct Node {
     child: Option<Child>,
 }
 
+/// How a test cluster secures itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Security {
+    /// `[security] insecure = true`: plain HTTP, Raft on the API port, no credentials.
+    Insecure,
+    /// What production runs: `fencegate certs init` certificates, Raft on its own port with
+    /// mutual TLS, HTTPS API with credentials. The harness calls the API as admin.
+    Tls,
+}
+
 /// Clusters in one test binary run one at a time: three Raft nodes per test on a 2-core
 /// machine is the load these timing-sensitive scenarios are written for.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -36,6 +46,7 @@ pub struct Cluster {
     /// Environment given to every node process.
     pub env: Vec<(String, String)>,
     pub http: reqwest::Client,
+    pub security: Security,
 }
 
 /// A port nobody listens on right now.
@@ -58,9 +69,46 @@ impl Cluster {
         Self::start_configured(n, extra, |_| String::new(), env).await
     }
 
+    /// Like `start_configured`, insecure.
+    pub async fn start_configured(
+        n: usize,
+        extra: &str,
+        sections: impl Fn(u64) -> String,
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::start_secured(Security::Insecure, n, extra, sections, env).await
+    }
+
+    /// The certificates and credentials directory of a `Security::Tls` cluster.
+    pub fn certs(&self) -> PathBuf {
+        self.dir.path().join("certs")
+    }
+
+    /// Environment for a CLI process that talks to this cluster as `role` ("client" or
+    /// "admin"): its CA and credential. Empty for an insecure cluster.
+    pub fn client_env(&self, role: &str) -> Vec<(String, String)> {
+        match self.security {
+            Security::Insecure => Vec::new(),
+            Security::Tls => vec![
+                (
+                    "FENCEGATE_CA_FILE".into(),
+                    self.certs().join("ca.crt").display().to_string(),
+                ),
+                (
+                    "FENCEGATE_CREDENTIAL_FILE".into(),
+                    self.certs()
+                        .join(format!("{role}.token"))
+                        .display()
+                        .to_string(),
+                ),
+            ],
+        }
+    }
+
     /// Like `start_with_env`; `sections(id)` is appended to node `id`'s config after
     /// `[authority]` (its own gateway sections, say).
-    pub async fn start_configured(
+    pub async fn start_secured(
+        security: Security,
         n: usize,
         extra: &str,
         sections: impl Fn(u64) -> String,
@@ -69,20 +117,61 @@ impl Cluster {
         let turn = ONE_AT_A_TIME.lock().await;
         let dir = TempDir::new().unwrap();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let peers: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let certs = dir.path().join("certs");
+        let mut http = reqwest::Client::builder();
+        if security == Security::Tls {
+            let mut args = vec!["certs".to_owned(), "init".into(), "--dir".into()];
+            args.push(certs.display().to_string());
+            for id in 1..=n {
+                args.extend(["--node".into(), format!("{id}=127.0.0.1,localhost")]);
+            }
+            let out = Command::new(BIN).args(&args).output().unwrap();
+            assert!(out.status.success(), "certs init: {out:?}");
+            let ca = std::fs::read(certs.join("ca.crt")).unwrap();
+            let admin = std::fs::read_to_string(certs.join("admin.token")).unwrap();
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(
+                reqwest::header::AUTHORIZATION,
+                format!("Bearer {}", admin.trim()).parse().unwrap(),
+            );
+            http = http
+                .use_rustls_tls()
+                .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+                .default_headers(headers);
+        }
         let members: Vec<String> = ports
             .iter()
+            .zip(&peers)
             .enumerate()
-            .map(|(i, p)| format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1))
+            .map(|(i, (p, q))| match security {
+                Security::Insecure => format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1),
+                Security::Tls => format!(
+                    "{{ id = {}, api = \"127.0.0.1:{p}\", peer = \"127.0.0.1:{q}\" }}",
+                    i + 1
+                ),
+            })
             .collect();
         let mut nodes = Vec::new();
         for (i, port) in ports.iter().enumerate() {
             let id = i as u64 + 1;
             let config = dir.path().join(format!("node{id}.toml"));
             let text = format!(
-                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n{}",
+                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\n{peer}data_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n{}\n\n[security]\n{}",
                 dir.path().join(format!("data{id}")).display(),
                 members.join(", "),
                 sections(id),
+                match security {
+                    Security::Insecure => "insecure = true\n".to_owned(),
+                    Security::Tls => format!(
+                        "ca_file = \"{c}/ca.crt\"\ncert_file = \"{c}/node{id}.crt\"\nkey_file = \"{c}/node{id}.key\"\ncredentials_file = \"{c}/credentials\"\n",
+                        c = certs.display()
+                    ),
+                },
+                peer = match security {
+                    Security::Insecure => String::new(),
+                    Security::Tls => format!("peer = \"127.0.0.1:{}\"\n", peers[i]),
+                },
             );
             std::fs::write(&config, text).unwrap();
             nodes.push(Node {
@@ -101,7 +190,8 @@ impl Cluster {
             dir,
             nodes,
             env,
-            http: reqwest::Client::new(),
+            http: http.build().unwrap(),
+            security,
         };
         for id in 1..=n as u64 {
             cluster.spawn(id);
@@ -119,7 +209,11 @@ impl Cluster {
     }
 
     pub fn url(&self, id: u64) -> String {
-        format!("http://127.0.0.1:{}", self.node(id).port)
+        let scheme = match self.security {
+            Security::Insecure => "http",
+            Security::Tls => "https",
+        };
+        format!("{scheme}://127.0.0.1:{}", self.node(id).port)
     }
 
     /// Every node's API, comma-separated, as the CLI takes them.
@@ -233,7 +327,7 @@ impl Cluster {
         body
     }
 
-    pub async fn release(&self, id: u64, lease_id: u64) {
+    pub async fn release(&self, id: u64, lease_id: &str) {
         let (status, body) = self
             .call(
                 id,
@@ -250,6 +344,7 @@ impl Cluster {
         let out = Command::new(BIN)
             .args(args)
             .env_remove("FENCEGATE_ENDPOINT")
+            .envs(self.client_env("admin"))
             .output()
             .expect("run fencegate");
         let code = out.status.code().unwrap_or(-1);

@@ -24,12 +24,20 @@ pub struct GatewayNode {
 impl GatewayNode {
     /// Starts a one-node `fencegate serve` whose config is `[node]` and `[audit]` in a temp dir
     /// followed by `gateway` (the gateway's own section); `env` is given to the process.
+    ///
+    /// The node runs insecure (plain HTTP API) and, unless `gateway` has its own `[authority]`
+    /// section (a test of signed tokens), accepts unsigned tokens, so tests can type them.
     pub fn start(gateway: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let audit_dir = dir.path().join("audit");
         let config = dir.path().join("fencegate.toml");
+        let unsigned = if gateway.contains("[authority]") {
+            ""
+        } else {
+            "[authority]\naccept_unsigned = true\n"
+        };
         let text = format!(
-            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n{gateway}\n",
+            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n{gateway}\n\n{unsigned}\n[security]\ninsecure = true\n",
             api = free_port(),
             data = dir.path().join("data").display(),
             audit = audit_dir.display(),

@@ -39,8 +39,10 @@ pub enum TokenError {
         /// Byte offset of the first offending byte.
         position: usize,
     },
-    /// Not of the form `fg1~<revision>~<resource>[~<signature>]`.
-    #[error("fencing token is malformed: {0}; expected fg1~<revision>~<resource>[~<signature>]")]
+    /// Not of the form `fg1~<revision>~<resource>[~<kid>.<signature>]`.
+    #[error(
+        "fencing token is malformed: {0}; expected fg1~<revision>~<resource>[~<kid>.<signature>]"
+    )]
     Malformed(&'static str),
     /// The revision was zero, not a number, or above the largest revision a store can keep.
     #[error("fencing token revision is not a number from 1 to 9223372036854775807")]
@@ -52,8 +54,15 @@ pub enum TokenError {
     #[error("fencing token signature does not match this cluster's key (forged, or issued by another cluster)")]
     BadSignature,
     /// The policy requires signed tokens and this one carries no signature.
-    #[error("fencing token is unsigned but this gateway accepts only signed tokens")]
+    #[error("fencing token is unsigned but this gateway accepts only signed tokens (take tokens from the authority, or set authority.accept_unsigned for development)")]
     Unsigned,
+    /// The token names a key id this node does not know (forged, another cluster's, or a key
+    /// this node has not replicated yet).
+    #[error("fencing token is signed with key {0}, which this cluster does not have")]
+    UnknownKey(u32),
+    /// The token's key was retired: tokens it signed are no longer accepted.
+    #[error("fencing token is signed with key {0}, which was retired; acquire a new token")]
+    RetiredKey(u32),
     /// A plain numeric token was presented where the policy does not allow one.
     #[error(
         "plain numeric fencing tokens are not accepted here; set accept_plain_tokens to allow them"

@@ -12,6 +12,7 @@
 mod audit_record;
 mod audit_sink;
 mod error;
+mod key_ring;
 mod policy;
 mod resource;
 mod revision;
@@ -24,6 +25,7 @@ pub use audit_record::{
 };
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
 pub use error::{ResourceError, TokenError};
+pub use key_ring::{KeyRing, KeyState, SharedKeyRing};
 pub use policy::TokenPolicy;
 pub use resource::Resource;
 pub use revision::Revision;

@@ -1,21 +1,50 @@
 use crate::token::check_envelope;
-use crate::{Resource, Revision, Token, TokenError, TokenKey};
+use crate::{
+    KeyRing, RejectReason, Rejection, Resource, Revision, SharedKeyRing, Token, TokenError,
+    TokenKey,
+};
 
 /// Which presented tokens a gateway accepts.
 ///
-/// With a key, only tokens signed with it pass. Without one, any well-formed token passes (a
-/// deployment that trusts its clients). Plain numeric tokens from an external authority (an
-/// etcd revision, say) pass only when `accept_plain` is set, and take their resource from the
-/// route being written.
-#[derive(Debug, Clone, Default)]
+/// Signed tokens pass when the key they name is in the node's [`KeyRing`] and not retired.
+/// Unsigned tokens pass only with `accept_unsigned` (development; the node warns at start).
+/// Plain numeric tokens from an external authority (an etcd revision, say) pass only when
+/// `accept_plain` is set, and take their resource from the route being written.
+#[derive(Debug, Clone)]
 pub struct TokenPolicy {
-    /// The cluster key; `None` accepts unsigned tokens.
-    pub key: Option<TokenKey>,
+    /// The keys that verify tokens; shared with the authority, which adds and retires them.
+    pub keys: SharedKeyRing,
+    /// Whether a token without a signature is accepted (never the default).
+    pub accept_unsigned: bool,
     /// Whether a bare decimal revision is a token.
     pub accept_plain: bool,
 }
 
 impl TokenPolicy {
+    /// Accepts tokens signed with a key of `keys`, and nothing else.
+    pub fn signed(keys: SharedKeyRing) -> Self {
+        Self {
+            keys,
+            accept_unsigned: false,
+            accept_plain: false,
+        }
+    }
+
+    /// Accepts tokens signed with `key` alone.
+    pub fn with_key(key: TokenKey) -> Self {
+        Self::signed(SharedKeyRing::new(KeyRing::single(key)))
+    }
+
+    /// Accepts unsigned tokens (and signed ones of no key at all: there is none). For
+    /// development and tests only: any client can then type a token.
+    pub fn unsigned() -> Self {
+        Self {
+            keys: SharedKeyRing::default(),
+            accept_unsigned: true,
+            accept_plain: false,
+        }
+    }
+
     /// Parses and checks `presented` for a write to `route`, the resource the write maps to.
     ///
     /// A token for another resource than `route` is refused with [`TokenError::WrongResource`]:
@@ -33,37 +62,67 @@ impl TokenPolicy {
             return Ok(Token::new(resource.clone(), revision));
         }
         let token = Token::parse(presented)?;
-        if let Some(key) = &self.key {
-            token.verify(key)?;
+        if token.is_signed() {
+            self.keys.read(|ring| token.verify_in(ring))?;
+        } else if !self.accept_unsigned {
+            return Err(TokenError::Unsigned);
         }
         if route.is_some_and(|route| route != token.resource()) {
             return Err(TokenError::WrongResource);
         }
         Ok(token)
     }
+
+    /// Judges the token a write presented (`None`: it carried none) against the resource the
+    /// protect rule names: the one verb every filter uses before any store I/O.
+    ///
+    /// The refusal names the token's resource and revision whenever the token parsed, so the
+    /// audit record shows what was presented (never its signature).
+    pub fn judge(
+        &self,
+        presented: Option<&str>,
+        route: Option<&Resource>,
+    ) -> Result<Token, Rejection> {
+        let Some(presented) = presented.filter(|p| !p.is_empty()) else {
+            return Err(Rejection::new(
+                RejectReason::Missing,
+                "this write needs a fencing token; take one from the authority (fencegate lock acquire) and send it with the write",
+            ));
+        };
+        self.check(presented, route).map_err(|error| {
+            let rejection =
+                Rejection::new(RejectReason::from_token_error(&error), error.to_string());
+            match Token::parse(presented) {
+                Ok(token) => rejection.with_token(token.resource().clone(), token.revision()),
+                Err(_) => rejection,
+            }
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::KeyState;
 
-    fn key() -> TokenKey {
-        TokenKey::new(&[7u8; 32]).unwrap()
+    fn key(id: u32) -> TokenKey {
+        TokenKey::new(id, &[7u8 + id as u8; 32]).unwrap()
     }
 
     fn job() -> Resource {
         Resource::new("job").unwrap()
     }
 
+    fn signed(resource: &Resource, revision: u64, key: &TokenKey) -> String {
+        Token::new(resource.clone(), Revision::new(revision).unwrap())
+            .signed(key)
+            .to_string()
+    }
+
     #[test]
     fn signed_policy_accepts_only_signed_tokens_for_the_route() {
-        let policy = TokenPolicy {
-            key: Some(key()),
-            accept_plain: false,
-        };
-        let good = Token::new(job(), Revision::new(5).unwrap())
-            .signed(&key())
-            .to_string();
+        let policy = TokenPolicy::with_key(key(1));
+        let good = signed(&job(), 5, &key(1));
         assert_eq!(
             policy.check(&good, Some(&job())).unwrap().revision().get(),
             5
@@ -77,18 +136,76 @@ mod tests {
             policy.check(&good, Some(&other)),
             Err(TokenError::WrongResource)
         );
+        let foreign = signed(&job(), 5, &key(2));
+        assert_eq!(
+            policy.check(&foreign, Some(&job())),
+            Err(TokenError::UnknownKey(2))
+        );
+    }
+
+    #[test]
+    fn rotation_keeps_old_tokens_until_the_old_key_is_retired() {
+        let ring = SharedKeyRing::new(KeyRing::single(key(1)));
+        let policy = TokenPolicy::signed(ring.clone());
+        let old = signed(&job(), 5, &key(1));
+        let mut rotated = KeyRing::single(key(1));
+        rotated.insert(key(2), KeyState::Signing);
+        ring.replace(rotated.clone());
+        assert_eq!(ring.read(|r| r.signer().unwrap().id()), 2);
+        assert!(policy.check(&old, Some(&job())).is_ok());
+        rotated.insert(key(1), KeyState::Retired);
+        ring.replace(rotated);
+        assert_eq!(
+            policy.check(&old, Some(&job())),
+            Err(TokenError::RetiredKey(1))
+        );
+        assert!(policy
+            .check(&signed(&job(), 6, &key(2)), Some(&job()))
+            .is_ok());
+    }
+
+    #[test]
+    fn unsigned_needs_permission_and_never_excuses_a_bad_signature() {
+        let policy = TokenPolicy::unsigned();
+        assert!(policy.check("fg1~5~job", Some(&job())).is_ok());
+        let forged = signed(&job(), 5, &key(1));
+        assert_eq!(
+            policy.check(&forged, Some(&job())),
+            Err(TokenError::UnknownKey(1))
+        );
+    }
+
+    #[test]
+    fn judge_names_reason_and_token() {
+        let policy = TokenPolicy::with_key(key(1));
+        let missing = policy.judge(None, Some(&job())).unwrap_err();
+        assert_eq!(missing.reason, RejectReason::Missing);
+        let forged = policy
+            .judge(Some("fg1~9223372036854775807~job"), Some(&job()))
+            .unwrap_err();
+        assert_eq!(forged.reason, RejectReason::Forged);
+        assert_eq!(forged.revision.map(|r| r.get()), Some(Revision::MAX));
+        let other = Resource::new("other").unwrap();
+        let scope = policy
+            .judge(Some(&signed(&job(), 5, &key(1))), Some(&other))
+            .unwrap_err();
+        assert_eq!(scope.reason, RejectReason::OutOfScope);
+        assert_eq!(
+            policy.judge(Some("fg1~x"), None).unwrap_err().reason,
+            RejectReason::Malformed
+        );
     }
 
     #[test]
     fn plain_tokens_need_permission_and_a_route() {
-        let strict = TokenPolicy::default();
+        let strict = TokenPolicy::with_key(key(1));
         assert_eq!(
             strict.check("42", Some(&job())),
             Err(TokenError::PlainNotAllowed)
         );
         let lenient = TokenPolicy {
-            key: None,
             accept_plain: true,
+            ..TokenPolicy::with_key(key(1))
         };
         let t = lenient.check("42", Some(&job())).unwrap();
         assert_eq!((t.resource().as_str(), t.revision().get()), ("job", 42));

@@ -1,6 +1,6 @@
 use std::fmt;
 
-use crate::{Resource, Revision, TokenError, TokenKey};
+use crate::{KeyRing, Resource, Revision, TokenError, TokenKey};
 
 /// Every token starts with this, so the format can change without ambiguity.
 pub const TOKEN_PREFIX: &str = "fg1";
@@ -10,17 +10,17 @@ pub const MAX_TOKEN_LEN: usize = 512;
 
 const SEPARATOR: char = '~';
 
-/// A fencing token: `fg1~<revision>~<resource>` with an optional `~<signature>`.
+/// A fencing token: `fg1~<revision>~<resource>` with an optional `~<kid>.<signature>`.
 ///
 /// `~` never occurs in a resource name or a revision, so the fields split without escaping, and
 /// the whole token is printable ASCII without spaces: it travels unchanged in an HTTP header, a
-/// SQL string literal or a Redis argument. The signature is an HMAC-SHA256 of the unsigned form,
-/// base64url without padding; see [`TokenKey`].
+/// SQL string literal or a Redis argument. The signature is an HMAC-SHA256 of the unsigned form
+/// with the key numbered `kid`, base64url without padding; see [`TokenKey`].
 #[derive(Clone, PartialEq, Eq)]
 pub struct Token {
     resource: Resource,
     revision: Revision,
-    signature: Option<String>,
+    signature: Option<(u32, String)>,
 }
 
 impl Token {
@@ -48,18 +48,31 @@ impl Token {
         self.signature.is_some()
     }
 
+    /// The id of the key that signed the token, if it is signed.
+    pub fn key_id(&self) -> Option<u32> {
+        self.signature.as_ref().map(|(kid, _)| *kid)
+    }
+
     /// The same token signed with `key`.
     pub fn signed(mut self, key: &TokenKey) -> Self {
-        self.signature = Some(key.sign(&self.unsigned_form()));
+        self.signature = Some((key.id(), key.sign(&self.unsigned_form())));
         self
     }
 
-    /// Checks the signature against `key`. An unsigned token fails with [`TokenError::Unsigned`].
+    /// Checks the signature against `key`. An unsigned token fails with [`TokenError::Unsigned`],
+    /// one signed with another key id with [`TokenError::BadSignature`].
     pub fn verify(&self, key: &TokenKey) -> Result<(), TokenError> {
         match &self.signature {
             None => Err(TokenError::Unsigned),
-            Some(signature) => key.verify(&self.unsigned_form(), signature),
+            Some((kid, _)) if *kid != key.id() => Err(TokenError::BadSignature),
+            Some((_, signature)) => key.verify(&self.unsigned_form(), signature),
         }
+    }
+
+    /// Checks the signature against the key of `ring` that the token names.
+    pub fn verify_in(&self, ring: &KeyRing) -> Result<(), TokenError> {
+        let kid = self.key_id().ok_or(TokenError::Unsigned)?;
+        self.verify(ring.verifier(kid)?)
     }
 
     /// The text that is signed: the token without its signature.
@@ -88,14 +101,7 @@ impl Token {
         let resource = Resource::new(resource).map_err(TokenError::BadResource)?;
         let signature = match fields.next() {
             None => None,
-            Some(signature) if TokenKey::is_signature_shaped(signature) => {
-                Some(signature.to_owned())
-            }
-            Some(_) => {
-                return Err(TokenError::Malformed(
-                    "the signature is not 43 base64url characters",
-                ))
-            }
+            Some(field) => Some(parse_signature(field)?),
         };
         if fields.next().is_some() {
             return Err(TokenError::Malformed("it has more than four fields"));
@@ -106,6 +112,28 @@ impl Token {
             signature,
         })
     }
+}
+
+/// `<kid>.<43 base64url characters>`; the kid is a decimal without sign or leading zeros.
+fn parse_signature(field: &str) -> Result<(u32, String), TokenError> {
+    let (kid, signature) = field.split_once('.').ok_or(TokenError::Malformed(
+        "the signature is not <key id>.<signature>",
+    ))?;
+    let kid_ok = !kid.is_empty()
+        && kid.len() <= 10
+        && kid.bytes().all(|b| b.is_ascii_digit())
+        && (kid == "0" || !kid.starts_with('0'));
+    let kid = kid
+        .parse::<u32>()
+        .ok()
+        .filter(|_| kid_ok)
+        .ok_or(TokenError::Malformed("the key id is not a number"))?;
+    if !TokenKey::is_signature_shaped(signature) {
+        return Err(TokenError::Malformed(
+            "the signature is not 43 base64url characters",
+        ));
+    }
+    Ok((kid, signature.to_owned()))
 }
 
 /// Length and alphabet checks shared by every token form.
@@ -125,8 +153,8 @@ pub(crate) fn check_envelope(text: &str) -> Result<(), TokenError> {
 impl fmt::Display for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.unsigned_form())?;
-        if let Some(signature) = &self.signature {
-            write!(f, "{SEPARATOR}{signature}")?;
+        if let Some((kid, signature)) = &self.signature {
+            write!(f, "{SEPARATOR}{kid}.{signature}")?;
         }
         Ok(())
     }
@@ -165,13 +193,13 @@ mod tests {
 
     #[test]
     fn golden_signed() {
-        let key = TokenKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
+        let key = TokenKey::new(3, b"0123456789abcdef0123456789abcdef").unwrap();
         let t = token("billing:2026-09-28", 7).signed(&key);
         let text = t.to_string();
         // Cross-checked with Python: hmac.new(key, b"fg1~7~billing:2026-09-28", sha256), base64url.
         assert_eq!(
             text,
-            "fg1~7~billing:2026-09-28~hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc"
+            "fg1~7~billing:2026-09-28~3.hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc"
         );
         let parsed = Token::parse(&text).unwrap();
         assert_eq!(parsed.verify(&key), Ok(()));
@@ -179,14 +207,14 @@ mod tests {
 
     #[test]
     fn forged_revision_fails_verification() {
-        let key = TokenKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
+        let key = TokenKey::new(1, b"0123456789abcdef0123456789abcdef").unwrap();
         let text = token("job", 7).signed(&key).to_string();
         let forged = text.replacen("~7~", "~9000000000~", 1);
         assert_eq!(
             Token::parse(&forged).unwrap().verify(&key),
             Err(TokenError::BadSignature)
         );
-        let other = TokenKey::new(b"another cluster's key, 32 bytes!").unwrap();
+        let other = TokenKey::new(1, b"another cluster's key, 32 bytes!").unwrap();
         assert_eq!(
             Token::parse(&text).unwrap().verify(&other),
             Err(TokenError::BadSignature)
@@ -213,7 +241,19 @@ mod tests {
             ),
             (
                 "fg1~7~job~short",
+                TokenError::Malformed("the signature is not <key id>.<signature>"),
+            ),
+            (
+                "fg1~7~job~1.short",
                 TokenError::Malformed("the signature is not 43 base64url characters"),
+            ),
+            (
+                "fg1~7~job~01.hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc",
+                TokenError::Malformed("the key id is not a number"),
+            ),
+            (
+                "fg1~7~job~99999999999.hTkKSRG6F8spDmnQBt8gQ5hkLmepHi4xkNI9iqQtRtc",
+                TokenError::Malformed("the key id is not a number"),
             ),
         ];
         for (text, want) in cases {
@@ -225,7 +265,7 @@ mod tests {
 
     #[test]
     fn debug_hides_the_signature() {
-        let key = TokenKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
+        let key = TokenKey::new(1, b"0123456789abcdef0123456789abcdef").unwrap();
         let t = token("job", 7).signed(&key);
         let shown = format!("{t:?}");
         assert!(!shown.contains(&t.to_string()[10..]), "{shown}");
@@ -245,7 +285,7 @@ mod tests {
 
         #[test]
         fn encode_then_parse_round_trips(resource in "[A-Za-z0-9._:/-]{1,256}", revision in 1..=Revision::MAX, signed: bool) {
-            let key = TokenKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
+            let key = TokenKey::new(1, b"0123456789abcdef0123456789abcdef").unwrap();
             let mut t = token(&resource, revision);
             if signed {
                 t = t.signed(&key);

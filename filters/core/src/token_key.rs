@@ -9,11 +9,15 @@ use crate::TokenError;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// A cluster's token signing key (HMAC-SHA256). Every node of the authority signs with it and
-/// every gateway verifies with it, offline, so a client cannot mint a huge revision and lock
-/// everyone else out.
+/// One of a cluster's token signing keys (HMAC-SHA256), with its key id.
+///
+/// The authority signs with its newest key; every gateway verifies offline with whichever key
+/// the token names, so a client cannot mint a huge revision and lock everyone else out. The id
+/// travels in the token (`<kid>.<signature>`) so a key can be rotated: a new key signs while old
+/// ones still verify until they are retired.
 #[derive(Clone)]
 pub struct TokenKey {
+    id: u32,
     secret: Vec<u8>,
 }
 
@@ -24,11 +28,23 @@ impl TokenKey {
     /// The shortest secret accepted, in bytes.
     pub const MIN_LEN: usize = 32;
 
-    /// A key from a secret of at least [`TokenKey::MIN_LEN`] bytes.
-    pub fn new(secret: &[u8]) -> Option<Self> {
+    /// Key `id` from a secret of at least [`TokenKey::MIN_LEN`] bytes.
+    pub fn new(id: u32, secret: &[u8]) -> Option<Self> {
         (secret.len() >= Self::MIN_LEN).then(|| Self {
+            id,
             secret: secret.to_vec(),
         })
+    }
+
+    /// The key id carried in the tokens this key signs.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The secret, for replicating it (the authority's log) or installing it where a store
+    /// verifies tokens itself (PostgreSQL's guard). Never log it.
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
     }
 
     pub(crate) fn sign(&self, message: &str) -> String {
@@ -62,6 +78,6 @@ impl TokenKey {
 
 impl fmt::Debug for TokenKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("TokenKey(<redacted>)")
+        write!(f, "TokenKey({}, <redacted>)", self.id)
     }
 }

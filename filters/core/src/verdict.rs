@@ -68,7 +68,10 @@ impl RejectReason {
     /// Classifies a token verification error.
     pub fn from_token_error(error: &TokenError) -> Self {
         match error {
-            TokenError::BadSignature | TokenError::Unsigned => Self::Forged,
+            TokenError::BadSignature
+            | TokenError::Unsigned
+            | TokenError::UnknownKey(_)
+            | TokenError::RetiredKey(_) => Self::Forged,
             TokenError::WrongResource => Self::OutOfScope,
             TokenError::Empty => Self::Missing,
             _ => Self::Malformed,

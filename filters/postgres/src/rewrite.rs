@@ -330,7 +330,7 @@ mod tests {
 
     #[test]
     fn reads_are_forwarded_unchanged() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let sql = "SELECT abalance FROM pgbench_accounts WHERE aid = 7;";
         assert_eq!(
             plan_query(sql, &classify(sql), &ctx(&policy, None, &[]), None),
@@ -340,7 +340,7 @@ mod tests {
 
     #[test]
     fn golden_simple_write() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let sql = "INSERT INTO t VALUES (1)";
         let plan = plan_query(
             sql,
@@ -359,7 +359,7 @@ mod tests {
 
     #[test]
     fn golden_comment_wins_and_transaction_boundaries_guard_again() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let sql = "BEGIN; INSERT INTO t VALUES (1) /* fencing_token='fg1~9~job' */; INSERT INTO t VALUES (2); COMMIT; DELETE FROM t";
         let plan = plan_query(
             sql,
@@ -391,7 +391,7 @@ mod tests {
 
     #[test]
     fn already_guarded_transaction_needs_no_second_guard() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let sql = "UPDATE t SET a = 2";
         let plan = plan_query(
             sql,
@@ -404,7 +404,7 @@ mod tests {
 
     #[test]
     fn refusals_name_the_reason() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let sql = "DELETE FROM t";
         let QueryPlan::Refuse(r) = plan_query(sql, &classify(sql), &ctx(&policy, None, &[]), None)
         else {
@@ -420,10 +420,7 @@ mod tests {
             panic!()
         };
         assert_eq!(r.reason, RejectReason::Malformed);
-        let signed = TokenPolicy {
-            key: fencegate_core::TokenKey::new(&[1u8; 32]),
-            accept_plain: false,
-        };
+        let signed = TokenPolicy::with_key(fencegate_core::TokenKey::new(1, &[1u8; 32]).unwrap());
         let QueryPlan::Refuse(r) = plan_query(
             sql,
             &classify(sql),
@@ -443,7 +440,7 @@ mod tests {
 
     #[test]
     fn unprotected_schema_and_set_token() {
-        let policy = TokenPolicy::default();
+        let policy = TokenPolicy::unsigned();
         let schemas = vec!["scratch".to_owned()];
         let sql = "DELETE FROM scratch.t";
         assert_eq!(

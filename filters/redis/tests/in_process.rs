@@ -26,7 +26,7 @@ async fn setup() -> Setup {
         ..RedisConfig::default()
     };
     let sink = Arc::new(MemoryAuditSink::default());
-    let gateway = Gateway::new(config, TokenPolicy::default(), sink.clone()).unwrap();
+    let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
     let listener = gateway.bind().await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(gateway.serve(listener));

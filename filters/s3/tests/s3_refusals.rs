@@ -134,12 +134,12 @@ fn missing_malformed_and_unsupported_are_refused_and_audited() {
 
 #[test]
 fn forged_tokens_are_refused_when_the_cluster_signs() {
-    let key = TokenKey::new(&[42u8; 32]).unwrap();
+    let key = TokenKey::new(1, &[42u8; 32]).unwrap();
     let h = Harness::with_key(&key);
     let signed = Token::new(Resource::new("job").unwrap(), Revision::new(4).unwrap())
         .signed(&key)
         .to_string();
-    let other = TokenKey::new(&[1u8; 32]).unwrap();
+    let other = TokenKey::new(1, &[1u8; 32]).unwrap();
     let forged = Token::new(Resource::new("job").unwrap(), Revision::new(900).unwrap())
         .signed(&other)
         .to_string();

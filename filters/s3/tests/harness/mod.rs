@@ -30,14 +30,11 @@ pub struct Harness {
 
 impl Harness {
     pub fn start() -> Self {
-        Self::with_policy(TokenPolicy::default())
+        Self::with_policy(TokenPolicy::unsigned())
     }
 
     pub fn with_key(key: &TokenKey) -> Self {
-        Self::with_policy(TokenPolicy {
-            key: Some(key.clone()),
-            accept_plain: false,
-        })
+        Self::with_policy(TokenPolicy::with_key(key.clone()))
     }
 
     pub fn with_policy(policy: TokenPolicy) -> Self {
@@ -48,13 +45,13 @@ impl Harness {
     /// `upstream_ca_file`); the gateway listens on plain HTTP. Sets `S3_CA_BUNDLE` so the
     /// boto3 script trusts moto directly too.
     pub fn with_tls_upstream() -> Self {
-        Self::build(TokenPolicy::default(), false, true)
+        Self::build(TokenPolicy::unsigned(), false, true)
     }
 
     /// A gateway serving HTTPS with a fresh self-signed certificate (clients trust
     /// [`Harness::ca_bundle`] through `S3_CA_BUNDLE`).
     pub fn with_tls() -> Self {
-        Self::build(TokenPolicy::default(), true, false)
+        Self::build(TokenPolicy::unsigned(), true, false)
     }
 
     /// The CA certificate clients must trust (HTTPS harnesses only).

@@ -1,0 +1,223 @@
+//! TLS for the node's own ports: the client API (server certificate) and the peer port (mutual
+//! TLS: a peer must present a certificate from the cluster CA), and the HTTP clients that talk
+//! to them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_rustls::TlsAcceptor;
+
+use crate::config::SecurityConfig;
+
+#[derive(Debug, Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} holds no PEM {what}")]
+    Empty { path: PathBuf, what: &'static str },
+    #[error("TLS setup with {path} failed: {message}")]
+    Setup { path: PathBuf, message: String },
+}
+
+/// The node's certificates, loaded once at start.
+#[derive(Clone)]
+pub struct NodeTls {
+    ca_pem: Vec<u8>,
+    identity_pem: Vec<u8>,
+    roots: Arc<RootCertStore>,
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<PrivateKeyDer<'static>>,
+    cert_path: PathBuf,
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = rustls_pemfile::certs(&mut &pem[..])
+        .collect::<Result<_, _>>()
+        .map_err(|source| TlsError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::Empty {
+            path: path.to_owned(),
+            what: "certificate",
+        });
+    }
+    Ok(certs)
+}
+
+impl NodeTls {
+    /// Loads the CA, certificate and key named by `security`; `None` when TLS is not configured.
+    pub fn load(security: &SecurityConfig) -> Result<Option<Self>, TlsError> {
+        let (Some(ca), Some(cert), Some(key)) =
+            (&security.ca_file, &security.cert_file, &security.key_file)
+        else {
+            return Ok(None);
+        };
+        // The S3 gateway's pingora pulls in a second rustls backend; pick one for the process.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let ca_pem = read(ca)?;
+        let mut roots = RootCertStore::empty();
+        for cert in certs(ca, &ca_pem)? {
+            roots.add(cert).map_err(|e| TlsError::Setup {
+                path: ca.clone(),
+                message: e.to_string(),
+            })?;
+        }
+        let cert_pem = read(cert)?;
+        let chain = certs(cert, &cert_pem)?;
+        let key_pem = read(key)?;
+        let private = rustls_pemfile::private_key(&mut &key_pem[..])
+            .map_err(|source| TlsError::Read {
+                path: key.clone(),
+                source,
+            })?
+            .ok_or_else(|| TlsError::Empty {
+                path: key.clone(),
+                what: "private key",
+            })?;
+        let mut identity_pem = cert_pem;
+        identity_pem.extend_from_slice(b"\n");
+        identity_pem.extend_from_slice(&key_pem);
+        let tls = Self {
+            ca_pem,
+            identity_pem,
+            roots: Arc::new(roots),
+            chain,
+            key: Arc::new(private),
+            cert_path: cert.clone(),
+        };
+        // Build both server configs once now, so a bad file fails `check-config` and start.
+        tls.api_acceptor()?;
+        tls.peer_acceptor()?;
+        Ok(Some(tls))
+    }
+
+    fn setup_err(&self, e: impl std::fmt::Display) -> TlsError {
+        TlsError::Setup {
+            path: self.cert_path.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// The API port: server authentication only (clients authenticate with bearer credentials).
+    pub fn api_acceptor(&self) -> Result<TlsAcceptor, TlsError> {
+        let config = ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(|e| self.setup_err(e))?;
+        Ok(TlsAcceptor::from(Arc::new(config)))
+    }
+
+    /// The peer port: a client certificate chaining to the cluster CA is required.
+    pub fn peer_acceptor(&self) -> Result<TlsAcceptor, TlsError> {
+        let verifier = WebPkiClientVerifier::builder(self.roots.clone())
+            .build()
+            .map_err(|e| self.setup_err(e))?;
+        let config = ServerConfig::builder()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(|e| self.setup_err(e))?;
+        Ok(TlsAcceptor::from(Arc::new(config)))
+    }
+
+    /// A client for peers: trusts only the cluster CA and presents this node's certificate.
+    pub fn peer_client(&self) -> Result<reqwest::Client, TlsError> {
+        let identity =
+            reqwest::Identity::from_pem(&self.identity_pem).map_err(|e| self.setup_err(e))?;
+        self.client_builder()?
+            .identity(identity)
+            .build()
+            .map_err(|e| self.setup_err(e))
+    }
+
+    /// A client for other nodes' APIs (forwarding to the leader): trusts the cluster CA.
+    pub fn api_client(&self) -> Result<reqwest::Client, TlsError> {
+        self.client_builder()?
+            .build()
+            .map_err(|e| self.setup_err(e))
+    }
+
+    fn client_builder(&self) -> Result<reqwest::ClientBuilder, TlsError> {
+        let ca = reqwest::Certificate::from_pem(&self.ca_pem).map_err(|e| self.setup_err(e))?;
+        Ok(reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(ca))
+    }
+}
+
+/// Resolves once `stop` turns true (or its sender is gone); holds no borrow of the value.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// How long a TLS handshake may take before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `app` over TLS on `listener` until `stop` turns true. Accept errors (EMFILE, say) are
+/// logged and retried, never fatal; each connection runs on its own task.
+pub async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = stopped(&mut stop) => return,
+        };
+        let (tcp, _) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let service = TowerToHyperService::new(app.clone());
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "TLS handshake refused");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let connection = builder.serve_connection(TokioIo::new(tls), service);
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = stopped(&mut stop) => {
+                    connection.as_mut().graceful_shutdown();
+                    let _ = connection.await;
+                }
+            }
+        });
+    }
+}

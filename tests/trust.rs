@@ -1,0 +1,547 @@
+//! Trust: the control plane needs credentials, peers need the cluster's certificate, tokens are
+//! signed by a key the cluster makes and rotates itself, and a wiped authority can be set above
+//! the fences the stores still hold.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use redis::AsyncCommands;
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use support::cluster::{free_port, Cluster, Security, BIN};
+use support::redis_server::RedisServer;
+
+/// A client that trusts the test cluster's CA and sends `credential` (a role's token file), or
+/// nothing.
+fn client(cluster: &Cluster, credential: Option<&str>) -> reqwest::Client {
+    let ca = std::fs::read(cluster.certs().join("ca.crt")).unwrap();
+    let mut builder = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap());
+    if let Some(role) = credential {
+        let secret =
+            std::fs::read_to_string(cluster.certs().join(format!("{role}.token"))).unwrap();
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(
+            reqwest::header::AUTHORIZATION,
+            format!("Bearer {}", secret.trim()).parse().unwrap(),
+        );
+        builder = builder.default_headers(headers);
+    }
+    builder.build().unwrap()
+}
+
+async fn send(
+    http: &reqwest::Client,
+    method: Method,
+    url: String,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let mut req = http.request(method, url).timeout(Duration::from_secs(30));
+    if let Some(body) = body {
+        req = req.json(&body);
+    }
+    let answer = req.send().await.expect("the node answers");
+    let status = answer.status();
+    (status, answer.json().await.unwrap_or(Value::Null))
+}
+
+/// The peer port of node `id`, read from its config.
+fn peer_port(cluster: &Cluster, id: u64) -> u16 {
+    let text = std::fs::read_to_string(&cluster.nodes[id as usize - 1].config).unwrap();
+    let line = text.lines().find(|l| l.starts_with("peer = ")).unwrap();
+    line.rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('"')
+        .parse()
+        .unwrap()
+}
+
+async fn term(cluster: &Cluster) -> u64 {
+    let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
+    status["term"].as_u64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_needs_credentials_and_peers_need_the_cluster_certificate() {
+    let cluster = Cluster::start_secured(Security::Tls, 3, "", |_| String::new(), &[]).await;
+    let url = |path: &str| format!("{}{path}", cluster.url(1));
+    let anonymous = client(&cluster, None);
+    let app = client(&cluster, Some("client"));
+    let admin = client(&cluster, Some("admin"));
+
+    // Without a credential: every lock and operations call is 401; probes stay open.
+    let snapshot_body = json!({ "format": "fencegate-snapshot/1", "revision": 0, "state": {} });
+    for (method, path, body) in [
+        (
+            Method::POST,
+            "/v1/locks/job",
+            Some(json!({ "ttl_ms": 5000 })),
+        ),
+        (Method::DELETE, "/v1/leases/1", None),
+        (Method::POST, "/v1/leases/1/keepalive", None),
+        (Method::GET, "/v1/snapshot", None),
+        (
+            Method::POST,
+            "/v1/snapshot/restore",
+            Some(snapshot_body.clone()),
+        ),
+        (Method::POST, "/v1/token-keys", None),
+    ] {
+        let (status, answer) = send(&anonymous, method.clone(), url(path), body).await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{method} {path}: {answer}"
+        );
+        assert_eq!(answer["error"], "unauthorized");
+    }
+    let (status, _) = send(&anonymous, Method::GET, url("/healthz"), None).await;
+    assert_eq!(status, StatusCode::OK);
+
+    // A client credential locks, but cannot run operations.
+    let (status, grant) = send(
+        &app,
+        Method::POST,
+        url("/v1/locks/job"),
+        Some(json!({ "ttl_ms": 30000 })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{grant}");
+    for (method, path, body) in [
+        (Method::GET, "/v1/snapshot", None),
+        (Method::POST, "/v1/snapshot/restore", Some(snapshot_body)),
+        (Method::POST, "/v1/revision/bump", Some(json!({ "by": 5 }))),
+        (Method::POST, "/v1/token-keys", None),
+    ] {
+        let (status, answer) = send(&app, method.clone(), url(path), body).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{method} {path}: {answer}");
+    }
+
+    // The lease handle is the holder's secret: its number alone, or a guessed secret, releases
+    // nothing (the same answer as for a lease that does not exist).
+    let handle = grant["lease_id"].as_str().unwrap();
+    let (number, secret) = handle.split_once('.').unwrap();
+    assert_eq!(secret.len(), 32, "128 random bits: {handle}");
+    for guess in [number.to_owned(), format!("{number}.{}", "0".repeat(32))] {
+        let (status, answer) = send(
+            &admin,
+            Method::DELETE,
+            url(&format!("/v1/leases/{guess}")),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{guess}: {answer}");
+        let (status, answer) = send(
+            &app,
+            Method::POST,
+            url(&format!("/v1/leases/{guess}/keepalive")),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{guess}: {answer}");
+    }
+    let (status, lock) = send(&app, Method::GET, url("/v1/locks/job"), None).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the lock survived the guesses: {lock}"
+    );
+    assert_eq!(lock["revision"], grant["revision"]);
+    let (status, answer) = send(
+        &app,
+        Method::DELETE,
+        url(&format!("/v1/leases/{handle}")),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let (status, _) = send(&admin, Method::GET, url("/v1/snapshot"), None).await;
+    assert_eq!(status, StatusCode::OK);
+
+    // Raft is not on the API port at all, and the peer port refuses a caller without a
+    // certificate of the cluster CA, or with one from another CA: forged votes move no term.
+    let before = term(&cluster).await;
+    let vote = json!({ "vote": { "leader_id": { "term": before + 1000, "node_id": 2 }, "committed": false }, "last_log_id": null });
+    let (status, _) = send(&admin, Method::POST, url("/raft/vote"), Some(vote.clone())).await;
+    assert_eq!(
+        status,
+        StatusCode::NOT_FOUND,
+        "Raft RPCs are not served on the API port"
+    );
+    let peer = format!("https://127.0.0.1:{}/raft/vote", peer_port(&cluster, 1));
+    let other_ca = tempfile::tempdir().unwrap();
+    let made = std::process::Command::new(BIN)
+        .args(["certs", "init", "--dir"])
+        .arg(other_ca.path())
+        .args(["--node", "9=127.0.0.1"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    let mut identity = std::fs::read(other_ca.path().join("node9.crt")).unwrap();
+    identity.extend(std::fs::read(other_ca.path().join("node9.key")).unwrap());
+    let stranger = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(&std::fs::read(cluster.certs().join("ca.crt")).unwrap())
+                .unwrap(),
+        )
+        .identity(reqwest::Identity::from_pem(&identity).unwrap())
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let mut attempts = 0;
+    while attempts < 200 && started.elapsed() < Duration::from_secs(10) {
+        attempts += 1;
+        for caller in [&anonymous, &stranger] {
+            let sent = caller
+                .post(&peer)
+                .json(&vote)
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await;
+            assert!(
+                sent.is_err(),
+                "the peer port answered a caller without the cluster's certificate: {sent:?}"
+            );
+        }
+    }
+    assert_eq!(term(&cluster).await, before, "forged votes moved the term");
+    // The cluster still works for those who hold credentials.
+    let (status, answer) = send(
+        &app,
+        Method::POST,
+        url("/v1/locks/job"),
+        Some(json!({ "ttl_ms": 5000 })),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+}
+
+/// Waits until node `id` lists key `kid` in `state` ("signing", "retired").
+async fn wait_key(cluster: &Cluster, id: u64, kid: u64, state: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, keys) = cluster.get(id, "/v1/token-keys").await.unwrap();
+        let found = keys["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["kid"].as_u64() == Some(kid) && k[state] == true);
+        if found {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node {id}: key {kid} not {state}: {keys}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs FENCE `token` then SET `key` through a gateway; returns the error text or "OK".
+async fn fenced_set(gateway: u16, token: &str, key: &str) -> String {
+    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{gateway}/"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let fenced: redis::RedisResult<String> =
+        redis::cmd("FENCE").arg(token).query_async(&mut conn).await;
+    if let Err(e) = fenced {
+        return e.to_string();
+    }
+    match conn.set::<_, _, String>(key, "v").await {
+        Ok(ok) => ok,
+        Err(e) => e.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_rotate_old_tokens_verify_until_retired() {
+    let redis = RedisServer::start();
+    let gateways: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let sections = |id: u64| {
+        format!(
+            "\n[redis]\nlisten = \"127.0.0.1:{}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"rot:*\"\nmode = \"enforce\"\n",
+            gateways[id as usize - 1],
+            redis.addr
+        )
+    };
+    let cluster = Cluster::start_secured(Security::Tls, 3, "", sections, &[]).await;
+    for port in &gateways {
+        support::s3_server::wait_for_port(*port, Duration::from_secs(30));
+    }
+    let first = cluster.acquire(1, "rot", 60_000).await;
+    let old = first["token"].as_str().unwrap().to_owned();
+    assert_eq!(
+        fencegate_core::Token::parse(&old).unwrap().key_id(),
+        Some(1),
+        "the cluster made key 1 and signs with it: {old}"
+    );
+    assert_eq!(fenced_set(gateways[1], &old, "rot:a").await, "OK");
+
+    let (code, out) = cluster.cli(&["token-key", "rotate", "--endpoint", &cluster.endpoints()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("\"kid\":2"), "{out}");
+    for id in 1..=3 {
+        wait_key(&cluster, id, 2, "signing").await;
+    }
+    cluster
+        .release(1, first["lease_id"].as_str().unwrap())
+        .await;
+    let second = cluster.acquire(2, "rot", 60_000).await;
+    let new = second["token"].as_str().unwrap().to_owned();
+    assert_eq!(
+        fencegate_core::Token::parse(&new).unwrap().key_id(),
+        Some(2)
+    );
+    // Every node verifies both while key 1 is active.
+    assert_eq!(fenced_set(gateways[2], &new, "rot:b").await, "OK");
+    let stale = fenced_set(gateways[2], &old, "rot:c").await;
+    assert!(
+        stale.contains("FENCED"),
+        "the old key still verifies, the fence decides: {stale}"
+    );
+
+    let (code, out) = cluster.cli(&[
+        "token-key",
+        "retire",
+        "1",
+        "--endpoint",
+        &cluster.endpoints(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    for id in 1..=3 {
+        wait_key(&cluster, id, 1, "retired").await;
+    }
+    let refused = fenced_set(gateways[0], &old, "rot:d").await;
+    assert!(
+        refused.contains("BADFENCE") && refused.contains("retired"),
+        "{refused}"
+    );
+    assert_eq!(fenced_set(gateways[0], &new, "rot:e").await, "OK");
+    // The last signing key cannot be retired.
+    let (code, out) = cluster.cli(&[
+        "token-key",
+        "retire",
+        "2",
+        "--endpoint",
+        &cluster.endpoints(),
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("last active key"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
+    let redis = RedisServer::start();
+    let gateway = free_port();
+    let section = |_: u64| {
+        format!(
+            "\n[redis]\nlisten = \"127.0.0.1:{gateway}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"wipe:*\"\nmode = \"enforce\"\n",
+            redis.addr
+        )
+    };
+    let mut direct = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    // The first authority's life: its tokens reach revision 501 and the store's fence follows.
+    {
+        let cluster = Cluster::start_configured(1, "", section, &[]).await;
+        support::s3_server::wait_for_port(gateway, Duration::from_secs(30));
+        let (status, bumped) = cluster
+            .call(
+                1,
+                Method::POST,
+                "/v1/revision/bump",
+                Some(json!({ "by": 500 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{bumped}");
+        let grant = cluster.acquire(1, "wipe", 60_000).await;
+        assert_eq!(grant["revision"], 501);
+        assert_eq!(
+            fenced_set(gateway, grant["token"].as_str().unwrap(), "wipe:k").await,
+            "OK"
+        );
+    }
+    let written: String = direct.get("wipe:k").await.unwrap();
+
+    // Its data is lost; a fresh authority starts at 1. Every write is refused as stale, and the
+    // node names the gap instead of blaming the client.
+    {
+        let cluster = Cluster::start_configured(1, "", section, &[]).await;
+        support::s3_server::wait_for_port(gateway, Duration::from_secs(30));
+        let grant = cluster.acquire(1, "wipe", 60_000).await;
+        assert_eq!(grant["revision"], 1);
+        let refused = fenced_set(gateway, grant["token"].as_str().unwrap(), "wipe:k").await;
+        assert!(refused.contains("FENCED"), "{refused}");
+        let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
+        assert_eq!(status["fence_above_authority"], 501, "{status}");
+        let (_, metrics) = (
+            (),
+            reqwest::get(format!("{}/metrics", cluster.url(1)))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap(),
+        );
+        assert!(
+            metrics.contains("fencegate_fence_above_authority 1"),
+            "{metrics}"
+        );
+    }
+    assert_eq!(direct.get::<_, String>("wipe:k").await.unwrap(), written);
+
+    // Started with initial_revision above the fence, its tokens pass.
+    {
+        let cluster = Cluster::start_configured(1, "initial_revision = 1000", section, &[]).await;
+        support::s3_server::wait_for_port(gateway, Duration::from_secs(30));
+        let grant = cluster.acquire(1, "wipe", 60_000).await;
+        assert_eq!(grant["revision"], 1001, "{grant}");
+        assert_eq!(
+            fenced_set(gateway, grant["token"].as_str().unwrap(), "wipe:k").await,
+            "OK"
+        );
+    }
+}
+
+/// With the default security (TLS, credentials, the cluster's own key), a typed or forged token
+/// is refused by all three gateways before any store I/O: no data, no fence, one `forged`
+/// audit record each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_gateway_refuses_unsigned_and_forged_tokens_before_the_store() {
+    use support::postgres_server::{cli, PgServer};
+    use support::s3_server::{run_client, wait_for_port, MotoServer};
+
+    let redis = RedisServer::start();
+    let pg = PgServer::start();
+    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(code, 0, "fencegate postgres install: {out}{err}");
+    pg.psql_as(
+        "postgres",
+        "CREATE TABLE ledger (id int PRIMARY KEY, note text)",
+    );
+    let moto = MotoServer::start();
+    let created = moto.direct(json!([{"op": "create_bucket", "bucket": "vault"}]));
+    assert_eq!(created[0]["ok"], true, "{created}");
+    let [redis_port, pg_port, s3_port] = [free_port(), free_port(), free_port()];
+    let sections = |_: u64| {
+        format!(
+            "\n[redis]\nlisten = \"127.0.0.1:{redis_port}\"\nupstream = \"{}\"\n\n\
+             [[redis.protect]]\npattern = \"vault:*\"\nmode = \"enforce\"\n\n\
+             [postgres]\nlisten = \"127.0.0.1:{pg_port}\"\nupstream = \"{}\"\nresource = \"vault\"\n\n\
+             [s3]\nlisten = \"127.0.0.1:{s3_port}\"\nupstream = \"{}\"\n\
+             upstream_access_key = \"gateway\"\nupstream_secret_env = \"S3_UPSTREAM_SECRET\"\n\
+             clients_env = \"S3_CLIENTS\"\n\n\
+             [[s3.protect]]\nbucket = \"vault\"\nprefix = \"\"\nresource = \"vault\"\n",
+            redis.addr,
+            pg.addr(),
+            moto.endpoint,
+        )
+    };
+    let cluster = Cluster::start_secured(
+        Security::Tls,
+        1,
+        "",
+        sections,
+        &[
+            ("S3_UPSTREAM_SECRET", "gateway-secret"),
+            ("S3_CLIENTS", "AKIDVAULT:vault-secret"),
+        ],
+    )
+    .await;
+    for port in [redis_port, pg_port, s3_port] {
+        wait_for_port(port, Duration::from_secs(30));
+    }
+    // The cluster has a key (one real acquire), so "forged" below is a wrong key, not no key.
+    let real = cluster.acquire(1, "other", 10_000).await;
+    assert!(
+        fencegate_core::Token::parse(real["token"].as_str().unwrap())
+            .unwrap()
+            .is_signed()
+    );
+
+    let max = fencegate_core::Revision::MAX;
+    let unsigned = format!("fg1~{max}~vault");
+    let stranger_key =
+        fencegate_core::TokenKey::new(1, b"a key this cluster never made....").unwrap();
+    let forged = fencegate_core::Token::new(
+        fencegate_core::Resource::new("vault").unwrap(),
+        fencegate_core::Revision::new(max).unwrap(),
+    )
+    .signed(&stranger_key)
+    .to_string();
+
+    for token in [&unsigned, &forged] {
+        // Redis: FENCE itself refuses the token.
+        let answer = fenced_set(redis_port, token, "vault:k").await;
+        assert!(answer.starts_with("BADFENCE"), "redis: {answer}");
+        // PostgreSQL: the token as the session setting, then a write.
+        let dsn = format!(
+            "host=127.0.0.1 port={pg_port} user=postgres dbname=postgres options='-c fencegate.token={token}'"
+        );
+        let answer = match tokio_postgres::connect(&dsn, tokio_postgres::NoTls).await {
+            Err(e) => e.to_string(),
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                match client
+                    .execute("INSERT INTO ledger VALUES (1, 'forged')", &[])
+                    .await
+                {
+                    Ok(n) => format!("inserted {n}"),
+                    Err(e) => format!("{e:?}"),
+                }
+            }
+        };
+        assert!(
+            answer.contains("forged") || answer.contains("unsigned"),
+            "postgres: {answer}"
+        );
+        // S3: a PUT with the token.
+        let results = run_client(
+            &format!("http://127.0.0.1:{s3_port}"),
+            "AKIDVAULT",
+            "vault-secret",
+            json!([{"op": "put", "bucket": "vault", "key": "k", "body": "forged", "token": token}]),
+        );
+        assert_eq!(results[0]["status"], 403, "s3: {results}");
+    }
+
+    // Nothing reached a store: no Redis key or fence key, no row, no fence row, no object.
+    let mut direct = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys: Vec<String> = direct.keys("*").await.unwrap();
+    assert!(
+        keys.iter().all(|k| !k.contains("vault")),
+        "redis has {keys:?}"
+    );
+    let rows = pg.psql_as(
+        "postgres",
+        "SELECT (SELECT count(*) FROM ledger) || '/' || (SELECT count(*) FROM fencegate.fences)",
+    );
+    assert_eq!(rows.trim(), "0/0", "postgres rows/fences");
+    let got = moto.direct(json!([{"op": "get", "bucket": "vault", "key": "k"}]));
+    assert_eq!(got[0]["ok"], false, "s3 object exists: {got}");
+
+    // One audit record per refusal, each `forged`.
+    let records = support::audit::records(&cluster.data_dir(1).join("audit"));
+    let forged_by_store = |store: &str| {
+        records
+            .iter()
+            .filter(|r| r["store"] == store && r["reason"] == "forged")
+            .count()
+    };
+    for store in ["redis", "postgres", "s3"] {
+        assert_eq!(forged_by_store(store), 2, "{store}: {records:?}");
+    }
+}
