@@ -47,6 +47,23 @@ pub struct RedisConfig {
     /// Protected key patterns; the first match decides.
     #[serde(default = "default_protect")]
     pub protect: Vec<ProtectRule>,
+    /// Redis Functions (`FCALL` names) clients may call while a rule enforces. A script cannot
+    /// run under the fence, so a call is accepted only when every key it declares is
+    /// unprotected; the operator vouches that the function writes no key it does not declare.
+    #[serde(default)]
+    pub allow_functions: Vec<String>,
+    /// Cached scripts (`EVALSHA` SHA-1, hex) clients may call while a rule enforces; same rule
+    /// as `allow_functions`. `EVAL` with an inline body is never allowed then.
+    #[serde(default)]
+    pub allow_scripts: Vec<String>,
+    /// Enforce even when the upstream may evict fence keys (`maxmemory-policy allkeys-*`). An
+    /// evicted fence lets a stale write through; set only if nothing can fill memory.
+    #[serde(default)]
+    pub accept_evictable_fences: bool,
+    /// Enforce even when the upstream persists nothing (no RDB `save`, no AOF): a restart
+    /// loses every fence and lets stale writes through.
+    #[serde(default)]
+    pub accept_unpersisted_fences: bool,
 }
 
 /// One protection rule.
@@ -96,6 +113,10 @@ impl Default for RedisConfig {
             password_env: None,
             max_request_bytes: default_max_request_bytes(),
             protect: default_protect(),
+            allow_functions: Vec::new(),
+            allow_scripts: Vec::new(),
+            accept_evictable_fences: false,
+            accept_unpersisted_fences: false,
         }
     }
 }
@@ -113,6 +134,24 @@ impl RedisConfig {
             return Err(RedisError::Config(
                 "a protect rule has an empty pattern".to_owned(),
             ));
+        }
+        if let Some(name) = self
+            .allow_functions
+            .iter()
+            .find(|f| f.to_ascii_lowercase().starts_with("fencegate_"))
+        {
+            return Err(RedisError::Config(format!(
+                "allow_functions names {name}: functions named fencegate_* are the gateway's own and never callable by clients"
+            )));
+        }
+        if let Some(sha) = self
+            .allow_scripts
+            .iter()
+            .find(|s| s.len() != 40 || !s.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(RedisError::Config(format!(
+                "allow_scripts entry {sha:?} is not a SHA-1 (40 hex digits, as SCRIPT LOAD returns)"
+            )));
         }
         if self.username.is_some() && self.password_env.is_none() {
             return Err(RedisError::Config(
@@ -133,6 +172,20 @@ impl RedisConfig {
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
     pub fn enforces_any(&self) -> bool {
         self.protect.iter().any(|r| r.mode == ProtectMode::Enforce)
+    }
+
+    /// Whether clients may call this Redis Function (by name, case-insensitive as in Redis).
+    pub fn allows_function(&self, name: &[u8]) -> bool {
+        self.allow_functions
+            .iter()
+            .any(|f| f.as_bytes().eq_ignore_ascii_case(name))
+    }
+
+    /// Whether clients may call the cached script with this SHA-1.
+    pub fn allows_script(&self, sha: &[u8]) -> bool {
+        self.allow_scripts
+            .iter()
+            .any(|s| s.as_bytes().eq_ignore_ascii_case(sha))
     }
 
     /// The upstream password, read from the configured environment variable.
