@@ -333,6 +333,13 @@ impl Reader {
                     "protected writes are not accepted on a connection in pub/sub or MONITOR mode";
                 self.refuse(&request, RejectReason::Unsupported, detail, batch)
             }
+            Class::Fence { .. } if self.gateway.fences_at_risk() => {
+                let detail = format!(
+                    "protected writes are refused while fence keys are at risk upstream: {}",
+                    self.gateway.health().err().unwrap_or_default()
+                );
+                self.refuse(&request, RejectReason::Unsupported, &detail, batch)
+            }
             Class::Fence { keys } => match self.token.clone() {
                 None => {
                     let detail = format!("{name} writes a protected key; send FENCE <token> on this connection first");
