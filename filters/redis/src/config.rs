@@ -7,6 +7,13 @@
 //! username = "gateway"               # optional ACL user for the upstream connection
 //! password_env = "REDIS_PASSWORD"    # optional: name of the env var holding its password
 //! max_request_bytes = 67108864       # larger requests are refused and the connection closed
+//! partial_request_timeout_seconds = 30  # a request must arrive whole this soon after its start
+//! idle_timeout_seconds = 0           # close silent connections after this long (0: never)
+//! max_buffered_bytes = 536870912     # partial requests of all connections together
+//! allow_functions = []               # FCALL names allowed while a rule enforces (see below)
+//! allow_scripts = []                 # EVALSHA SHA-1s allowed while a rule enforces
+//! accept_evictable_fences = false    # enforce even under maxmemory-policy allkeys-*
+//! accept_unpersisted_fences = false  # enforce even without appendonly yes
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
 //! # rule matches are not protected. Default: one rule, `*` enforced (every key).
@@ -44,6 +51,18 @@ pub struct RedisConfig {
     /// The largest request accepted from a client, in bytes.
     #[serde(default = "default_max_request_bytes")]
     pub max_request_bytes: usize,
+    /// A request must arrive whole within this many seconds of its first byte, or the
+    /// connection is closed (a client trickling bytes holds buffers and a task).
+    #[serde(default = "default_partial_request_timeout")]
+    pub partial_request_timeout_seconds: u64,
+    /// Close connections that send nothing for this many seconds; 0 (default) never does
+    /// (pooled and pub/sub connections are idle by design).
+    #[serde(default)]
+    pub idle_timeout_seconds: u64,
+    /// Bytes of partial requests all connections together may buffer; the connection whose
+    /// read goes over is closed.
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
     /// Protected key patterns; the first match decides.
     #[serde(default = "default_protect")]
     pub protect: Vec<ProtectRule>,
@@ -97,6 +116,12 @@ fn default_upstream() -> String {
 fn default_max_request_bytes() -> usize {
     64 * 1024 * 1024
 }
+fn default_partial_request_timeout() -> u64 {
+    30
+}
+fn default_max_buffered_bytes() -> usize {
+    512 * 1024 * 1024
+}
 fn default_protect() -> Vec<ProtectRule> {
     vec![ProtectRule {
         pattern: "*".to_owned(),
@@ -112,6 +137,9 @@ impl Default for RedisConfig {
             username: None,
             password_env: None,
             max_request_bytes: default_max_request_bytes(),
+            partial_request_timeout_seconds: default_partial_request_timeout(),
+            idle_timeout_seconds: 0,
+            max_buffered_bytes: default_max_buffered_bytes(),
             protect: default_protect(),
             allow_functions: Vec::new(),
             allow_scripts: Vec::new(),
@@ -128,6 +156,17 @@ impl RedisConfig {
             return Err(RedisError::Config(format!(
                 "max_request_bytes ({}) must be at least 1024",
                 self.max_request_bytes
+            )));
+        }
+        if self.partial_request_timeout_seconds == 0 {
+            return Err(RedisError::Config(
+                "partial_request_timeout_seconds must be at least 1".to_owned(),
+            ));
+        }
+        if self.max_buffered_bytes < self.max_request_bytes {
+            return Err(RedisError::Config(format!(
+                "max_buffered_bytes ({}) must be at least max_request_bytes ({})",
+                self.max_buffered_bytes, self.max_request_bytes
             )));
         }
         if self.protect.iter().any(|r| r.pattern.is_empty()) {

@@ -2,7 +2,7 @@
 //! learned from the upstream.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ pub struct Gateway {
     degraded: std::sync::Mutex<Option<String>>,
     /// Set while fence keys are at risk: sessions refuse fenced writes.
     at_risk: AtomicBool,
+    /// Bytes of partial requests buffered by all sessions (see `max_buffered_bytes`).
+    pub(crate) buffered: AtomicUsize,
 }
 
 /// How often the upstream's eviction and persistence settings are checked again.
@@ -56,6 +58,7 @@ impl Gateway {
             connections: AtomicU64::new(0),
             degraded: std::sync::Mutex::new(None),
             at_risk: AtomicBool::new(false),
+            buffered: AtomicUsize::new(0),
         }))
     }
 
@@ -159,11 +162,20 @@ impl Gateway {
                 let _ = gateway.info().await;
             }
         });
+        let mut backoff = Duration::from_millis(10);
         loop {
-            let (socket, peer) = listener
-                .accept()
-                .await
-                .map_err(RedisError::io("accepting a Redis client"))?;
+            let (socket, peer) = match listener.accept().await {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // EMFILE, ENFILE, ENOBUFS, a connection reset before accept: transient.
+                    // Ending here would stop the gateway for good while its process lives.
+                    tracing::error!(error = %e, retry_in = ?backoff, "accepting a Redis client failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(10);
             let gateway = self.clone();
             tokio::spawn(async move { session::run(gateway, socket, peer).await });
         }

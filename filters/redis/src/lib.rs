@@ -21,6 +21,7 @@ pub mod error;
 pub mod frame;
 mod gateway;
 pub mod glob;
+pub mod request_parser;
 pub mod rewrite;
 mod session;
 pub mod upstream;

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Token};
@@ -27,6 +28,7 @@ use crate::classify::{classify, Class};
 use crate::error::{FrameError, RedisError};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
+use crate::request_parser::RequestParser;
 use crate::rewrite::rewrite;
 use crate::upstream::{self, UpstreamInfo};
 
@@ -63,6 +65,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         sent: 0,
     }));
     let resp3 = Arc::new(AtomicBool::new(false));
+    let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = mpsc::channel(SLOT_QUEUE);
     let reader = Reader {
         gateway: gateway.clone(),
@@ -77,8 +80,10 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         token: None,
         multi: None,
         relay: false,
-        identity: None,
+        identity: identity.clone(),
         requests: 0,
+        parser: RequestParser::default(),
+        held: 0,
     };
     let writer = Writer {
         gateway,
@@ -91,6 +96,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         stash: VecDeque::new(),
         received: 0,
         resp3,
+        identity,
         relay: false,
         slots: rx,
     };
@@ -129,8 +135,14 @@ enum Expect {
     Plain,
     /// Read the reply and answer with this frame instead.
     Replace(Frame),
-    /// A `HELLO`: when it fails, the protocol stays what it was.
-    Hello { previous: bool },
+    /// A `HELLO`: when it fails, the protocol stays what it was; when it succeeds with `AUTH`,
+    /// the user becomes the audit identity.
+    Hello {
+        previous: bool,
+        user: Option<String>,
+    },
+    /// An `AUTH`: the user becomes the audit identity only if Redis accepts it.
+    Auth(String),
     /// The reply to `SUBSCRIBE`/`MONITOR`: relay it and every later upstream frame as it comes.
     EnterRelay,
     /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
@@ -171,8 +183,24 @@ struct Reader {
     token: Option<Token>,
     multi: Option<Multi>,
     relay: bool,
-    identity: Option<String>,
+    /// The user of the last successful `AUTH`/`HELLO ... AUTH` (set by the writer, which sees
+    /// the reply).
+    identity: Identity,
     requests: u64,
+    /// Parse state of the request at the front of `buf`, kept across reads.
+    parser: RequestParser,
+    /// Bytes this connection counts in the gateway's `buffered` total.
+    held: usize,
+}
+
+type Identity = Arc<std::sync::Mutex<Option<String>>>;
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.gateway
+            .buffered
+            .fetch_sub(self.held, Ordering::Relaxed);
+    }
 }
 
 /// One batch of work from one read: bytes for the upstream and slots for the writer.
@@ -192,18 +220,52 @@ impl Batch {
 
 impl Reader {
     async fn run(mut self) -> Result<(), RedisError> {
+        let config = &self.gateway.config;
+        let partial = Duration::from_secs(config.partial_request_timeout_seconds);
+        let idle = Duration::from_secs(config.idle_timeout_seconds);
+        let mut started = tokio::time::Instant::now();
         loop {
-            let n = read(&mut self.client, &mut self.buf)
-                .await
-                .map_err(RedisError::io("reading from client"))?;
+            // A partial request must be complete `partial` after its first byte arrived (a
+            // deadline, not a per-read timeout: a byte every few seconds must not keep it).
+            let read_result = if !self.buf.is_empty() {
+                tokio::time::timeout_at(started + partial, read(&mut self.client, &mut self.buf))
+                    .await
+                    .ok()
+            } else if !idle.is_zero() {
+                tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
+                    .await
+                    .ok()
+            } else {
+                Some(read(&mut self.client, &mut self.buf).await)
+            };
+            let Some(n) = read_result else {
+                let text = if self.buf.is_empty() {
+                    format!(
+                        "ERR fencegate: no request for {}s; closing the connection",
+                        idle.as_secs()
+                    )
+                } else {
+                    format!("ERR fencegate: a request was still incomplete {}s after it began; closing the connection", partial.as_secs())
+                };
+                tracing::info!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "{text}");
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return Ok(());
+            };
+            let was_empty = self.buf.len() == n.as_ref().map_or(0, |n| *n);
+            let n = n.map_err(RedisError::io("reading from client"))?;
             if n == 0 {
                 return Ok(());
+            }
+            if was_empty {
+                started = tokio::time::Instant::now();
             }
             let mut batch = Batch::default();
             let mut fatal = None;
             loop {
-                match frame::parse_request(&self.buf, &self.gateway.limits) {
+                match self.parser.next(&self.buf, &self.gateway.limits) {
                     Ok(Some(request)) => {
+                        started = tokio::time::Instant::now();
                         self.buf.advance(request.wire_len);
                         self.handle(request, &mut batch);
                     }
@@ -227,6 +289,17 @@ impl Reader {
                     return Ok(());
                 }
             }
+            if fatal.is_none() && !self.account_buffered() {
+                let text = format!(
+                    "ERR fencegate: the gateway's budget for partial requests (max_buffered_bytes = {}) is used up; closing this connection, which holds {} bytes of an incomplete request",
+                    self.gateway.config.max_buffered_bytes,
+                    self.buf.len()
+                );
+                tracing::warn!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "partial-request budget exhausted; closing the connection");
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return Ok(());
+            }
             if let Some(e) = fatal {
                 tracing::info!(conn = self.id, peer = %self.peer, error = %e, "client broke the protocol; closing");
                 let text = match e {
@@ -241,6 +314,20 @@ impl Reader {
                 });
             }
         }
+    }
+
+    /// Counts this connection's buffered bytes in the gateway's total; `false` when the total
+    /// is over budget and this connection holds a partial request.
+    fn account_buffered(&mut self) -> bool {
+        let now = self.buf.len();
+        let buffered = &self.gateway.buffered;
+        let total = if now >= self.held {
+            buffered.fetch_add(now - self.held, Ordering::Relaxed) + (now - self.held)
+        } else {
+            buffered.fetch_sub(self.held - now, Ordering::Relaxed) - (self.held - now)
+        };
+        self.held = now;
+        now == 0 || total <= self.gateway.config.max_buffered_bytes
     }
 
     fn handle(&mut self, request: Request, batch: &mut Batch) {
@@ -271,13 +358,15 @@ impl Reader {
                 }
                 return self.pass(args, batch);
             }
-            "AUTH" => {
-                self.identity = Some(if args.len() >= 3 {
+            "AUTH" if self.multi.is_none() && !self.relay => {
+                let user = if args.len() >= 3 {
                     lossy(&args[1], 64)
                 } else {
                     "default".to_owned()
-                });
-                return self.pass(args, batch);
+                };
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::Auth(user)));
+                return;
             }
             "HELLO" if self.multi.is_none() => {
                 let previous = self.resp3.load(Ordering::Relaxed);
@@ -286,13 +375,15 @@ impl Reader {
                     Some(b"2") => self.resp3.store(false, Ordering::Relaxed),
                     _ => {}
                 }
-                if let Some(i) = args.iter().position(|a| a.eq_ignore_ascii_case(b"AUTH")) {
-                    if let Some(user) = args.get(i + 1) {
-                        self.identity = Some(lossy(user, 64));
-                    }
-                }
+                let user = args
+                    .iter()
+                    .position(|a| a.eq_ignore_ascii_case(b"AUTH"))
+                    .and_then(|i| args.get(i + 1))
+                    .map(|u| lossy(u, 64));
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::Hello { previous }));
+                batch
+                    .slots
+                    .push(Slot::Upstream(Expect::Hello { previous, user }));
                 return;
             }
             // Replies are matched to requests in order; a server that stops replying would
@@ -536,7 +627,11 @@ impl Reader {
         let mut event = AuditEvent {
             store: STORE.to_owned(),
             client_addr: self.peer.to_string(),
-            client_identity: self.identity.clone(),
+            client_identity: self
+                .identity
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             resource: None,
             token: None,
             token_signed: false,
@@ -594,6 +689,7 @@ struct Writer {
     /// Replies read so far (not counting push frames).
     received: u64,
     resp3: Arc<AtomicBool>,
+    identity: Identity,
     relay: bool,
     slots: mpsc::Receiver<Slot>,
 }
@@ -668,9 +764,17 @@ impl Writer {
         match expect {
             Expect::Plain => self.out().extend_from_slice(&raw),
             Expect::Replace(replacement) => replacement.encode(self.out()),
-            Expect::Hello { previous } => {
+            Expect::Hello { previous, user } => {
                 if frame.as_error().is_some() {
                     self.resp3.store(previous, Ordering::Relaxed);
+                } else if let Some(user) = user {
+                    *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
+                }
+                self.out().extend_from_slice(&raw);
+            }
+            Expect::Auth(user) => {
+                if frame.as_error().is_none() {
+                    *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
                 }
                 self.out().extend_from_slice(&raw);
             }
