@@ -128,6 +128,11 @@ impl Gateway {
         }
     }
 
+    /// Bytes of partial requests all sessions buffer now (bounded by `max_buffered_bytes`).
+    pub fn buffered_bytes(&self) -> usize {
+        self.buffered.load(Ordering::Relaxed)
+    }
+
     /// Whether sessions must refuse fenced writes now.
     pub(crate) fn fences_at_risk(&self) -> bool {
         self.at_risk.load(Ordering::Relaxed)
