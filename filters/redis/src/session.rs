@@ -79,7 +79,6 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         resp3: resp3.clone(),
         token: None,
         multi: None,
-        relay: false,
         identity: identity.clone(),
         requests: 0,
         parser: RequestParser::default(),
@@ -94,10 +93,10 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         ubuf: BytesMut::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
-        received: 0,
+        completed: 0,
         resp3,
         identity,
-        relay: false,
+        subscriptions: Default::default(),
         slots: rx,
     };
     let mut reader = tokio::spawn(reader.run());
@@ -143,8 +142,11 @@ enum Expect {
     },
     /// An `AUTH`: the user becomes the audit identity only if Redis accepts it.
     Auth(String),
-    /// The reply to `SUBSCRIBE`/`MONITOR`: relay it and every later upstream frame as it comes.
-    EnterRelay,
+    /// A (un)subscribe command of this kind naming `channels` channels (0: all of them): one
+    /// confirmation per channel (RESP3: as push frames), or a single error.
+    PubSub { kind: SubKind, channels: usize },
+    /// `RESET`: the connection leaves every subscription.
+    Reset,
     /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
     /// script if it is missing.
     Fenced(Box<FenceContext>),
@@ -182,7 +184,6 @@ struct Reader {
     resp3: Arc<AtomicBool>,
     token: Option<Token>,
     multi: Option<Multi>,
-    relay: bool,
     /// The user of the last successful `AUTH`/`HELLO ... AUTH` (set by the writer, which sees
     /// the reply).
     identity: Identity,
@@ -350,15 +351,19 @@ impl Reader {
                 return self.pass(args, batch);
             }
             "EXEC" if self.multi.is_some() => return self.exec(batch),
-            "DISCARD" | "RESET" => {
+            "DISCARD" => {
                 self.multi = None;
-                if name == "RESET" {
-                    self.token = None;
-                    self.resp3.store(false, Ordering::Relaxed);
-                }
                 return self.pass(args, batch);
             }
-            "AUTH" if self.multi.is_none() && !self.relay => {
+            "RESET" => {
+                self.multi = None;
+                self.token = None;
+                self.resp3.store(false, Ordering::Relaxed);
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::Reset));
+                return;
+            }
+            "AUTH" if self.multi.is_none() => {
                 let user = if args.len() >= 3 {
                     lossy(&args[1], 64)
                 } else {
@@ -397,12 +402,27 @@ impl Reader {
                 batch.slots.push(Slot::Local(Frame::error(text)));
                 return;
             }
-            "SUBSCRIBE" | "PSUBSCRIBE" | "SSUBSCRIBE" | "MONITOR"
-                if self.multi.is_none() && !self.relay =>
-            {
-                self.relay = true;
+            // These answer with a stream that is not one reply per request.
+            "MONITOR" | "SYNC" | "PSYNC" | "REPLCONF" => {
+                let text = format!("ERR fencegate: {name} is not supported through the gateway; connect to Redis directly");
+                batch.slots.push(Slot::Local(Frame::error(&text)));
+                return;
+            }
+            _ if SubKind::of(&name).is_some() => {
+                if let Some(multi) = &mut self.multi {
+                    // Inside EXEC the confirmations would arrive as one array, and the
+                    // connection would change mode mid-transaction: not worth the risk.
+                    multi.dirty = true;
+                    let text = format!("ERR fencegate: {name} inside MULTI is not supported; subscribe outside the transaction");
+                    batch.slots.push(Slot::Local(Frame::error(&text)));
+                    return;
+                }
+                let kind = SubKind::of(&name).expect("checked");
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::EnterRelay));
+                batch.slots.push(Slot::Upstream(Expect::PubSub {
+                    kind,
+                    channels: args.len() - 1,
+                }));
                 return;
             }
             _ => {}
@@ -419,11 +439,6 @@ impl Reader {
             Class::Pass => self.pass(args, batch),
             Class::Unknown => self.unknown(&request, batch),
             Class::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
-            Class::Fence { .. } if self.relay => {
-                let detail =
-                    "protected writes are not accepted on a connection in pub/sub or MONITOR mode";
-                self.refuse(&request, RejectReason::Unsupported, detail, batch)
-            }
             Class::Fence { .. } if self.gateway.fences_at_risk() => {
                 let detail = format!(
                     "protected writes are refused while fence keys are at risk upstream: {}",
@@ -590,9 +605,7 @@ impl Reader {
 
     fn pass(&mut self, args: &[Bytes], batch: &mut Batch) {
         batch.forward(args);
-        if !self.relay {
-            batch.slots.push(Slot::Upstream(Expect::Plain));
-        }
+        batch.slots.push(Slot::Upstream(Expect::Plain));
     }
 
     fn refuse(&mut self, request: &Request, reason: RejectReason, detail: &str, batch: &mut Batch) {
@@ -686,12 +699,35 @@ struct Writer {
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
-    /// Replies read so far (not counting push frames).
-    received: u64,
+    /// Upstream slots fully answered so far (for the reload-and-retry bookkeeping).
+    completed: u64,
     resp3: Arc<AtomicBool>,
     identity: Identity,
-    relay: bool,
+    /// Channels, patterns and shard channels this connection is subscribed to, as Redis
+    /// confirmed them: tells how many confirmations an argument-less unsubscribe gets, and
+    /// whether a RESP2 `message` array is a message or a reply.
+    subscriptions: [std::collections::HashSet<Bytes>; 3],
     slots: mpsc::Receiver<Slot>,
+}
+
+/// The three kinds of subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SubKind {
+    Channel = 0,
+    Pattern = 1,
+    Shard = 2,
+}
+
+impl SubKind {
+    /// The kind a (un)subscribe command or confirmation name is about.
+    fn of(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "subscribe" | "unsubscribe" => Self::Channel,
+            "psubscribe" | "punsubscribe" => Self::Pattern,
+            "ssubscribe" | "sunsubscribe" => Self::Shard,
+            _ => return None,
+        })
+    }
 }
 
 impl Writer {
@@ -709,7 +745,7 @@ impl Writer {
                 Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
                 Err(mpsc::error::TryRecvError::Empty) => {
                     self.flush().await?;
-                    if self.relay {
+                    if self.listening() {
                         match self.relay_until_slot().await? {
                             Some(slot) => slot,
                             None => return Ok(()),
@@ -729,20 +765,74 @@ impl Writer {
                     frame.encode(self.out());
                 }
                 Slot::Close => return Ok(()),
-                Slot::Upstream(_) if self.relay => {}
                 Slot::Upstream(expect) => {
                     let reply = self.next_reply().await?;
                     self.deliver(expect, reply).await?;
+                    self.completed += 1;
                 }
             }
         }
     }
 
-    /// In pub/sub or MONITOR mode: forward upstream frames as they come until a slot arrives.
+    /// Whether upstream frames can arrive unasked (subscribed, or RESP3 push frames).
+    fn listening(&self) -> bool {
+        self.resp3.load(Ordering::Relaxed) || self.subscriptions.iter().any(|s| !s.is_empty())
+    }
+
+    /// Whether an upstream frame is out of band (a pub/sub message, an invalidation), not the
+    /// reply to a request: RESP3 push frames other than (un)subscribe confirmations, and in
+    /// RESP2 while subscribed, `message`/`pmessage`/`smessage` arrays.
+    fn out_of_band(&self, frame: &Frame) -> bool {
+        let kind = |items: &[Frame]| match items.first() {
+            Some(Frame::Bulk(k)) | Some(Frame::Simple(k)) => {
+                String::from_utf8_lossy(k).to_ascii_lowercase()
+            }
+            _ => String::new(),
+        };
+        match frame {
+            Frame::Push(items) => SubKind::of(&kind(items)).is_none(),
+            Frame::Array(items) if self.subscriptions.iter().any(|s| !s.is_empty()) => {
+                matches!(kind(items).as_str(), "message" | "pmessage" | "smessage")
+            }
+            _ => false,
+        }
+    }
+
+    /// Applies a (un)subscribe confirmation to the subscription sets.
+    fn confirmed(&mut self, frame: &Frame) {
+        let (Frame::Push(items) | Frame::Array(items)) = frame else {
+            return;
+        };
+        let (Some(Frame::Bulk(kind) | Frame::Simple(kind)), Some(channel)) =
+            (items.first(), items.get(1))
+        else {
+            return;
+        };
+        let kind = String::from_utf8_lossy(kind).to_ascii_lowercase();
+        let Some(sub) = SubKind::of(&kind) else {
+            return;
+        };
+        let Frame::Bulk(channel) = channel else {
+            return;
+        };
+        let set = &mut self.subscriptions[sub as usize];
+        if kind.contains("unsubscribe") {
+            set.remove(channel);
+        } else {
+            set.insert(channel.clone());
+        }
+    }
+
+    /// While subscribed or in RESP3: forward out-of-band frames as they come, keep replies
+    /// for their slots, until a slot arrives.
     async fn relay_until_slot(&mut self) -> Result<Option<Slot>, RedisError> {
         loop {
-            while let Some((_, raw)) = self.parse_upstream()? {
-                self.out().extend_from_slice(&raw);
+            while let Some((frame, raw)) = self.parse_upstream()? {
+                if self.out_of_band(&frame) {
+                    self.out().extend_from_slice(&raw);
+                } else {
+                    self.stash.push_back((frame, raw));
+                }
             }
             self.flush().await?;
             tokio::select! {
@@ -778,8 +868,28 @@ impl Writer {
                 }
                 self.out().extend_from_slice(&raw);
             }
-            Expect::EnterRelay => {
-                self.relay = true;
+            Expect::PubSub { kind, channels } => {
+                let expected = match channels {
+                    0 => self.subscriptions[kind as usize].len().max(1),
+                    n => n,
+                };
+                let mut next = Some((frame, raw));
+                for i in 0..expected {
+                    let (frame, raw) = match next.take() {
+                        Some(reply) => reply,
+                        None => self.next_reply().await?,
+                    };
+                    self.out().extend_from_slice(&raw);
+                    if frame.as_error().is_some() && i == 0 {
+                        break;
+                    }
+                    self.confirmed(&frame);
+                }
+            }
+            Expect::Reset => {
+                for set in &mut self.subscriptions {
+                    set.clear();
+                }
                 self.out().extend_from_slice(&raw);
             }
             Expect::Fenced(ctx) => {
@@ -837,21 +947,21 @@ impl Writer {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
                     while let Some((frame, raw)) = self.parse_upstream()? {
-                        if matches!(frame, Frame::Push(_)) {
+                        if self.out_of_band(&frame) {
                             self.out().extend_from_slice(&raw);
                         } else {
-                            self.received += 1;
                             self.stash.push_back((frame, raw));
                         }
                     }
                 }
             }
         };
-        if self.received < up.sent || !self.stash.is_empty() {
+        // This slot is the (completed + 1)th: anything sent after it is still in flight.
+        if self.completed + 1 < up.sent || !self.stash.is_empty() {
             tracing::warn!(
                 conn = self.id,
                 sent = up.sent,
-                received = self.received,
+                completed = self.completed,
                 stashed = self.stash.len(),
                 "a pipelined fenced write met a missing fence function; answered TRYAGAIN"
             );
@@ -896,15 +1006,14 @@ impl Writer {
         }
     }
 
-    /// The next upstream reply; RESP3 push frames met on the way go straight to the client.
+    /// The next upstream reply; out-of-band frames met on the way go straight to the client.
     async fn read_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
         loop {
             while let Some((frame, raw)) = self.parse_upstream()? {
-                if matches!(frame, Frame::Push(_)) {
+                if self.out_of_band(&frame) {
                     self.out().extend_from_slice(&raw);
                     continue;
                 }
-                self.received += 1;
                 return Ok((frame, raw));
             }
             self.flush().await?;
