@@ -259,10 +259,12 @@ mod tests {
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
+                    resource: None,
                 },
                 ProtectRule {
                     pattern: "billing:*".into(),
                     mode: ProtectMode::Enforce,
+                    resource: Some("billing".into()),
                 },
             ],
             ..RedisConfig::default()
@@ -314,6 +316,7 @@ mod tests {
             protect: vec![ProtectRule {
                 pattern: "billing:*".into(),
                 mode: ProtectMode::Enforce,
+                resource: Some("billing".into()),
             }],
             allow_functions: vec!["counter_bump".into()],
             allow_scripts: vec!["0123456789abcdef0123456789abcdef01234567".into()],

@@ -16,13 +16,16 @@
 //! accept_unpersisted_fences = false  # enforce even without appendonly yes
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
-//! # rule matches are not protected. Default: one rule, `*` enforced (every key).
+//! # rule matches are not protected. Default: one rule, `*` enforced with resource "*" (every
+//! # key, a token of any resource). An enforce rule must name its resource: fixed, or a
+//! # template of the pattern's `*` captures ({1} = what the first `*` matched).
 //! [[redis.protect]]
 //! pattern = "cache:*"
 //! mode = "off"
 //! [[redis.protect]]
-//! pattern = "*"
+//! pattern = "billing:*:*"
 //! mode = "enforce"
+//! resource = "billing:{1}"
 //! ```
 
 use std::net::SocketAddr;
@@ -94,6 +97,25 @@ pub struct ProtectRule {
     /// `enforce` (writes need a current token) or `off` (pass through).
     #[serde(default)]
     pub mode: ProtectMode,
+    /// With `enforce`: the resource whose tokens may write matching keys (a token for another
+    /// resource is refused `-BADFENCE`, out of scope). A fixed name (`billing`), or a template
+    /// whose `{1}`, `{2}`... are the texts the pattern's first, second... `*` matched (pattern
+    /// `billing:*:*`, resource `billing:{1}`: key `billing:2026:09` belongs to `billing:2026`;
+    /// each `*` binds the shortest text that lets the rest match, left to right). `*` alone:
+    /// any resource's token may write (no scope; the built-in default rule).
+    #[serde(default)]
+    pub resource: Option<String>,
+}
+
+/// Which resource a protected key belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// No enforce rule matches the key.
+    Unprotected,
+    /// Protected; a token for any resource may write it.
+    AnyResource,
+    /// Protected; only a token for this resource may write it.
+    Resource(String),
 }
 
 /// Whether writes to matching keys are fenced.
@@ -106,6 +128,9 @@ pub enum ProtectMode {
     /// Writes pass through unchanged.
     Off,
 }
+
+/// `resource = "*"`: no scope.
+pub const ANY_RESOURCE: &str = "*";
 
 fn default_listen() -> SocketAddr {
     "127.0.0.1:6380".parse().expect("literal address")
@@ -126,6 +151,7 @@ fn default_protect() -> Vec<ProtectRule> {
     vec![ProtectRule {
         pattern: "*".to_owned(),
         mode: ProtectMode::Enforce,
+        resource: Some(ANY_RESOURCE.to_owned()),
     }]
 }
 
@@ -192,6 +218,9 @@ impl RedisConfig {
                 "allow_scripts entry {sha:?} is not a SHA-1 (40 hex digits, as SCRIPT LOAD returns)"
             )));
         }
+        for (i, rule) in self.protect.iter().enumerate() {
+            rule.validate(i + 1)?;
+        }
         if self.username.is_some() && self.password_env.is_none() {
             return Err(RedisError::Config(
                 "username is set but password_env is not".to_owned(),
@@ -206,6 +235,28 @@ impl RedisConfig {
             .iter()
             .find(|r| glob::matches(r.pattern.as_bytes(), key))
             .map_or(ProtectMode::Off, |r| r.mode)
+    }
+
+    /// The resource `key` belongs to: from the first matching rule, if it enforces.
+    pub fn scope_for(&self, key: &[u8]) -> Scope {
+        let Some(rule) = self
+            .protect
+            .iter()
+            .find(|r| glob::matches(r.pattern.as_bytes(), key))
+        else {
+            return Scope::Unprotected;
+        };
+        if rule.mode == ProtectMode::Off {
+            return Scope::Unprotected;
+        }
+        match rule.resource.as_deref() {
+            None | Some(ANY_RESOURCE) => Scope::AnyResource,
+            Some(template) if !template.contains('{') => Scope::Resource(template.to_owned()),
+            Some(template) => {
+                let caps = glob::captures(rule.pattern.as_bytes(), key).unwrap_or_default();
+                Scope::Resource(expand(template, &caps))
+            }
+        }
     }
 
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
@@ -236,6 +287,86 @@ impl RedisConfig {
             }),
         }
     }
+}
+
+impl ProtectRule {
+    fn validate(&self, n: usize) -> Result<(), RedisError> {
+        let bad = |why: String| {
+            RedisError::Config(format!(
+                "protect rule {n} (pattern {:?}): {why}",
+                self.pattern
+            ))
+        };
+        if self.mode == ProtectMode::Off {
+            return Ok(());
+        }
+        let Some(template) = &self.resource else {
+            return Err(bad(
+                "mode enforce needs a resource: the resource whose tokens may write these keys, e.g. resource = \"billing\", or a template taking the pattern's * captures, e.g. pattern = \"billing:*:*\" with resource = \"billing:{1}\" (resource = \"*\" accepts any resource's token: no scope)".to_owned(),
+            ));
+        };
+        if template == ANY_RESOURCE {
+            return Ok(());
+        }
+        let stars = self.pattern.bytes().filter(|b| *b == b'*').count();
+        let placeholders = placeholders(template).map_err(|e| bad(e.to_owned()))?;
+        if let Some(&max) = placeholders.iter().max() {
+            if !glob::star_only(self.pattern.as_bytes()) {
+                return Err(bad(format!(
+                    "resource {template:?} uses captures, which need a pattern whose only wildcard is * (no ?, [ ], or \\)"
+                )));
+            }
+            if max == 0 || max > stars {
+                return Err(bad(format!(
+                    "resource {template:?} uses {{{max}}}, but the pattern has {stars} * (captures are numbered from 1)"
+                )));
+            }
+        }
+        let sample = expand(template, &vec![&b"x"[..]; stars]);
+        fencegate_core::Resource::new(sample).map_err(|e| {
+            bad(format!(
+                "resource {template:?} does not make a valid resource name: {e}"
+            ))
+        })?;
+        Ok(())
+    }
+}
+
+/// The capture numbers a template uses (`{1}` -> 1).
+fn placeholders(template: &str) -> Result<Vec<usize>, &'static str> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let close = rest[open..]
+            .find('}')
+            .ok_or("resource has a { without a closing }")?;
+        let n = rest[open + 1..open + close]
+            .parse()
+            .map_err(|_| "resource has {...} that is not a capture number like {1}")?;
+        out.push(n);
+        rest = &rest[open + close + 1..];
+    }
+    Ok(out)
+}
+
+/// `template` with `{n}` replaced by capture n (lossy UTF-8; an invalid name is refused when
+/// the token is compared, as no token can name it).
+fn expand(template: &str, captures: &[&[u8]]) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let n: usize = rest[open + 1..open + close].parse().unwrap_or(0);
+        if let Some(c) = n.checked_sub(1).and_then(|i| captures.get(i)) {
+            out.push_str(&String::from_utf8_lossy(c));
+        }
+        rest = &rest[open + close + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -277,16 +408,77 @@ mod tests {
     }
 
     #[test]
+    fn enforce_rules_name_their_resource() {
+        let parse = |t: &str| toml::from_str::<RedisConfig>(t).unwrap().validate();
+        let err = parse("[[protect]]\npattern = \"billing:*\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("protect rule 1 (pattern \"billing:*\"): mode enforce needs a resource"),
+            "{err}"
+        );
+        parse("[[protect]]\npattern = \"cache:*\"\nmode = \"off\"\n").unwrap();
+        parse("[[protect]]\npattern = \"billing:*\"\nresource = \"billing\"\n").unwrap();
+        parse("[[protect]]\npattern = \"billing:*:*\"\nresource = \"billing:{1}\"\n").unwrap();
+        parse("[[protect]]\npattern = \"*\"\nresource = \"*\"\n").unwrap();
+        for (toml, says) in [
+            (
+                "pattern = \"billing:*\"\nresource = \"billing:{2}\"",
+                "uses {2}, but the pattern has 1 *",
+            ),
+            (
+                "pattern = \"billing:?*\"\nresource = \"b:{1}\"",
+                "need a pattern whose only wildcard is *",
+            ),
+            (
+                "pattern = \"billing:*\"\nresource = \"bil ling\"",
+                "does not make a valid resource name",
+            ),
+            (
+                "pattern = \"billing:*\"\nresource = \"b:{x}\"",
+                "not a capture number",
+            ),
+        ] {
+            let err = parse(&format!("[[protect]]\n{toml}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{toml}: {err}");
+        }
+    }
+
+    #[test]
+    fn scope_from_fixed_names_and_captures() {
+        let c: RedisConfig = toml::from_str(
+            "[[protect]]\npattern = \"cache:*\"\nmode = \"off\"\n\
+             [[protect]]\npattern = \"billing:*:*\"\nresource = \"billing:{1}\"\n\
+             [[protect]]\npattern = \"jobs:*\"\nresource = \"jobs\"\n\
+             [[protect]]\npattern = \"*\"\nresource = \"*\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.scope_for(b"cache:x"), Scope::Unprotected);
+        assert_eq!(
+            c.scope_for(b"billing:2026-09-28:chunk:3"),
+            Scope::Resource("billing:2026-09-28".into())
+        );
+        assert_eq!(c.scope_for(b"jobs:7"), Scope::Resource("jobs".into()));
+        assert_eq!(c.scope_for(b"other"), Scope::AnyResource);
+        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::AnyResource);
+    }
+
+    #[test]
     fn first_matching_rule_decides() {
         let c = RedisConfig {
             protect: vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
+                    resource: None,
                 },
                 ProtectRule {
                     pattern: "billing:*".into(),
                     mode: ProtectMode::Enforce,
+                    resource: Some("billing".into()),
                 },
             ],
             ..RedisConfig::default()

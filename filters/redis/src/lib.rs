@@ -23,9 +23,11 @@ mod gateway;
 pub mod glob;
 pub mod request_parser;
 pub mod rewrite;
+pub mod scope;
 mod session;
+mod text;
 pub mod upstream;
 
-pub use config::{ProtectMode, ProtectRule, RedisConfig};
+pub use config::{ProtectMode, ProtectRule, RedisConfig, Scope};
 pub use error::{FrameError, RedisError};
 pub use gateway::Gateway;

@@ -30,6 +30,8 @@ use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
 use crate::request_parser::RequestParser;
 use crate::rewrite::rewrite;
+use crate::scope;
+use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
@@ -452,6 +454,9 @@ impl Reader {
                     self.refuse(&request, RejectReason::Missing, &detail, batch)
                 }
                 Some(token) => {
+                    if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
+                        return self.refuse(&request, RejectReason::OutOfScope, &detail, batch);
+                    }
                     let resp3 = self.resp3.load(Ordering::Relaxed);
                     let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
                     let event = self.event(&request, &keys, Some(&token));
@@ -508,6 +513,9 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
+        if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
+            return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
+        }
         let call = rewrite(
             &self.info.mode,
             &token,
@@ -678,15 +686,6 @@ fn fill_token(event: &mut AuditEvent, token: &Token) {
     event.token = Some(token.unsigned_form());
     event.token_signed = token.is_signed();
     event.revision = Some(token.revision().get());
-}
-
-/// Text for logs and audit records: lossy UTF-8, at most `max` bytes.
-fn lossy(bytes: &[u8], max: usize) -> String {
-    let mut text = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]).into_owned();
-    if bytes.len() > max {
-        text.push('…');
-    }
-    text
 }
 
 struct Writer {

@@ -35,10 +35,12 @@ async fn setup() -> Setup {
             ProtectRule {
                 pattern: "cache:*".into(),
                 mode: ProtectMode::Off,
+                resource: None,
             },
             ProtectRule {
                 pattern: "billing:*".into(),
                 mode: ProtectMode::Enforce,
+                resource: Some("billing".into()),
             },
         ],
         ..RedisConfig::default()
@@ -338,4 +340,35 @@ async fn other_databases_cannot_carry_a_stale_value_into_database_0() {
         v
     };
     assert_eq!(selected_db_1, None, "something was written in database 1");
+}
+
+#[tokio::test]
+async fn a_token_for_another_resource_is_out_of_scope() {
+    let mut s = setup().await;
+    // A higher revision of another resource's lease must not write billing's keys.
+    let mut other = s.client(Some("fg1~99~payroll")).await;
+    let err = q::<()>(&mut other, &["SET", "billing:x", "payroll wrote this"])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("BADFENCE"), "{err}");
+    assert!(
+        err.to_string().contains(
+            "out of scope: key billing:x belongs to resource billing, the token is for payroll"
+        ),
+        "{err}"
+    );
+    s.assert_untouched().await;
+    s.assert_one_record("out_of_scope", "SET");
+    // Inside a transaction too: the queued write is refused and EXEC aborts.
+    let mut pipe = redis::pipe();
+    pipe.atomic().cmd("SET").arg("billing:x").arg("again");
+    let err = pipe.query_async::<Value>(&mut other).await.unwrap_err();
+    assert!(
+        err.code() == Some("BADFENCE") || err.to_string().contains("EXECABORT"),
+        "{err}"
+    );
+    s.assert_untouched().await;
+    s.assert_one_record("out_of_scope", "SET");
+    // Unprotected keys are anyone's.
+    q::<()>(&mut other, &["SET", "cache:y", "1"]).await.unwrap();
 }
