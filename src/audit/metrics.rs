@@ -3,6 +3,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -23,6 +24,10 @@ struct RefusedLabels {
 pub struct FenceCounters {
     applied: Family<StoreLabel, Counter>,
     refused: Family<RefusedLabels, Counter>,
+    /// 1 while the audit directory is over its size budget (an alarm).
+    over_budget: Gauge,
+    /// Refusals counted but not written because the log was over budget.
+    suppressed: Counter,
 }
 
 impl FenceCounters {
@@ -38,6 +43,31 @@ impl FenceCounters {
             "Refused writes whose audit record is on disk, by store and reason",
             self.refused.clone(),
         );
+        registry.register(
+            "audit_over_budget",
+            "1 while the audit directory is over max_total_bytes: tokenless/malformed refusals are only counted",
+            self.over_budget.clone(),
+        );
+        registry.register(
+            "audit_suppressed",
+            "Tokenless or malformed refusals not written because the audit log was over its size budget",
+            self.suppressed.clone(),
+        );
+    }
+
+    /// Sets the over-budget alarm.
+    pub fn set_over_budget(&self, over: bool) {
+        self.over_budget.set(i64::from(over));
+    }
+
+    /// Counts one refusal not written (over budget).
+    pub fn suppressed(&self) {
+        self.suppressed.inc();
+    }
+
+    /// Whether the over-budget alarm is on.
+    pub fn over_budget(&self) -> bool {
+        self.over_budget.get() != 0
     }
 
     /// Counts one applied fenced write.
