@@ -16,6 +16,7 @@
 pub mod classify;
 pub mod command_table;
 pub mod config;
+pub mod decide;
 pub mod durability;
 pub mod error;
 pub mod frame;

@@ -25,6 +25,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
 
 use crate::classify::{classify, Class};
+use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
@@ -429,46 +430,40 @@ impl Reader {
             }
             _ => {}
         }
-        let class = classify(&self.info.table, &self.gateway.config, args);
         if let Some(multi) = &mut self.multi {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
+                let class = classify(&self.info.table, &self.gateway.config, args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
-        match class {
-            Class::Pass => self.pass(args, batch),
-            Class::Unknown => self.unknown(&request, batch),
-            Class::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
-            Class::Fence { .. } if self.gateway.fences_at_risk() => {
-                let detail = format!(
-                    "protected writes are refused while fence keys are at risk upstream: {}",
-                    self.gateway.health().err().unwrap_or_default()
-                );
-                self.refuse(&request, RejectReason::Unsupported, &detail, batch)
+        let risk = self
+            .gateway
+            .fences_at_risk()
+            .then(|| self.gateway.health().err().unwrap_or_default());
+        let inputs = Inputs {
+            table: &self.info.table,
+            config: &self.gateway.config,
+            token: self.token.as_ref(),
+            fences_at_risk: risk.as_deref(),
+        };
+        match decide(&inputs, args) {
+            Decision::Pass => self.pass(args, batch),
+            Decision::Unknown => self.unknown(&request, batch),
+            Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
+            Decision::Fence { keys, token } => {
+                let resp3 = self.resp3.load(Ordering::Relaxed);
+                let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
+                let event = self.event(&request, &keys, Some(&token));
+                batch.forward(&call);
+                batch
+                    .slots
+                    .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                        event,
+                        call,
+                    }))));
             }
-            Class::Fence { keys } => match self.token.clone() {
-                None => {
-                    let detail = format!("{name} writes a protected key; send FENCE <token> on this connection first");
-                    self.refuse(&request, RejectReason::Missing, &detail, batch)
-                }
-                Some(token) => {
-                    if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
-                        return self.refuse(&request, RejectReason::OutOfScope, &detail, batch);
-                    }
-                    let resp3 = self.resp3.load(Ordering::Relaxed);
-                    let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
-                    let event = self.event(&request, &keys, Some(&token));
-                    batch.forward(&call);
-                    batch
-                        .slots
-                        .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                            event,
-                            call,
-                        }))));
-                }
-            },
         }
     }
 
@@ -515,6 +510,10 @@ impl Reader {
             .expect("fenced transaction has a token");
         if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
             return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
+        }
+        if self.gateway.fences_at_risk() {
+            let detail = decide::at_risk(&self.gateway.health().err().unwrap_or_default());
+            return self.refuse(request, RejectReason::Unsupported, &detail, batch);
         }
         let call = rewrite(
             &self.info.mode,
@@ -583,7 +582,7 @@ impl Reader {
                     event.detail = e.to_string();
                     tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
                     batch.slots.push(Slot::Refuse(
-                        Frame::error(&format!("BADFENCE {e}")),
+                        Frame::error(&decide::refusal_text(&reason, &e.to_string())),
                         Box::new(event),
                     ));
                     return;
@@ -631,15 +630,10 @@ impl Reader {
         let mut event = self.event(request, &keys, token.as_ref());
         event.reason = reason.label().to_owned();
         event.detail = detail.to_owned();
-        let word = match reason {
-            RejectReason::Missing => "NOFENCE",
-            RejectReason::Malformed | RejectReason::Forged | RejectReason::OutOfScope => "BADFENCE",
-            RejectReason::Stale { .. } => "FENCED",
-            RejectReason::Unsupported => "UNFENCEABLE",
-        };
+
         tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
         batch.slots.push(Slot::Refuse(
-            Frame::error(&format!("{word} {detail}")),
+            Frame::error(&decide::refusal_text(&reason, detail)),
             Box::new(event),
         ));
     }
