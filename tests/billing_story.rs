@@ -84,7 +84,7 @@ impl World {
             let [redis_port, pg_port, s3_port] = gateways[&id];
             format!(
                 "\n[redis]\nlisten = \"127.0.0.1:{redis_port}\"\nupstream = \"{redis_up}\"\n\n\
-                 [[redis.protect]]\npattern = \"billing:*\"\nmode = \"enforce\"\n\n\
+                 [[redis.protect]]\npattern = \"billing:*\"\nmode = \"enforce\"\nresource = \"{RESOURCE}\"\n\n\
                  [postgres]\nlisten = \"127.0.0.1:{pg_port}\"\nupstream = \"{pg_up}\"\nresource = \"{RESOURCE}\"\n\n\
                  [s3]\nlisten = \"127.0.0.1:{s3_port}\"\nupstream = \"{s3_up}\"\n\
                  upstream_access_key = \"gateway\"\nupstream_secret_env = \"S3_UPSTREAM_SECRET\"\n\

@@ -200,24 +200,9 @@ async fn missing_and_malformed_tokens_are_refused() {
     assert_eq!(err.code(), Some("NOFENCE"), "{err}");
     let v: Option<String> = q(&mut direct, &["GET", "k"]).await.unwrap();
     assert_eq!(v, None);
-    let reasons: Vec<String> = gw
-        .audit_records()
-        .iter()
-        .map(|r| r["reason"].as_str().unwrap().to_owned())
-        .collect();
-    assert_eq!(
-        reasons,
-        [
-            "missing",
-            "malformed",
-            "malformed",
-            "malformed",
-            "malformed",
-            "malformed",
-            "missing",
-            "missing"
-        ]
-    );
+    // Floods of tokenless or malformed refusals from one client may be written as one
+    // aggregate record per second that counts them; every refusal is accounted for.
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 3), ("malformed", 5)]);
     println!(
         "done-means 3: missing token -> NOFENCE, malformed tokens -> BADFENCE, 8 audit records"
     );

@@ -265,7 +265,7 @@ async fn keys_rotate_old_tokens_verify_until_retired() {
     let gateways: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let sections = |id: u64| {
         format!(
-            "\n[redis]\nlisten = \"127.0.0.1:{}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"rot:*\"\nmode = \"enforce\"\n",
+            "\n[redis]\nlisten = \"127.0.0.1:{}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"rot:*\"\nmode = \"enforce\"\nresource = \"rot\"\n",
             gateways[id as usize - 1],
             redis.addr
         )
@@ -341,7 +341,7 @@ async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
     let gateway = free_port();
     let section = |_: u64| {
         format!(
-            "\n[redis]\nlisten = \"127.0.0.1:{gateway}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"wipe:*\"\nmode = \"enforce\"\n",
+            "\n[redis]\nlisten = \"127.0.0.1:{gateway}\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"wipe:*\"\nmode = \"enforce\"\nresource = \"wipe\"\n",
             redis.addr
         )
     };
@@ -435,7 +435,7 @@ async fn every_gateway_refuses_unsigned_and_forged_tokens_before_the_store() {
     let sections = |_: u64| {
         format!(
             "\n[redis]\nlisten = \"127.0.0.1:{redis_port}\"\nupstream = \"{}\"\n\n\
-             [[redis.protect]]\npattern = \"vault:*\"\nmode = \"enforce\"\n\n\
+             [[redis.protect]]\npattern = \"vault:*\"\nmode = \"enforce\"\nresource = \"vault\"\n\n\
              [postgres]\nlisten = \"127.0.0.1:{pg_port}\"\nupstream = \"{}\"\nresource = \"vault\"\n\n\
              [s3]\nlisten = \"127.0.0.1:{s3_port}\"\nupstream = \"{}\"\n\
              upstream_access_key = \"gateway\"\nupstream_secret_env = \"S3_UPSTREAM_SECRET\"\n\

@@ -31,6 +31,10 @@ pub struct FenceCounters {
     highest_fence: Arc<AtomicU64>,
     /// 1 while that fence is above every revision the authority has issued.
     above_authority: Gauge,
+    /// 1 while the audit directory is over its size budget (an alarm).
+    over_budget: Gauge,
+    /// Refusals counted but not written because the log was over budget.
+    suppressed: Counter,
 }
 
 impl FenceCounters {
@@ -50,6 +54,16 @@ impl FenceCounters {
             "fence_above_authority",
             "1 when a store reported a fence above every revision the authority has issued (the authority was reset: set authority.initial_revision or run `fencegate snapshot bump`)",
             self.above_authority.clone(),
+        );
+        registry.register(
+            "audit_over_budget",
+            "1 while the audit directory is over max_total_bytes: tokenless/malformed refusals are only counted",
+            self.over_budget.clone(),
+        );
+        registry.register(
+            "audit_suppressed",
+            "Tokenless or malformed refusals not written because the audit log was over its size budget",
+            self.suppressed.clone(),
         );
     }
 
@@ -71,6 +85,21 @@ impl FenceCounters {
             self.above_authority.set(0);
         }
         above.then_some(fence)
+    }
+
+    /// Sets the over-budget alarm.
+    pub fn set_over_budget(&self, over: bool) {
+        self.over_budget.set(i64::from(over));
+    }
+
+    /// Counts one refusal not written (over budget).
+    pub fn suppressed(&self) {
+        self.suppressed.inc();
+    }
+
+    /// Whether the over-budget alarm is on.
+    pub fn over_budget(&self) -> bool {
+        self.over_budget.get() != 0
     }
 
     /// Counts one applied fenced write.

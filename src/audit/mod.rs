@@ -9,7 +9,12 @@
 //!
 //! Files in the audit directory: `audit.jsonl` (being written) and `audit-<first seq>.jsonl`
 //! (rotated, first seq zero-padded to 20 digits so names sort in chain order).
+//!
+//! A flood of tokenless or malformed requests cannot fill the disk: such refusals are
+//! aggregated per client and second (`aggregate`), and the directory has a size budget
+//! (`max_total_bytes`) with an alarm metric.
 
+mod aggregate;
 mod files;
 mod metrics;
 pub mod query;
@@ -40,6 +45,12 @@ pub struct AuditConfig {
     /// The most records written per fsync.
     #[serde(default = "default_batch")]
     pub batch: usize,
+    /// Size budget of the whole audit directory, in bytes. Over it, aggregated refusals
+    /// (tokenless, malformed) are only counted (`fencegate_audit_suppressed_total`), others are
+    /// still written, and `fencegate_audit_over_budget` is 1: an alarm to act on (archive
+    /// rotated files). Keep the audit directory on its own volume, away from the Raft log.
+    #[serde(default = "default_max_total_bytes")]
+    pub max_total_bytes: u64,
 }
 
 fn default_max_file_bytes() -> u64 {
@@ -51,6 +62,9 @@ fn default_queue() -> usize {
 fn default_batch() -> usize {
     512
 }
+fn default_max_total_bytes() -> u64 {
+    1024 * 1024 * 1024
+}
 
 impl Default for AuditConfig {
     fn default() -> Self {
@@ -59,6 +73,7 @@ impl Default for AuditConfig {
             max_file_bytes: default_max_file_bytes(),
             queue: default_queue(),
             batch: default_batch(),
+            max_total_bytes: default_max_total_bytes(),
         }
     }
 }

@@ -4,13 +4,15 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use fencegate_core::{
     now_millis, AuditEvent, AuditRecord, AuditSink, AuditSinkError, SinkFuture, GENESIS_HASH,
 };
 use tokio::sync::{mpsc, oneshot};
 
+use super::aggregate::{Admit, Aggregator};
 use super::files::{self, rotated_name, ACTIVE};
 use super::{io_error, AuditConfig, AuditError, FenceCounters};
 
@@ -27,12 +29,19 @@ pub struct AuditWriter;
 pub struct AuditHandle {
     queue: mpsc::Sender<Submission>,
     counters: FenceCounters,
+    aggregator: Arc<Mutex<Aggregator>>,
 }
+
+/// Reasons that are only counted while the log is over its size budget (the aggregated ones).
+const SUPPRESSIBLE: &[&str] = &["missing", "malformed"];
 
 struct State {
     dir: PathBuf,
     node: String,
     max_file_bytes: u64,
+    /// Bytes of every file in the directory, and the budget for them.
+    total_bytes: u64,
+    max_total_bytes: u64,
     file: File,
     file_bytes: u64,
     /// Seq of the first record in the active file (for its name when rotated).
@@ -53,8 +62,9 @@ impl AuditWriter {
         counters: FenceCounters,
     ) -> Result<AuditHandle, AuditError> {
         let dir = config.dir(data_dir);
-        let state = State::open(&dir, node, config.max_file_bytes)?;
-        tracing::info!(dir = %dir.display(), last_seq = state.last_seq, "audit log open");
+        let mut state = State::open(&dir, node, config.max_file_bytes)?;
+        state.max_total_bytes = config.max_total_bytes;
+        tracing::info!(dir = %dir.display(), last_seq = state.last_seq, bytes = state.total_bytes, budget = state.max_total_bytes, "audit log open");
         let (queue, rx) = mpsc::channel(config.queue.max(1));
         let batch = config.batch.max(1);
         let thread_counters = counters.clone();
@@ -62,7 +72,28 @@ impl AuditWriter {
             .name("audit-writer".into())
             .spawn(move || run(state, rx, batch, thread_counters))
             .map_err(io_error(&dir))?;
-        Ok(AuditHandle { queue, counters })
+        let aggregator = Arc::new(Mutex::new(Aggregator::default()));
+        // Writes each second's aggregates once the second is over, even if no refusal follows.
+        let (weak, ticking) = (queue.downgrade(), aggregator.clone());
+        std::thread::Builder::new()
+            .name("audit-aggregate".into())
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(500));
+                let Some(queue) = weak.upgrade() else { return };
+                let due = lock(&ticking).take_due(now_millis() / 1000);
+                for event in due {
+                    let (done, _) = oneshot::channel();
+                    if queue.blocking_send(Submission { event, done }).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(io_error(&dir))?;
+        Ok(AuditHandle {
+            queue,
+            counters,
+            aggregator,
+        })
     }
 }
 
@@ -79,6 +110,29 @@ fn run(
                 Ok(s) => submissions.push(s),
                 Err(_) => break,
             }
+        }
+        let over = state.total_bytes >= state.max_total_bytes;
+        if over != counters.over_budget() {
+            if over {
+                tracing::error!(bytes = state.total_bytes, budget = state.max_total_bytes, "audit log over its size budget: tokenless and malformed refusals are now only counted; archive rotated files");
+            } else {
+                tracing::info!("audit log back under its size budget");
+            }
+            counters.set_over_budget(over);
+        }
+        if over {
+            let (dropped, kept): (Vec<_>, Vec<_>) = submissions
+                .into_iter()
+                .partition(|s| SUPPRESSIBLE.contains(&s.event.reason.as_str()));
+            for s in dropped {
+                counters.suppressed();
+                counters.refused(&s.event.store, &s.event.reason);
+                let _ = s.done.send(Ok(()));
+            }
+            if kept.is_empty() {
+                continue;
+            }
+            submissions = kept;
         }
         let result = state.append(submissions.iter().map(|s| &s.event));
         if let Err(e) = &result {
@@ -148,6 +202,8 @@ impl State {
             dir: dir.to_owned(),
             node: node.to_owned(),
             max_file_bytes,
+            total_bytes: dir_bytes(dir),
+            max_total_bytes: u64::MAX,
             file,
             file_bytes,
             file_first_seq: in_active.last().map(|r| r.seq),
@@ -197,6 +253,7 @@ impl State {
             .map_err(io_error(&path))?;
         self.file.sync_data().map_err(io_error(&path))?;
         self.file_bytes += text.len() as u64;
+        self.total_bytes += text.len() as u64;
         self.last_seq = seq;
         self.last_hash = hash;
         files::write_head(
@@ -228,6 +285,23 @@ impl State {
     }
 }
 
+/// Bytes of the regular files in `dir` (unreadable entries count as empty).
+fn dir_bytes(dir: &Path) -> u64 {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn lock(aggregator: &Mutex<Aggregator>) -> std::sync::MutexGuard<'_, Aggregator> {
+    aggregator.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn sync_dir(dir: &Path) -> Result<(), AuditError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -244,6 +318,22 @@ impl AuditHandle {
 impl AuditSink for AuditHandle {
     fn refused(&self, event: AuditEvent) -> SinkFuture<'_> {
         Box::pin(async move {
+            let (admit, due) = lock(&self.aggregator).admit(&event, now_millis() / 1000);
+            for aggregate in due {
+                let (done, _) = oneshot::channel();
+                self.queue
+                    .send(Submission {
+                        event: aggregate,
+                        done,
+                    })
+                    .await
+                    .map_err(|_| AuditSinkError::Closed)?;
+            }
+            if admit == Admit::Counted {
+                // Part of this second's aggregate record for this client and kind.
+                self.counters.refused(&event.store, &event.reason);
+                return Ok(());
+            }
             let (done, wait) = oneshot::channel();
             // `send` waits while the queue is full: backpressure, never a silent drop.
             self.queue
@@ -296,6 +386,7 @@ mod tests {
             max_file_bytes: 2_000,
             queue: 4,
             batch: 3,
+            ..AuditConfig::default()
         };
         let handle =
             AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
@@ -346,5 +437,101 @@ mod tests {
         handle.refused(event(3)).await.unwrap();
         let err = verify(dir.path()).unwrap_err().to_string();
         assert!(err.contains("audit.head.mismatch-3"), "{err}");
+    }
+
+    fn tokenless(n: usize, port: u16) -> AuditEvent {
+        AuditEvent {
+            reason: "missing".into(),
+            client_addr: format!("10.1.1.1:{port}"),
+            token: None,
+            resource: None,
+            revision: None,
+            fence: None,
+            ..event(n)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tokenless_flood_is_aggregated_and_the_budget_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AuditConfig {
+            dir: Some(dir.path().to_owned()),
+            max_total_bytes: 20_000,
+            ..AuditConfig::default()
+        };
+        let counters = FenceCounters::default();
+        let handle = AuditWriter::start(&config, dir.path(), "1", counters.clone()).unwrap();
+        let started = std::time::Instant::now();
+        let mut n = 0;
+        while started.elapsed() < Duration::from_millis(2_500) {
+            handle
+                .refused(tokenless(n, 1000 + (n % 50) as u16))
+                .await
+                .unwrap();
+            n += 1;
+        }
+        // Stale refusals are always written one by one.
+        for m in 0..3 {
+            handle.refused(event(m)).await.unwrap();
+        }
+        // The last second's aggregate: written by the ticker once the second is over.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let expected = |records: &[AuditRecord]| {
+            records
+                .iter()
+                .filter(|r| r.event.detail.starts_with("aggregate: "))
+                .map(|r| {
+                    r.event.detail["aggregate: ".len()..]
+                        .split(' ')
+                        .next()
+                        .unwrap()
+                        .parse::<usize>()
+                        .unwrap()
+                })
+                .sum::<usize>()
+                + records
+                    .iter()
+                    .filter(|r| {
+                        r.event.reason == "missing" && !r.event.detail.starts_with("aggregate")
+                    })
+                    .count()
+        };
+        let records = loop {
+            let records = files::read_records(dir.path()).unwrap();
+            if expected(&records) == n || std::time::Instant::now() > deadline {
+                break records;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let stale = records.iter().filter(|r| r.event.reason == "stale").count();
+        println!(
+            "{n} tokenless refusals in 2.5 s from one client: {} records ({} bytes), every refusal accounted for: {}",
+            records.len(),
+            dir_bytes(dir.path()),
+            expected(&records)
+        );
+        assert_eq!(stale, 3);
+        assert_eq!(
+            expected(&records),
+            n,
+            "every refusal is in a record or an aggregate"
+        );
+        assert!(records.len() <= 12, "{} records", records.len());
+        assert!(verify(dir.path()).is_ok());
+
+        // Over budget: tokenless refusals are only counted, stale ones still written, alarm on.
+        let big = AuditConfig {
+            max_total_bytes: 1,
+            ..config
+        };
+        drop(handle);
+        let handle = AuditWriter::start(&big, dir.path(), "1", counters.clone()).unwrap();
+        let before = files::read_records(dir.path()).unwrap().len();
+        handle.refused(tokenless(0, 9)).await.unwrap();
+        handle.refused(event(9)).await.unwrap();
+        let after = files::read_records(dir.path()).unwrap();
+        assert_eq!(after.len(), before + 1);
+        assert_eq!(after.last().unwrap().event.reason, "stale");
+        assert!(counters.over_budget());
     }
 }

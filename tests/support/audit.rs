@@ -25,3 +25,42 @@ pub fn records(dir: &Path) -> Vec<serde_json::Value> {
         })
         .collect()
 }
+
+/// How many refusals the records of `dir` stand for, by reason: an aggregate record (a flood
+/// of identical tokenless or malformed refusals from one client within a second) counts the
+/// refusals it stands for; any other record counts one.
+pub fn refusals_by_reason(dir: &Path) -> std::collections::BTreeMap<String, u64> {
+    let mut counts = std::collections::BTreeMap::new();
+    for record in records(dir) {
+        let Some(reason) = record["reason"].as_str() else {
+            continue;
+        };
+        let n = record["detail"]
+            .as_str()
+            .and_then(|d| d.strip_prefix("aggregate: "))
+            .and_then(|d| d.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
+        *counts.entry(reason.to_owned()).or_insert(0) += n;
+    }
+    counts
+}
+
+/// Waits (polling, bounded) until the records of `dir` stand for exactly `want` refusals by
+/// reason: aggregate records are written once their second is over.
+pub fn wait_for_refusals(dir: &Path, want: &[(&str, u64)]) {
+    let want: std::collections::BTreeMap<String, u64> =
+        want.iter().map(|(r, n)| (r.to_string(), *n)).collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let seen = refusals_by_reason(dir);
+        if seen == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "audit records stand for {seen:?}, expected {want:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

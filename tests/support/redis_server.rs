@@ -24,8 +24,15 @@ pub fn free_port() -> u16 {
 }
 
 impl RedisServer {
-    /// Starts a server with no persistence and waits until it answers `PING`.
+    /// Starts a server that keeps fence keys (append-only file, `noeviction`) and waits until
+    /// it answers `PING`.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Like [`RedisServer::start`], with `extra` command-line settings after the defaults
+    /// (later ones win: `["--maxmemory-policy", "allkeys-lru"]`).
+    pub fn start_with(extra: &[&str]) -> Self {
         let binary = ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
             .into_iter()
             .find(|p| Path::new(p).exists())
@@ -45,7 +52,11 @@ impl RedisServer {
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
             ])
             .args([
                 "--dir",
@@ -55,6 +66,7 @@ impl RedisServer {
                 "--loglevel",
                 "warning",
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

@@ -59,9 +59,10 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
     if !info.arity_ok(args.len()) {
         return Class::Pass;
     }
+    let script = matches!(info.name.as_str(), "eval" | "evalsha" | "fcall");
     let keys = info.keys(args);
     if let Ok(keys) = &keys {
-        if info.write
+        if (info.writes() || script)
             && keys
                 .iter()
                 .any(|k| k.starts_with(FENCE_KEY_PREFIX.as_bytes()))
@@ -71,22 +72,32 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
             ));
         }
     }
+    if matches!(info.name.as_str(), "fcall" | "fcall_ro")
+        && args
+            .get(1)
+            .is_some_and(|f| f.len() >= 10 && f[..10].eq_ignore_ascii_case(b"fencegate_"))
+    {
+        return refuse(format!(
+            "{name} of a fencegate_* function: the fence function is called only by the gateway"
+        ));
+    }
+    if !enforcing {
+        return Class::Pass;
+    }
     let protected = |keys: &[&Bytes]| {
         keys.iter()
             .any(|k| config.mode_for(k) == ProtectMode::Enforce)
     };
-    if matches!(info.name.as_str(), "eval" | "evalsha" | "fcall") {
-        return match keys {
-            Ok(keys) if !protected(&keys) && (!keys.is_empty() || !enforcing) => Class::Pass,
-            _ => refuse(format!(
-                "{name} may write protected keys and cannot run under the fence; use {name}_RO for reads"
-            )),
-        };
+    if script {
+        return classify_script(config, &name, &info.name, args, keys);
     }
-    if !info.write {
+    if let Some(class) = classify_database(&name, &info.name, args) {
+        return class;
+    }
+    if !info.writes() {
         return Class::Pass;
     }
-    if enforcing && info.name.starts_with("function|") {
+    if info.name.starts_with("function|") {
         // FUNCTION LOAD/DELETE/RESTORE/FLUSH could replace or remove the fence function itself.
         return refuse(format!(
             "{name} {} could change the fence function; manage Redis Functions directly on the server",
@@ -94,17 +105,17 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
         ));
     }
     if info.keyspace_wide() {
-        return if enforcing {
-            refuse(format!("{name} writes keys it does not name"))
-        } else {
-            Class::Pass
-        };
+        return refuse(format!("{name} writes keys it does not name"));
     }
     match keys {
-        Err(KeyError::Unknown) if enforcing => {
-            refuse(format!("{name} writes keys whose positions are unknown"))
-        }
-        Err(_) => Class::Pass,
+        Err(KeyError::Unknown) => refuse(format!(
+            "{name} writes keys the gateway cannot locate with certainty (an unknown key spec, or a keyword such as STORE or STREAMS given more than once or out of place)"
+        )),
+        // Redis refuses such a request too, but its own parser may still find keys in it
+        // (`GEORADIUS k ... STOREDIST` at the very end names k): refusing costs nothing.
+        Err(KeyError::BadArguments) => refuse(format!(
+            "{name}: its arguments do not match the command's key positions"
+        )),
         Ok(keys) if protected(&keys) => {
             if args.len() > MAX_FENCED_ARGS {
                 return refuse(format!(
@@ -128,6 +139,60 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
         }
         Ok(_) => Class::Pass,
     }
+}
+
+/// `EVAL`, `EVALSHA`, `FCALL` while a rule enforces. A script cannot run under the fence (the
+/// fence is itself a script) and may write keys it does not declare, so only a function or
+/// script the operator listed runs, and only when every key it declares is unprotected. The
+/// `_RO` forms are not handled here: Redis refuses writes inside them itself.
+fn classify_script(
+    config: &RedisConfig,
+    name: &str,
+    lower: &str,
+    args: &[Bytes],
+    keys: Result<Vec<&Bytes>, KeyError>,
+) -> Class {
+    let target = args.get(1).map_or(&[][..], |a| a.as_ref());
+    let allowed = match lower {
+        "fcall" => config.allows_function(target),
+        "evalsha" => config.allows_script(target),
+        _ => false,
+    };
+    if !allowed {
+        return refuse(format!(
+            "{name} is refused while protect rules enforce: a script cannot run under the fence and may write keys it does not declare; list vetted functions in allow_functions or script SHA-1s in allow_scripts, or use {name}_RO for reads"
+        ));
+    }
+    match keys {
+        Ok(keys)
+            if keys
+                .iter()
+                .all(|k| config.mode_for(k) == ProtectMode::Off) =>
+        {
+            Class::Pass
+        }
+        Ok(_) => refuse(format!(
+            "{name} declares a protected key; a script cannot run under the fence, so it may only declare unprotected keys"
+        )),
+        Err(_) => refuse(format!("{name}: its declared keys could not be read")),
+    }
+}
+
+/// Commands that cross logical databases while a rule enforces. Fence keys live in database
+/// 0 with the data they guard; a write in another database, then `MOVE`/`COPY ... DB`/`SWAPDB`
+/// into 0, would bring a stale value past the fence. So the gateway serves database 0 only.
+fn classify_database(name: &str, lower: &str, args: &[Bytes]) -> Option<Class> {
+    let refused = match lower {
+        "select" => args.get(1).is_some_and(|db| db.as_ref() != b"0"),
+        "move" | "swapdb" => true,
+        "copy" => args.iter().skip(3).any(|a| a.eq_ignore_ascii_case(b"DB")),
+        _ => false,
+    };
+    refused.then(|| {
+        refuse(format!(
+            "{name}: while protect rules enforce, the gateway serves database 0 only (fences are per database); use key prefixes instead of databases"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -194,10 +259,12 @@ mod tests {
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
+                    resource: None,
                 },
                 ProtectRule {
                     pattern: "billing:*".into(),
                     mode: ProtectMode::Enforce,
+                    resource: Some("billing".into()),
                 },
             ],
             ..RedisConfig::default()
@@ -208,11 +275,73 @@ mod tests {
             class(&c, "MSET other 1 billing:1 2"),
             fenced(&["other", "billing:1"])
         );
-        assert_eq!(class(&c, "EVAL body 1 cache:x"), Class::Pass);
-        assert!(matches!(
-            class(&c, "EVAL body 1 billing:x"),
-            Class::Refuse { .. }
-        ));
+        for refused in [
+            // A script may write keys it does not declare: refused while a rule enforces.
+            "EVAL body 1 cache:x",
+            "EVAL body 1 billing:x",
+            "EVALSHA 0123456789012345678901234567890123456789 1 cache:x",
+            "FCALL myfn 1 cache:x",
+            "FCALL fencegate_fence_v1 1 cache:x",
+            // The keyword tricks.
+            "GEORADIUS billing:g 0 0 1 km STORE cache:a STORE fencegate:fence:{billing}",
+            "GEORADIUS cache:g 0 0 1 km STORE cache:a STORE billing:x",
+            "XREADGROUP COUNT 1 GROUP STREAMS c STREAMS billing:s >",
+            // Databases.
+            "SELECT 1",
+            "SELECT 00",
+            "MOVE cache:x 1",
+            "COPY cache:x billing:x DB 0 REPLACE",
+            "COPY cache:x cache:y db 1",
+        ] {
+            assert!(
+                matches!(class(&c, refused), Class::Refuse { .. }),
+                "{refused}: {:?}",
+                class(&c, refused)
+            );
+        }
+        assert_eq!(class(&c, "SELECT 0"), Class::Pass);
+        assert_eq!(class(&c, "COPY cache:x cache:y REPLACE"), Class::Pass);
+        assert_eq!(class(&c, "PFCOUNT cache:h"), Class::Pass);
+        assert_eq!(class(&c, "PFCOUNT billing:h"), fenced(&["billing:h"]));
+        assert_eq!(
+            class(&c, "GEORADIUS billing:g 0 0 1 km STORE cache:a"),
+            fenced(&["billing:g", "cache:a"]),
+            "one STORE: keys as Redis finds them; any protected key fences the call"
+        );
+    }
+
+    #[test]
+    fn named_scripts_on_the_allow_list_run_with_unprotected_keys_only() {
+        let c = RedisConfig {
+            protect: vec![ProtectRule {
+                pattern: "billing:*".into(),
+                mode: ProtectMode::Enforce,
+                resource: Some("billing".into()),
+            }],
+            allow_functions: vec!["counter_bump".into()],
+            allow_scripts: vec!["0123456789abcdef0123456789abcdef01234567".into()],
+            ..RedisConfig::default()
+        };
+        assert_eq!(class(&c, "FCALL counter_bump 1 stats:x"), Class::Pass);
+        assert_eq!(class(&c, "fcall COUNTER_BUMP 0"), Class::Pass);
+        assert_eq!(
+            class(
+                &c,
+                "EVALSHA 0123456789ABCDEF0123456789abcdef01234567 1 stats:x"
+            ),
+            Class::Pass
+        );
+        for refused in [
+            "FCALL counter_bump 1 billing:x",
+            "FCALL counter_bump 2 stats:x fencegate:fence:{billing}",
+            "FCALL other 1 stats:x",
+            "EVAL return 1 1 stats:x",
+        ] {
+            assert!(
+                matches!(class(&c, refused), Class::Refuse { .. }),
+                "{refused}"
+            );
+        }
     }
 
     #[test]

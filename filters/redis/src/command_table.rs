@@ -9,6 +9,9 @@ use bytes::Bytes;
 use crate::error::RedisError;
 use crate::frame::Frame;
 
+/// Commands flagged `readonly` that modify stored data anyway.
+pub const READ_ONLY_BUT_WRITES: &[&str] = &["pfcount"];
+
 /// Every command the upstream knows, by lower-case name; subcommands as `container|sub`.
 #[derive(Debug, Clone, Default)]
 pub struct CommandTable {
@@ -119,6 +122,11 @@ impl CommandTable {
     /// How many commands and subcommands are known.
     pub fn len(&self) -> usize {
         self.commands.len()
+    }
+
+    /// Every command and subcommand (subcommands named `container|sub`).
+    pub fn commands(&self) -> impl Iterator<Item = &CommandInfo> {
+        self.commands.values()
     }
 
     /// Whether the table is empty.
@@ -310,6 +318,13 @@ impl CommandInfo {
         }
     }
 
+    /// Whether the command may modify data: flagged `write`, or one of the few commands Redis
+    /// flags read-only that still change stored bytes (`PFCOUNT` caches the cardinality in
+    /// the HyperLogLog it counts).
+    pub fn writes(&self) -> bool {
+        self.write || READ_ONLY_BUT_WRITES.contains(&self.name.as_str())
+    }
+
     /// Whether the command names no keys and is in `@keyspace` (`FLUSHALL`, `SWAPDB`): it
     /// writes keys it does not name.
     pub fn keyspace_wide(&self) -> bool {
@@ -318,6 +333,9 @@ impl CommandInfo {
 
     /// The keys `args` name, following Redis's key-spec rules.
     pub fn keys<'a>(&self, args: &'a [Bytes]) -> Result<Vec<&'a Bytes>, KeyError> {
+        if self.keyword_is_ambiguous(args) {
+            return Err(KeyError::Unknown);
+        }
         let mut keys = Vec::new();
         for spec in &self.key_specs {
             if spec.incomplete {
@@ -326,6 +344,36 @@ impl CommandInfo {
             spec.collect(args, &mut keys)?;
         }
         Ok(keys)
+    }
+}
+
+impl CommandInfo {
+    /// Whether a keyword key spec could be resolved differently by Redis than by a keyword
+    /// search: Redis's own argument parsers (`GEORADIUS ... STORE a STORE b` stores into the
+    /// last; `XREADGROUP GROUP STREAMS c STREAMS k` skips the group's arguments) do not search,
+    /// so the search is trusted only when the command names exactly one of its keywords, once,
+    /// at or after where the spec starts looking.
+    fn keyword_is_ambiguous(&self, args: &[Bytes]) -> bool {
+        let mut hits = 0usize;
+        let mut seen = Vec::new();
+        for spec in &self.key_specs {
+            let BeginSearch::Keyword { keyword, startfrom } = &spec.begin else {
+                continue;
+            };
+            if seen.contains(&keyword) {
+                continue;
+            }
+            seen.push(keyword);
+            for (i, arg) in args.iter().enumerate().skip(1) {
+                if arg.eq_ignore_ascii_case(keyword.as_bytes()) {
+                    hits += 1;
+                    if *startfrom >= 0 && (i as i64) < *startfrom {
+                        return true;
+                    }
+                }
+            }
+        }
+        hits > 1
     }
 }
 
@@ -473,6 +521,38 @@ pub(crate) mod tests {
                         Frame::Integer(1),
                         b("keystep"),
                         Frame::Integer(1),
+                    ]),
+                ]),
+            ])
+        };
+        let keyword = |word: &str, startfrom: i64, lastkey: i64, limit: i64| {
+            arr(vec![
+                b("flags"),
+                arr(vec![s("OW")]),
+                b("begin_search"),
+                arr(vec![
+                    b("type"),
+                    b("keyword"),
+                    b("spec"),
+                    arr(vec![
+                        b("keyword"),
+                        b(word),
+                        b("startfrom"),
+                        Frame::Integer(startfrom),
+                    ]),
+                ]),
+                b("find_keys"),
+                arr(vec![
+                    b("type"),
+                    b("range"),
+                    b("spec"),
+                    arr(vec![
+                        b("lastkey"),
+                        Frame::Integer(lastkey),
+                        b("keystep"),
+                        Frame::Integer(1),
+                        b("limit"),
+                        Frame::Integer(limit),
                     ]),
                 ]),
             ])
@@ -628,6 +708,74 @@ pub(crate) mod tests {
                 vec![],
             ),
             entry(
+                "georadius",
+                -6,
+                &["write", "movablekeys"],
+                &["@write", "@geo"],
+                vec![
+                    range(1, 0, 1, 0),
+                    keyword("STORE", 6, 0, 0),
+                    keyword("STOREDIST", 6, 0, 0),
+                ],
+                vec![],
+            ),
+            entry(
+                "xreadgroup",
+                -7,
+                &["write", "blocking", "movablekeys"],
+                &["@write", "@stream"],
+                vec![keyword("STREAMS", 4, -1, 2)],
+                vec![],
+            ),
+            entry(
+                "pfcount",
+                -2,
+                &["readonly"],
+                &["@read", "@hyperloglog"],
+                vec![range(1, -1, 1, 0)],
+                vec![],
+            ),
+            entry(
+                "select",
+                2,
+                &["loading", "stale", "fast"],
+                &["@connection"],
+                vec![],
+                vec![],
+            ),
+            entry(
+                "move",
+                3,
+                &["write", "fast"],
+                &["@keyspace", "@write"],
+                vec![range(1, 0, 1, 0)],
+                vec![],
+            ),
+            entry(
+                "copy",
+                -3,
+                &["write", "denyoom"],
+                &["@keyspace", "@write"],
+                vec![range(1, 0, 1, 0), range(2, 0, 1, 0)],
+                vec![],
+            ),
+            entry(
+                "fcall",
+                -3,
+                &["noscript", "movablekeys"],
+                &["@scripting"],
+                vec![keynum(2)],
+                vec![],
+            ),
+            entry(
+                "evalsha",
+                -3,
+                &["noscript", "movablekeys"],
+                &["@scripting"],
+                vec![keynum(2)],
+                vec![],
+            ),
+            entry(
                 "subscribe",
                 -2,
                 &["pubsub", "noscript"],
@@ -685,6 +833,32 @@ pub(crate) mod tests {
         assert_eq!(keys(&t, "OBJECT ENCODING k").unwrap(), ["k"]);
         assert_eq!(keys(&t, "SORT k STORE dst"), Err(KeyError::Unknown));
         assert_eq!(keys(&t, "EVAL body x"), Err(KeyError::BadArguments));
+        assert_eq!(
+            keys(&t, "GEORADIUS g 0 0 1 km STORE a").unwrap(),
+            ["g", "a"]
+        );
+        assert_eq!(
+            keys(&t, "XREADGROUP GROUP g c COUNT 1 STREAMS s1 s2 > >").unwrap(),
+            ["s1", "s2"]
+        );
+    }
+
+    #[test]
+    fn keywords_redis_may_resolve_differently_are_unknown() {
+        let t = sample_table();
+        for text in [
+            // Redis stores into the last STORE/STOREDIST; a search finds the first.
+            "GEORADIUS g 0 0 1 km STORE a STORE b",
+            "GEORADIUS g 0 0 1 km STORE a STOREDIST b",
+            "GEORADIUS g 0 0 1 km STOREDIST a STORE b",
+            // GROUP takes two arguments, so the first STREAMS here is a group name.
+            "XREADGROUP COUNT 1 GROUP STREAMS c STREAMS k >",
+            "XREADGROUP GROUP g c STREAMS streams >",
+            // The keyword before where the spec starts looking (Redis's parser sees it).
+            "GEORADIUS g 0 0 1 STORE x",
+        ] {
+            assert_eq!(keys(&t, text), Err(KeyError::Unknown), "{text}");
+        }
     }
 
     #[test]

@@ -7,15 +7,25 @@
 //! username = "gateway"               # optional ACL user for the upstream connection
 //! password_env = "REDIS_PASSWORD"    # optional: name of the env var holding its password
 //! max_request_bytes = 67108864       # larger requests are refused and the connection closed
+//! partial_request_timeout_seconds = 30  # a request must arrive whole this soon after its start
+//! idle_timeout_seconds = 0           # close silent connections after this long (0: never)
+//! max_buffered_bytes = 536870912     # partial requests of all connections together
+//! allow_functions = []               # FCALL names allowed while a rule enforces (see below)
+//! allow_scripts = []                 # EVALSHA SHA-1s allowed while a rule enforces
+//! accept_evictable_fences = false    # enforce even under maxmemory-policy allkeys-*
+//! accept_unpersisted_fences = false  # enforce even without appendonly yes
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
-//! # rule matches are not protected. Default: one rule, `*` enforced (every key).
+//! # rule matches are not protected. Default: one rule, `*` enforced with resource "*" (every
+//! # key, a token of any resource). An enforce rule must name its resource: fixed, or a
+//! # template of the pattern's `*` captures ({1} = what the first `*` matched).
 //! [[redis.protect]]
 //! pattern = "cache:*"
 //! mode = "off"
 //! [[redis.protect]]
-//! pattern = "*"
+//! pattern = "billing:*:*"
 //! mode = "enforce"
+//! resource = "billing:{1}"
 //! ```
 
 use std::net::SocketAddr;
@@ -44,9 +54,38 @@ pub struct RedisConfig {
     /// The largest request accepted from a client, in bytes.
     #[serde(default = "default_max_request_bytes")]
     pub max_request_bytes: usize,
+    /// A request must arrive whole within this many seconds of its first byte, or the
+    /// connection is closed (a client trickling bytes holds buffers and a task).
+    #[serde(default = "default_partial_request_timeout")]
+    pub partial_request_timeout_seconds: u64,
+    /// Close connections that send nothing for this many seconds; 0 (default) never does
+    /// (pooled and pub/sub connections are idle by design).
+    #[serde(default)]
+    pub idle_timeout_seconds: u64,
+    /// Bytes of partial requests all connections together may buffer; the connection whose
+    /// read goes over is closed.
+    #[serde(default = "default_max_buffered_bytes")]
+    pub max_buffered_bytes: usize,
     /// Protected key patterns; the first match decides.
     #[serde(default = "default_protect")]
     pub protect: Vec<ProtectRule>,
+    /// Redis Functions (`FCALL` names) clients may call while a rule enforces. A script cannot
+    /// run under the fence, so a call is accepted only when every key it declares is
+    /// unprotected; the operator vouches that the function writes no key it does not declare.
+    #[serde(default)]
+    pub allow_functions: Vec<String>,
+    /// Cached scripts (`EVALSHA` SHA-1, hex) clients may call while a rule enforces; same rule
+    /// as `allow_functions`. `EVAL` with an inline body is never allowed then.
+    #[serde(default)]
+    pub allow_scripts: Vec<String>,
+    /// Enforce even when the upstream may evict fence keys (`maxmemory-policy allkeys-*`). An
+    /// evicted fence lets a stale write through; set only if nothing can fill memory.
+    #[serde(default)]
+    pub accept_evictable_fences: bool,
+    /// Enforce even when the upstream persists nothing (no RDB `save`, no AOF): a restart
+    /// loses every fence and lets stale writes through.
+    #[serde(default)]
+    pub accept_unpersisted_fences: bool,
 }
 
 /// One protection rule.
@@ -58,6 +97,25 @@ pub struct ProtectRule {
     /// `enforce` (writes need a current token) or `off` (pass through).
     #[serde(default)]
     pub mode: ProtectMode,
+    /// With `enforce`: the resource whose tokens may write matching keys (a token for another
+    /// resource is refused `-BADFENCE`, out of scope). A fixed name (`billing`), or a template
+    /// whose `{1}`, `{2}`... are the texts the pattern's first, second... `*` matched (pattern
+    /// `billing:*:*`, resource `billing:{1}`: key `billing:2026:09` belongs to `billing:2026`;
+    /// each `*` binds the shortest text that lets the rest match, left to right). `*` alone:
+    /// any resource's token may write (no scope; the built-in default rule).
+    #[serde(default)]
+    pub resource: Option<String>,
+}
+
+/// Which resource a protected key belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// No enforce rule matches the key.
+    Unprotected,
+    /// Protected; a token for any resource may write it.
+    AnyResource,
+    /// Protected; only a token for this resource may write it.
+    Resource(String),
 }
 
 /// Whether writes to matching keys are fenced.
@@ -71,6 +129,9 @@ pub enum ProtectMode {
     Off,
 }
 
+/// `resource = "*"`: no scope.
+pub const ANY_RESOURCE: &str = "*";
+
 fn default_listen() -> SocketAddr {
     "127.0.0.1:6380".parse().expect("literal address")
 }
@@ -80,10 +141,17 @@ fn default_upstream() -> String {
 fn default_max_request_bytes() -> usize {
     64 * 1024 * 1024
 }
+fn default_partial_request_timeout() -> u64 {
+    30
+}
+fn default_max_buffered_bytes() -> usize {
+    512 * 1024 * 1024
+}
 fn default_protect() -> Vec<ProtectRule> {
     vec![ProtectRule {
         pattern: "*".to_owned(),
         mode: ProtectMode::Enforce,
+        resource: Some(ANY_RESOURCE.to_owned()),
     }]
 }
 
@@ -95,7 +163,14 @@ impl Default for RedisConfig {
             username: None,
             password_env: None,
             max_request_bytes: default_max_request_bytes(),
+            partial_request_timeout_seconds: default_partial_request_timeout(),
+            idle_timeout_seconds: 0,
+            max_buffered_bytes: default_max_buffered_bytes(),
             protect: default_protect(),
+            allow_functions: Vec::new(),
+            allow_scripts: Vec::new(),
+            accept_evictable_fences: false,
+            accept_unpersisted_fences: false,
         }
     }
 }
@@ -109,10 +184,42 @@ impl RedisConfig {
                 self.max_request_bytes
             )));
         }
+        if self.partial_request_timeout_seconds == 0 {
+            return Err(RedisError::Config(
+                "partial_request_timeout_seconds must be at least 1".to_owned(),
+            ));
+        }
+        if self.max_buffered_bytes < self.max_request_bytes {
+            return Err(RedisError::Config(format!(
+                "max_buffered_bytes ({}) must be at least max_request_bytes ({})",
+                self.max_buffered_bytes, self.max_request_bytes
+            )));
+        }
         if self.protect.iter().any(|r| r.pattern.is_empty()) {
             return Err(RedisError::Config(
                 "a protect rule has an empty pattern".to_owned(),
             ));
+        }
+        if let Some(name) = self
+            .allow_functions
+            .iter()
+            .find(|f| f.to_ascii_lowercase().starts_with("fencegate_"))
+        {
+            return Err(RedisError::Config(format!(
+                "allow_functions names {name}: functions named fencegate_* are the gateway's own and never callable by clients"
+            )));
+        }
+        if let Some(sha) = self
+            .allow_scripts
+            .iter()
+            .find(|s| s.len() != 40 || !s.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err(RedisError::Config(format!(
+                "allow_scripts entry {sha:?} is not a SHA-1 (40 hex digits, as SCRIPT LOAD returns)"
+            )));
+        }
+        for (i, rule) in self.protect.iter().enumerate() {
+            rule.validate(i + 1)?;
         }
         if self.username.is_some() && self.password_env.is_none() {
             return Err(RedisError::Config(
@@ -130,9 +237,45 @@ impl RedisConfig {
             .map_or(ProtectMode::Off, |r| r.mode)
     }
 
+    /// The resource `key` belongs to: from the first matching rule, if it enforces.
+    pub fn scope_for(&self, key: &[u8]) -> Scope {
+        let Some(rule) = self
+            .protect
+            .iter()
+            .find(|r| glob::matches(r.pattern.as_bytes(), key))
+        else {
+            return Scope::Unprotected;
+        };
+        if rule.mode == ProtectMode::Off {
+            return Scope::Unprotected;
+        }
+        match rule.resource.as_deref() {
+            None | Some(ANY_RESOURCE) => Scope::AnyResource,
+            Some(template) if !template.contains('{') => Scope::Resource(template.to_owned()),
+            Some(template) => {
+                let caps = glob::captures(rule.pattern.as_bytes(), key).unwrap_or_default();
+                Scope::Resource(expand(template, &caps))
+            }
+        }
+    }
+
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
     pub fn enforces_any(&self) -> bool {
         self.protect.iter().any(|r| r.mode == ProtectMode::Enforce)
+    }
+
+    /// Whether clients may call this Redis Function (by name, case-insensitive as in Redis).
+    pub fn allows_function(&self, name: &[u8]) -> bool {
+        self.allow_functions
+            .iter()
+            .any(|f| f.as_bytes().eq_ignore_ascii_case(name))
+    }
+
+    /// Whether clients may call the cached script with this SHA-1.
+    pub fn allows_script(&self, sha: &[u8]) -> bool {
+        self.allow_scripts
+            .iter()
+            .any(|s| s.as_bytes().eq_ignore_ascii_case(sha))
     }
 
     /// The upstream password, read from the configured environment variable.
@@ -144,6 +287,86 @@ impl RedisConfig {
             }),
         }
     }
+}
+
+impl ProtectRule {
+    fn validate(&self, n: usize) -> Result<(), RedisError> {
+        let bad = |why: String| {
+            RedisError::Config(format!(
+                "protect rule {n} (pattern {:?}): {why}",
+                self.pattern
+            ))
+        };
+        if self.mode == ProtectMode::Off {
+            return Ok(());
+        }
+        let Some(template) = &self.resource else {
+            return Err(bad(
+                "mode enforce needs a resource: the resource whose tokens may write these keys, e.g. resource = \"billing\", or a template taking the pattern's * captures, e.g. pattern = \"billing:*:*\" with resource = \"billing:{1}\" (resource = \"*\" accepts any resource's token: no scope)".to_owned(),
+            ));
+        };
+        if template == ANY_RESOURCE {
+            return Ok(());
+        }
+        let stars = self.pattern.bytes().filter(|b| *b == b'*').count();
+        let placeholders = placeholders(template).map_err(|e| bad(e.to_owned()))?;
+        if let Some(&max) = placeholders.iter().max() {
+            if !glob::star_only(self.pattern.as_bytes()) {
+                return Err(bad(format!(
+                    "resource {template:?} uses captures, which need a pattern whose only wildcard is * (no ?, [ ], or \\)"
+                )));
+            }
+            if max == 0 || max > stars {
+                return Err(bad(format!(
+                    "resource {template:?} uses {{{max}}}, but the pattern has {stars} * (captures are numbered from 1)"
+                )));
+            }
+        }
+        let sample = expand(template, &vec![&b"x"[..]; stars]);
+        fencegate_core::Resource::new(sample).map_err(|e| {
+            bad(format!(
+                "resource {template:?} does not make a valid resource name: {e}"
+            ))
+        })?;
+        Ok(())
+    }
+}
+
+/// The capture numbers a template uses (`{1}` -> 1).
+fn placeholders(template: &str) -> Result<Vec<usize>, &'static str> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let close = rest[open..]
+            .find('}')
+            .ok_or("resource has a { without a closing }")?;
+        let n = rest[open + 1..open + close]
+            .parse()
+            .map_err(|_| "resource has {...} that is not a capture number like {1}")?;
+        out.push(n);
+        rest = &rest[open + close + 1..];
+    }
+    Ok(out)
+}
+
+/// `template` with `{n}` replaced by capture n (lossy UTF-8; an invalid name is refused when
+/// the token is compared, as no token can name it).
+fn expand(template: &str, captures: &[&[u8]]) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let n: usize = rest[open + 1..open + close].parse().unwrap_or(0);
+        if let Some(c) = n.checked_sub(1).and_then(|i| captures.get(i)) {
+            out.push_str(&String::from_utf8_lossy(c));
+        }
+        rest = &rest[open + close + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -185,16 +408,77 @@ mod tests {
     }
 
     #[test]
+    fn enforce_rules_name_their_resource() {
+        let parse = |t: &str| toml::from_str::<RedisConfig>(t).unwrap().validate();
+        let err = parse("[[protect]]\npattern = \"billing:*\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("protect rule 1 (pattern \"billing:*\"): mode enforce needs a resource"),
+            "{err}"
+        );
+        parse("[[protect]]\npattern = \"cache:*\"\nmode = \"off\"\n").unwrap();
+        parse("[[protect]]\npattern = \"billing:*\"\nresource = \"billing\"\n").unwrap();
+        parse("[[protect]]\npattern = \"billing:*:*\"\nresource = \"billing:{1}\"\n").unwrap();
+        parse("[[protect]]\npattern = \"*\"\nresource = \"*\"\n").unwrap();
+        for (toml, says) in [
+            (
+                "pattern = \"billing:*\"\nresource = \"billing:{2}\"",
+                "uses {2}, but the pattern has 1 *",
+            ),
+            (
+                "pattern = \"billing:?*\"\nresource = \"b:{1}\"",
+                "need a pattern whose only wildcard is *",
+            ),
+            (
+                "pattern = \"billing:*\"\nresource = \"bil ling\"",
+                "does not make a valid resource name",
+            ),
+            (
+                "pattern = \"billing:*\"\nresource = \"b:{x}\"",
+                "not a capture number",
+            ),
+        ] {
+            let err = parse(&format!("[[protect]]\n{toml}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{toml}: {err}");
+        }
+    }
+
+    #[test]
+    fn scope_from_fixed_names_and_captures() {
+        let c: RedisConfig = toml::from_str(
+            "[[protect]]\npattern = \"cache:*\"\nmode = \"off\"\n\
+             [[protect]]\npattern = \"billing:*:*\"\nresource = \"billing:{1}\"\n\
+             [[protect]]\npattern = \"jobs:*\"\nresource = \"jobs\"\n\
+             [[protect]]\npattern = \"*\"\nresource = \"*\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.scope_for(b"cache:x"), Scope::Unprotected);
+        assert_eq!(
+            c.scope_for(b"billing:2026-09-28:chunk:3"),
+            Scope::Resource("billing:2026-09-28".into())
+        );
+        assert_eq!(c.scope_for(b"jobs:7"), Scope::Resource("jobs".into()));
+        assert_eq!(c.scope_for(b"other"), Scope::AnyResource);
+        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::AnyResource);
+    }
+
+    #[test]
     fn first_matching_rule_decides() {
         let c = RedisConfig {
             protect: vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
+                    resource: None,
                 },
                 ProtectRule {
                     pattern: "billing:*".into(),
                     mode: ProtectMode::Enforce,
+                    resource: Some("billing".into()),
                 },
             ],
             ..RedisConfig::default()

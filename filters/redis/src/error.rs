@@ -41,6 +41,14 @@ pub enum RedisError {
     /// The upstream answered something unexpected (e.g. to `COMMAND` or `AUTH`).
     #[error("upstream {0}")]
     Upstream(String),
+    /// Fence keys could be evicted or lost on this upstream, and the config does not accept it.
+    #[error("refusing to enforce on upstream {upstream}: {problems}")]
+    FencesAtRisk {
+        /// The upstream address.
+        upstream: String,
+        /// Every reason, joined.
+        problems: String,
+    },
     /// The config is invalid.
     #[error("redis config: {0}")]
     Config(String),

@@ -2,8 +2,9 @@
 //! learned from the upstream.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use fencegate_core::{AuditSink, TokenPolicy};
 use tokio::net::TcpListener;
@@ -22,9 +23,19 @@ pub struct Gateway {
     pub(crate) policy: TokenPolicy,
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) limits: Limits,
-    info: Mutex<Option<Arc<UpstreamInfo>>>,
+    /// What was learned, and when the upstream's durability was last confirmed.
+    info: Mutex<Option<(Arc<UpstreamInfo>, Instant)>>,
     connections: AtomicU64,
+    /// Why the gateway is not serving protected writes right now (`None`: healthy).
+    degraded: std::sync::Mutex<Option<String>>,
+    /// Set while fence keys are at risk: sessions refuse fenced writes.
+    at_risk: AtomicBool,
+    /// Bytes of partial requests buffered by all sessions (see `max_buffered_bytes`).
+    pub(crate) buffered: AtomicUsize,
 }
+
+/// How often the upstream's eviction and persistence settings are checked again.
+const RECHECK: Duration = Duration::from_secs(10);
 
 impl Gateway {
     /// A gateway for `config` that verifies tokens with `policy` and reports to `sink`.
@@ -45,21 +56,86 @@ impl Gateway {
             limits,
             info: Mutex::new(None),
             connections: AtomicU64::new(0),
+            degraded: std::sync::Mutex::new(None),
+            at_risk: AtomicBool::new(false),
+            buffered: AtomicUsize::new(0),
         }))
     }
 
     /// The command table and script mode, learned from the upstream on first use (and retried
-    /// on the next connection if the upstream was down).
+    /// on the next connection if the upstream was down). The upstream's eviction and
+    /// persistence settings are checked then and again every [`RECHECK`]: while fence keys are
+    /// at risk, sessions refuse protected writes (reads and unprotected writes still pass) and
+    /// [`Gateway::health`] says why.
     pub async fn info(&self) -> Result<Arc<UpstreamInfo>, RedisError> {
         let mut guard = self.info.lock().await;
-        if let Some(info) = &*guard {
-            return Ok(info.clone());
+        if let Some((info, checked)) = &*guard {
+            if checked.elapsed() < RECHECK {
+                return Ok(info.clone());
+            }
         }
-        let mut control = ControlConnection::open(&self.config).await?;
-        let info = Arc::new(control.learn().await?);
-        tracing::info!(commands = info.table.len(), mode = ?info.mode, upstream = %self.config.upstream, "learned the upstream's commands and loaded the fence script");
-        *guard = Some(info.clone());
+        let known = guard.as_ref().map(|(info, _)| info.clone());
+        let mut control = match ControlConnection::open(&self.config).await {
+            Ok(control) => control,
+            Err(e) => {
+                self.set_degraded(Some(e.to_string()));
+                return Err(e);
+            }
+        };
+        let info = match known {
+            Some(info) => info,
+            None => {
+                let info = match control.learn().await {
+                    Ok(info) => Arc::new(info),
+                    Err(e) => {
+                        self.set_degraded(Some(e.to_string()));
+                        return Err(e);
+                    }
+                };
+                tracing::info!(commands = info.table.len(), mode = ?info.mode, upstream = %self.config.upstream, "learned the upstream's commands and loaded the fence script");
+                info
+            }
+        };
+        match control.check_durability(&self.config).await {
+            Ok(()) => self.set_degraded(None),
+            Err(e) => self.set_degraded(Some(e.to_string())),
+        }
+        *guard = Some((info.clone(), Instant::now()));
         Ok(info)
+    }
+
+    fn set_degraded(&self, reason: Option<String>) {
+        let at_risk = reason.is_some();
+        let mut degraded = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
+        if *degraded != reason {
+            match &reason {
+                Some(r) => {
+                    tracing::error!(reason = %r, "redis gateway degraded: protected writes are refused")
+                }
+                None => tracing::info!("redis gateway healthy again"),
+            }
+        }
+        *degraded = reason;
+        self.at_risk.store(at_risk, Ordering::Relaxed);
+    }
+
+    /// `Ok` when the gateway can serve protected writes; otherwise why not (for a health
+    /// endpoint: fence keys at risk of eviction or loss, upstream unreachable).
+    pub fn health(&self) -> Result<(), String> {
+        match &*self.degraded.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(reason) => Err(reason.clone()),
+        }
+    }
+
+    /// Bytes of partial requests all sessions buffer now (bounded by `max_buffered_bytes`).
+    pub fn buffered_bytes(&self) -> usize {
+        self.buffered.load(Ordering::Relaxed)
+    }
+
+    /// Whether sessions must refuse fenced writes now.
+    pub(crate) fn fences_at_risk(&self) -> bool {
+        self.at_risk.load(Ordering::Relaxed)
     }
 
     /// Loads the fence script again (after `FUNCTION FLUSH`, `SCRIPT FLUSH` or an upstream
@@ -80,11 +156,31 @@ impl Gateway {
         if let Err(e) = self.info().await {
             tracing::warn!(error = %e, "upstream not ready; will retry when a client connects");
         }
+        // Long-lived connections never call info(): keep checking the upstream for them.
+        let weak = Arc::downgrade(&self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(RECHECK).await;
+                let Some(gateway) = weak.upgrade() else {
+                    return;
+                };
+                let _ = gateway.info().await;
+            }
+        });
+        let mut backoff = Duration::from_millis(10);
         loop {
-            let (socket, peer) = listener
-                .accept()
-                .await
-                .map_err(RedisError::io("accepting a Redis client"))?;
+            let (socket, peer) = match listener.accept().await {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // EMFILE, ENFILE, ENOBUFS, a connection reset before accept: transient.
+                    // Ending here would stop the gateway for good while its process lives.
+                    tracing::error!(error = %e, retry_in = ?backoff, "accepting a Redis client failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(10);
             let gateway = self.clone();
             tokio::spawn(async move { session::run(gateway, socket, peer).await });
         }

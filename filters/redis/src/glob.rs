@@ -100,6 +100,44 @@ fn class(pattern: &[u8], start: usize, c: u8) -> Option<(bool, usize)> {
     }
 }
 
+/// Whether `pattern` uses no wildcard other than `*` (then [`captures`] applies to it).
+pub fn star_only(pattern: &[u8]) -> bool {
+    !pattern
+        .iter()
+        .any(|b| matches!(b, b'?' | b'[' | b']' | b'\\'))
+}
+
+/// The texts the `*`s of a star-only `pattern` match in `key`, left to right; `None` when it
+/// does not match. Each `*` takes the shortest text that lets the rest match (so in
+/// `billing:*:*` against `billing:2026:09:28`, `{1}` is `2026` and `{2}` is `09:28`).
+pub fn captures<'k>(pattern: &[u8], key: &'k [u8]) -> Option<Vec<&'k [u8]>> {
+    debug_assert!(star_only(pattern));
+    let segments: Vec<&[u8]> = pattern.split(|b| *b == b'*').collect();
+    let (first, last) = (segments[0], segments[segments.len() - 1]);
+    if segments.len() == 1 {
+        return (key == first).then(Vec::new);
+    }
+    if key.len() < first.len() + last.len() || !key.starts_with(first) || !key.ends_with(last) {
+        return None;
+    }
+    let middle = &key[first.len()..key.len() - last.len()];
+    let mut out = Vec::with_capacity(segments.len() - 1);
+    let mut at = 0;
+    for segment in &segments[1..segments.len() - 1] {
+        let found = if segment.is_empty() {
+            Some(0)
+        } else {
+            middle[at..]
+                .windows(segment.len())
+                .position(|w| w == *segment)
+        }?;
+        out.push(&middle[at..at + found]);
+        at += found + segment.len();
+    }
+    out.push(&middle[at..]);
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;

@@ -16,14 +16,19 @@
 pub mod classify;
 pub mod command_table;
 pub mod config;
+pub mod decide;
+pub mod durability;
 pub mod error;
 pub mod frame;
 mod gateway;
 pub mod glob;
+pub mod request_parser;
 pub mod rewrite;
+pub mod scope;
 mod session;
+mod text;
 pub mod upstream;
 
-pub use config::{ProtectMode, ProtectRule, RedisConfig};
+pub use config::{ProtectMode, ProtectRule, RedisConfig, Scope};
 pub use error::{FrameError, RedisError};
 pub use gateway::Gateway;

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Token};
@@ -24,10 +25,14 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
 
 use crate::classify::{classify, Class};
+use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
+use crate::request_parser::RequestParser;
 use crate::rewrite::rewrite;
+use crate::scope;
+use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
@@ -63,6 +68,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         sent: 0,
     }));
     let resp3 = Arc::new(AtomicBool::new(false));
+    let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = mpsc::channel(SLOT_QUEUE);
     let reader = Reader {
         gateway: gateway.clone(),
@@ -76,9 +82,10 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         resp3: resp3.clone(),
         token: None,
         multi: None,
-        relay: false,
-        identity: None,
+        identity: identity.clone(),
         requests: 0,
+        parser: RequestParser::default(),
+        held: 0,
     };
     let writer = Writer {
         gateway,
@@ -89,9 +96,10 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         ubuf: BytesMut::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
-        received: 0,
+        completed: 0,
         resp3,
-        relay: false,
+        identity,
+        subscriptions: Default::default(),
         slots: rx,
     };
     let mut reader = tokio::spawn(reader.run());
@@ -129,10 +137,19 @@ enum Expect {
     Plain,
     /// Read the reply and answer with this frame instead.
     Replace(Frame),
-    /// A `HELLO`: when it fails, the protocol stays what it was.
-    Hello { previous: bool },
-    /// The reply to `SUBSCRIBE`/`MONITOR`: relay it and every later upstream frame as it comes.
-    EnterRelay,
+    /// A `HELLO`: when it fails, the protocol stays what it was; when it succeeds with `AUTH`,
+    /// the user becomes the audit identity.
+    Hello {
+        previous: bool,
+        user: Option<String>,
+    },
+    /// An `AUTH`: the user becomes the audit identity only if Redis accepts it.
+    Auth(String),
+    /// A (un)subscribe command of this kind naming `channels` channels (0: all of them): one
+    /// confirmation per channel (RESP3: as push frames), or a single error.
+    PubSub { kind: SubKind, channels: usize },
+    /// `RESET`: the connection leaves every subscription.
+    Reset,
     /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
     /// script if it is missing.
     Fenced(Box<FenceContext>),
@@ -170,9 +187,24 @@ struct Reader {
     resp3: Arc<AtomicBool>,
     token: Option<Token>,
     multi: Option<Multi>,
-    relay: bool,
-    identity: Option<String>,
+    /// The user of the last successful `AUTH`/`HELLO ... AUTH` (set by the writer, which sees
+    /// the reply).
+    identity: Identity,
     requests: u64,
+    /// Parse state of the request at the front of `buf`, kept across reads.
+    parser: RequestParser,
+    /// Bytes this connection counts in the gateway's `buffered` total.
+    held: usize,
+}
+
+type Identity = Arc<std::sync::Mutex<Option<String>>>;
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.gateway
+            .buffered
+            .fetch_sub(self.held, Ordering::Relaxed);
+    }
 }
 
 /// One batch of work from one read: bytes for the upstream and slots for the writer.
@@ -192,18 +224,52 @@ impl Batch {
 
 impl Reader {
     async fn run(mut self) -> Result<(), RedisError> {
+        let config = &self.gateway.config;
+        let partial = Duration::from_secs(config.partial_request_timeout_seconds);
+        let idle = Duration::from_secs(config.idle_timeout_seconds);
+        let mut started = tokio::time::Instant::now();
         loop {
-            let n = read(&mut self.client, &mut self.buf)
-                .await
-                .map_err(RedisError::io("reading from client"))?;
+            // A partial request must be complete `partial` after its first byte arrived (a
+            // deadline, not a per-read timeout: a byte every few seconds must not keep it).
+            let read_result = if !self.buf.is_empty() {
+                tokio::time::timeout_at(started + partial, read(&mut self.client, &mut self.buf))
+                    .await
+                    .ok()
+            } else if !idle.is_zero() {
+                tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
+                    .await
+                    .ok()
+            } else {
+                Some(read(&mut self.client, &mut self.buf).await)
+            };
+            let Some(n) = read_result else {
+                let text = if self.buf.is_empty() {
+                    format!(
+                        "ERR fencegate: no request for {}s; closing the connection",
+                        idle.as_secs()
+                    )
+                } else {
+                    format!("ERR fencegate: a request was still incomplete {}s after it began; closing the connection", partial.as_secs())
+                };
+                tracing::info!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "{text}");
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return Ok(());
+            };
+            let was_empty = self.buf.len() == n.as_ref().map_or(0, |n| *n);
+            let n = n.map_err(RedisError::io("reading from client"))?;
             if n == 0 {
                 return Ok(());
+            }
+            if was_empty {
+                started = tokio::time::Instant::now();
             }
             let mut batch = Batch::default();
             let mut fatal = None;
             loop {
-                match frame::parse_request(&self.buf, &self.gateway.limits) {
+                match self.parser.next(&self.buf, &self.gateway.limits) {
                     Ok(Some(request)) => {
+                        started = tokio::time::Instant::now();
                         self.buf.advance(request.wire_len);
                         self.handle(request, &mut batch);
                     }
@@ -227,6 +293,17 @@ impl Reader {
                     return Ok(());
                 }
             }
+            if fatal.is_none() && !self.account_buffered() {
+                let text = format!(
+                    "ERR fencegate: the gateway's budget for partial requests (max_buffered_bytes = {}) is used up; closing this connection, which holds {} bytes of an incomplete request",
+                    self.gateway.config.max_buffered_bytes,
+                    self.buf.len()
+                );
+                tracing::warn!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "partial-request budget exhausted; closing the connection");
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return Ok(());
+            }
             if let Some(e) = fatal {
                 tracing::info!(conn = self.id, peer = %self.peer, error = %e, "client broke the protocol; closing");
                 let text = match e {
@@ -241,6 +318,20 @@ impl Reader {
                 });
             }
         }
+    }
+
+    /// Counts this connection's buffered bytes in the gateway's total; `false` when the total
+    /// is over budget and this connection holds a partial request.
+    fn account_buffered(&mut self) -> bool {
+        let now = self.buf.len();
+        let buffered = &self.gateway.buffered;
+        let total = if now >= self.held {
+            buffered.fetch_add(now - self.held, Ordering::Relaxed) + (now - self.held)
+        } else {
+            buffered.fetch_sub(self.held - now, Ordering::Relaxed) - (self.held - now)
+        };
+        self.held = now;
+        now == 0 || total <= self.gateway.config.max_buffered_bytes
     }
 
     fn handle(&mut self, request: Request, batch: &mut Batch) {
@@ -263,21 +354,27 @@ impl Reader {
                 return self.pass(args, batch);
             }
             "EXEC" if self.multi.is_some() => return self.exec(batch),
-            "DISCARD" | "RESET" => {
+            "DISCARD" => {
                 self.multi = None;
-                if name == "RESET" {
-                    self.token = None;
-                    self.resp3.store(false, Ordering::Relaxed);
-                }
                 return self.pass(args, batch);
             }
-            "AUTH" => {
-                self.identity = Some(if args.len() >= 3 {
+            "RESET" => {
+                self.multi = None;
+                self.token = None;
+                self.resp3.store(false, Ordering::Relaxed);
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::Reset));
+                return;
+            }
+            "AUTH" if self.multi.is_none() => {
+                let user = if args.len() >= 3 {
                     lossy(&args[1], 64)
                 } else {
                     "default".to_owned()
-                });
-                return self.pass(args, batch);
+                };
+                batch.forward(args);
+                batch.slots.push(Slot::Upstream(Expect::Auth(user)));
+                return;
             }
             "HELLO" if self.multi.is_none() => {
                 let previous = self.resp3.load(Ordering::Relaxed);
@@ -286,13 +383,15 @@ impl Reader {
                     Some(b"2") => self.resp3.store(false, Ordering::Relaxed),
                     _ => {}
                 }
-                if let Some(i) = args.iter().position(|a| a.eq_ignore_ascii_case(b"AUTH")) {
-                    if let Some(user) = args.get(i + 1) {
-                        self.identity = Some(lossy(user, 64));
-                    }
-                }
+                let user = args
+                    .iter()
+                    .position(|a| a.eq_ignore_ascii_case(b"AUTH"))
+                    .and_then(|i| args.get(i + 1))
+                    .map(|u| lossy(u, 64));
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::Hello { previous }));
+                batch
+                    .slots
+                    .push(Slot::Upstream(Expect::Hello { previous, user }));
                 return;
             }
             // Replies are matched to requests in order; a server that stops replying would
@@ -306,51 +405,65 @@ impl Reader {
                 batch.slots.push(Slot::Local(Frame::error(text)));
                 return;
             }
-            "SUBSCRIBE" | "PSUBSCRIBE" | "SSUBSCRIBE" | "MONITOR"
-                if self.multi.is_none() && !self.relay =>
-            {
-                self.relay = true;
+            // These answer with a stream that is not one reply per request.
+            "MONITOR" | "SYNC" | "PSYNC" | "REPLCONF" => {
+                let text = format!("ERR fencegate: {name} is not supported through the gateway; connect to Redis directly");
+                batch.slots.push(Slot::Local(Frame::error(&text)));
+                return;
+            }
+            _ if SubKind::of(&name).is_some() => {
+                if let Some(multi) = &mut self.multi {
+                    // Inside EXEC the confirmations would arrive as one array, and the
+                    // connection would change mode mid-transaction: not worth the risk.
+                    multi.dirty = true;
+                    let text = format!("ERR fencegate: {name} inside MULTI is not supported; subscribe outside the transaction");
+                    batch.slots.push(Slot::Local(Frame::error(&text)));
+                    return;
+                }
+                let kind = SubKind::of(&name).expect("checked");
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::EnterRelay));
+                batch.slots.push(Slot::Upstream(Expect::PubSub {
+                    kind,
+                    channels: args.len() - 1,
+                }));
                 return;
             }
             _ => {}
         }
-        let class = classify(&self.info.table, &self.gateway.config, args);
         if let Some(multi) = &mut self.multi {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
+                let class = classify(&self.info.table, &self.gateway.config, args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
-        match class {
-            Class::Pass => self.pass(args, batch),
-            Class::Unknown => self.unknown(&request, batch),
-            Class::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
-            Class::Fence { .. } if self.relay => {
-                let detail =
-                    "protected writes are not accepted on a connection in pub/sub or MONITOR mode";
-                self.refuse(&request, RejectReason::Unsupported, detail, batch)
+        let risk = self
+            .gateway
+            .fences_at_risk()
+            .then(|| self.gateway.health().err().unwrap_or_default());
+        let inputs = Inputs {
+            table: &self.info.table,
+            config: &self.gateway.config,
+            token: self.token.as_ref(),
+            fences_at_risk: risk.as_deref(),
+        };
+        match decide(&inputs, args) {
+            Decision::Pass => self.pass(args, batch),
+            Decision::Unknown => self.unknown(&request, batch),
+            Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
+            Decision::Fence { keys, token } => {
+                let resp3 = self.resp3.load(Ordering::Relaxed);
+                let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
+                let event = self.event(&request, &keys, Some(&token));
+                batch.forward(&call);
+                batch
+                    .slots
+                    .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                        event,
+                        call,
+                    }))));
             }
-            Class::Fence { keys } => match self.token.clone() {
-                None => {
-                    let detail = format!("{name} writes a protected key; send FENCE <token> on this connection first");
-                    self.refuse(&request, RejectReason::Missing, &detail, batch)
-                }
-                Some(token) => {
-                    let resp3 = self.resp3.load(Ordering::Relaxed);
-                    let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
-                    let event = self.event(&request, &keys, Some(&token));
-                    batch.forward(&call);
-                    batch
-                        .slots
-                        .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                            event,
-                            call,
-                        }))));
-                }
-            },
         }
     }
 
@@ -395,6 +508,13 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
+        if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
+            return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
+        }
+        if self.gateway.fences_at_risk() {
+            let detail = decide::at_risk(&self.gateway.health().err().unwrap_or_default());
+            return self.refuse(request, RejectReason::Unsupported, &detail, batch);
+        }
         let call = rewrite(
             &self.info.mode,
             &token,
@@ -462,7 +582,7 @@ impl Reader {
                     event.detail = e.to_string();
                     tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
                     batch.slots.push(Slot::Refuse(
-                        Frame::error(&format!("BADFENCE {e}")),
+                        Frame::error(&decide::refusal_text(&reason, &e.to_string())),
                         Box::new(event),
                     ));
                     return;
@@ -492,9 +612,7 @@ impl Reader {
 
     fn pass(&mut self, args: &[Bytes], batch: &mut Batch) {
         batch.forward(args);
-        if !self.relay {
-            batch.slots.push(Slot::Upstream(Expect::Plain));
-        }
+        batch.slots.push(Slot::Upstream(Expect::Plain));
     }
 
     fn refuse(&mut self, request: &Request, reason: RejectReason, detail: &str, batch: &mut Batch) {
@@ -512,15 +630,10 @@ impl Reader {
         let mut event = self.event(request, &keys, token.as_ref());
         event.reason = reason.label().to_owned();
         event.detail = detail.to_owned();
-        let word = match reason {
-            RejectReason::Missing => "NOFENCE",
-            RejectReason::Malformed | RejectReason::Forged | RejectReason::OutOfScope => "BADFENCE",
-            RejectReason::Stale { .. } => "FENCED",
-            RejectReason::Unsupported => "UNFENCEABLE",
-        };
+
         tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
         batch.slots.push(Slot::Refuse(
-            Frame::error(&format!("{word} {detail}")),
+            Frame::error(&decide::refusal_text(&reason, detail)),
             Box::new(event),
         ));
     }
@@ -529,7 +642,11 @@ impl Reader {
         let mut event = AuditEvent {
             store: STORE.to_owned(),
             client_addr: self.peer.to_string(),
-            client_identity: self.identity.clone(),
+            client_identity: self
+                .identity
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             resource: None,
             token: None,
             token_signed: false,
@@ -565,15 +682,6 @@ fn fill_token(event: &mut AuditEvent, token: &Token) {
     event.revision = Some(token.revision().get());
 }
 
-/// Text for logs and audit records: lossy UTF-8, at most `max` bytes.
-fn lossy(bytes: &[u8], max: usize) -> String {
-    let mut text = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]).into_owned();
-    if bytes.len() > max {
-        text.push('…');
-    }
-    text
-}
-
 struct Writer {
     gateway: Arc<Gateway>,
     id: u64,
@@ -584,11 +692,35 @@ struct Writer {
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
-    /// Replies read so far (not counting push frames).
-    received: u64,
+    /// Upstream slots fully answered so far (for the reload-and-retry bookkeeping).
+    completed: u64,
     resp3: Arc<AtomicBool>,
-    relay: bool,
+    identity: Identity,
+    /// Channels, patterns and shard channels this connection is subscribed to, as Redis
+    /// confirmed them: tells how many confirmations an argument-less unsubscribe gets, and
+    /// whether a RESP2 `message` array is a message or a reply.
+    subscriptions: [std::collections::HashSet<Bytes>; 3],
     slots: mpsc::Receiver<Slot>,
+}
+
+/// The three kinds of subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SubKind {
+    Channel = 0,
+    Pattern = 1,
+    Shard = 2,
+}
+
+impl SubKind {
+    /// The kind a (un)subscribe command or confirmation name is about.
+    fn of(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "subscribe" | "unsubscribe" => Self::Channel,
+            "psubscribe" | "punsubscribe" => Self::Pattern,
+            "ssubscribe" | "sunsubscribe" => Self::Shard,
+            _ => return None,
+        })
+    }
 }
 
 impl Writer {
@@ -606,7 +738,7 @@ impl Writer {
                 Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
                 Err(mpsc::error::TryRecvError::Empty) => {
                     self.flush().await?;
-                    if self.relay {
+                    if self.listening() {
                         match self.relay_until_slot().await? {
                             Some(slot) => slot,
                             None => return Ok(()),
@@ -626,20 +758,74 @@ impl Writer {
                     frame.encode(self.out());
                 }
                 Slot::Close => return Ok(()),
-                Slot::Upstream(_) if self.relay => {}
                 Slot::Upstream(expect) => {
                     let reply = self.next_reply().await?;
                     self.deliver(expect, reply).await?;
+                    self.completed += 1;
                 }
             }
         }
     }
 
-    /// In pub/sub or MONITOR mode: forward upstream frames as they come until a slot arrives.
+    /// Whether upstream frames can arrive unasked (subscribed, or RESP3 push frames).
+    fn listening(&self) -> bool {
+        self.resp3.load(Ordering::Relaxed) || self.subscriptions.iter().any(|s| !s.is_empty())
+    }
+
+    /// Whether an upstream frame is out of band (a pub/sub message, an invalidation), not the
+    /// reply to a request: RESP3 push frames other than (un)subscribe confirmations, and in
+    /// RESP2 while subscribed, `message`/`pmessage`/`smessage` arrays.
+    fn out_of_band(&self, frame: &Frame) -> bool {
+        let kind = |items: &[Frame]| match items.first() {
+            Some(Frame::Bulk(k)) | Some(Frame::Simple(k)) => {
+                String::from_utf8_lossy(k).to_ascii_lowercase()
+            }
+            _ => String::new(),
+        };
+        match frame {
+            Frame::Push(items) => SubKind::of(&kind(items)).is_none(),
+            Frame::Array(items) if self.subscriptions.iter().any(|s| !s.is_empty()) => {
+                matches!(kind(items).as_str(), "message" | "pmessage" | "smessage")
+            }
+            _ => false,
+        }
+    }
+
+    /// Applies a (un)subscribe confirmation to the subscription sets.
+    fn confirmed(&mut self, frame: &Frame) {
+        let (Frame::Push(items) | Frame::Array(items)) = frame else {
+            return;
+        };
+        let (Some(Frame::Bulk(kind) | Frame::Simple(kind)), Some(channel)) =
+            (items.first(), items.get(1))
+        else {
+            return;
+        };
+        let kind = String::from_utf8_lossy(kind).to_ascii_lowercase();
+        let Some(sub) = SubKind::of(&kind) else {
+            return;
+        };
+        let Frame::Bulk(channel) = channel else {
+            return;
+        };
+        let set = &mut self.subscriptions[sub as usize];
+        if kind.contains("unsubscribe") {
+            set.remove(channel);
+        } else {
+            set.insert(channel.clone());
+        }
+    }
+
+    /// While subscribed or in RESP3: forward out-of-band frames as they come, keep replies
+    /// for their slots, until a slot arrives.
     async fn relay_until_slot(&mut self) -> Result<Option<Slot>, RedisError> {
         loop {
-            while let Some((_, raw)) = self.parse_upstream()? {
-                self.out().extend_from_slice(&raw);
+            while let Some((frame, raw)) = self.parse_upstream()? {
+                if self.out_of_band(&frame) {
+                    self.out().extend_from_slice(&raw);
+                } else {
+                    self.stash.push_back((frame, raw));
+                }
             }
             self.flush().await?;
             tokio::select! {
@@ -661,14 +847,42 @@ impl Writer {
         match expect {
             Expect::Plain => self.out().extend_from_slice(&raw),
             Expect::Replace(replacement) => replacement.encode(self.out()),
-            Expect::Hello { previous } => {
+            Expect::Hello { previous, user } => {
                 if frame.as_error().is_some() {
                     self.resp3.store(previous, Ordering::Relaxed);
+                } else if let Some(user) = user {
+                    *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
                 }
                 self.out().extend_from_slice(&raw);
             }
-            Expect::EnterRelay => {
-                self.relay = true;
+            Expect::Auth(user) => {
+                if frame.as_error().is_none() {
+                    *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
+                }
+                self.out().extend_from_slice(&raw);
+            }
+            Expect::PubSub { kind, channels } => {
+                let expected = match channels {
+                    0 => self.subscriptions[kind as usize].len().max(1),
+                    n => n,
+                };
+                let mut next = Some((frame, raw));
+                for i in 0..expected {
+                    let (frame, raw) = match next.take() {
+                        Some(reply) => reply,
+                        None => self.next_reply().await?,
+                    };
+                    self.out().extend_from_slice(&raw);
+                    if frame.as_error().is_some() && i == 0 {
+                        break;
+                    }
+                    self.confirmed(&frame);
+                }
+            }
+            Expect::Reset => {
+                for set in &mut self.subscriptions {
+                    set.clear();
+                }
                 self.out().extend_from_slice(&raw);
             }
             Expect::Fenced(ctx) => {
@@ -726,21 +940,21 @@ impl Writer {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
                     while let Some((frame, raw)) = self.parse_upstream()? {
-                        if matches!(frame, Frame::Push(_)) {
+                        if self.out_of_band(&frame) {
                             self.out().extend_from_slice(&raw);
                         } else {
-                            self.received += 1;
                             self.stash.push_back((frame, raw));
                         }
                     }
                 }
             }
         };
-        if self.received < up.sent || !self.stash.is_empty() {
+        // This slot is the (completed + 1)th: anything sent after it is still in flight.
+        if self.completed + 1 < up.sent || !self.stash.is_empty() {
             tracing::warn!(
                 conn = self.id,
                 sent = up.sent,
-                received = self.received,
+                completed = self.completed,
                 stashed = self.stash.len(),
                 "a pipelined fenced write met a missing fence function; answered TRYAGAIN"
             );
@@ -785,15 +999,14 @@ impl Writer {
         }
     }
 
-    /// The next upstream reply; RESP3 push frames met on the way go straight to the client.
+    /// The next upstream reply; out-of-band frames met on the way go straight to the client.
     async fn read_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
         loop {
             while let Some((frame, raw)) = self.parse_upstream()? {
-                if matches!(frame, Frame::Push(_)) {
+                if self.out_of_band(&frame) {
                     self.out().extend_from_slice(&raw);
                     continue;
                 }
-                self.received += 1;
                 return Ok((frame, raw));
             }
             self.flush().await?;

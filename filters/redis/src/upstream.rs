@@ -7,6 +7,7 @@ use tokio::net::TcpStream;
 
 use crate::command_table::CommandTable;
 use crate::config::RedisConfig;
+use crate::durability::{self, Settings};
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
 use crate::rewrite::{function_source, script_source, ScriptMode};
@@ -128,6 +129,46 @@ impl ControlConnection {
                 "answered SCRIPT LOAD with {other:?}"
             ))),
         }
+    }
+
+    /// One `CONFIG GET` value; `None` when the server would not say.
+    async fn config_get(&mut self, name: &str) -> Result<Option<String>, RedisError> {
+        Ok(match self.request(&["CONFIG", "GET", name]).await? {
+            Frame::Array(items) => match items.get(1) {
+                Some(Frame::Bulk(v)) | Some(Frame::Simple(v)) => {
+                    Some(String::from_utf8_lossy(v).to_ascii_lowercase())
+                }
+                _ => None,
+            },
+            Frame::Map(pairs) => pairs.first().and_then(|(_, v)| match v {
+                Frame::Bulk(v) | Frame::Simple(v) => {
+                    Some(String::from_utf8_lossy(v).to_ascii_lowercase())
+                }
+                _ => None,
+            }),
+            _ => None,
+        })
+    }
+
+    /// Checks that fence keys survive eviction and restarts here (see [`durability`]); with
+    /// no enforce rule there are no fences to lose.
+    pub async fn check_durability(&mut self, config: &RedisConfig) -> Result<(), RedisError> {
+        if !config.enforces_any() {
+            return Ok(());
+        }
+        let settings = Settings {
+            maxmemory_policy: self.config_get("maxmemory-policy").await?,
+            appendonly: self.config_get("appendonly").await?,
+            appendfsync: self.config_get("appendfsync").await?,
+        };
+        let problems = durability::problems(&settings, config);
+        if problems.is_empty() {
+            return Ok(());
+        }
+        Err(RedisError::FencesAtRisk {
+            upstream: config.upstream.clone(),
+            problems: problems.join("; "),
+        })
     }
 
     /// Learns the command table and loads the fence script.

@@ -1,0 +1,261 @@
+//! Client requests parsed incrementally: the parse position and the arguments found so far are
+//! kept across reads, so a request that arrives a byte at a time costs time linear in its
+//! size (re-parsing the buffered prefix on every read made a trickling client quadratic).
+//!
+//! Accepts exactly what [`crate::frame::parse_request`] accepts (a proptest checks it); the
+//! caller removes `wire_len` bytes from the front of its buffer after each request.
+
+use bytes::Bytes;
+
+use crate::error::FrameError;
+use crate::frame::{Limits, Request};
+
+/// The longest header line (`*<n>` or `$<n>`, or an inline command up to 64 KiB).
+const MAX_LINE: usize = 64 * 1024;
+
+/// Resumable state for the request at the front of the caller's buffer.
+#[derive(Debug, Default)]
+pub struct RequestParser {
+    /// Where the next element starts.
+    pos: usize,
+    /// Elements still to read; `None` before the `*<n>` header.
+    remaining: Option<usize>,
+    /// Arguments read so far.
+    args: Vec<Bytes>,
+    /// Bytes before this were already searched for the end of the current line.
+    scanned: usize,
+    /// The current bulk string's header was read: its data starts here and is this long.
+    bulk: Option<(usize, usize)>,
+}
+
+impl RequestParser {
+    /// The next whole request at the front of `buf`, or `Ok(None)` to read more. `buf` must
+    /// hold the same bytes as at the last call plus any appended since.
+    pub fn next(&mut self, buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
+        let result = self.step(buf, limits);
+        match &result {
+            Ok(Some(_)) | Err(_) => *self = Self::default(),
+            Ok(None) => {
+                if buf.len() > limits.max_frame_bytes {
+                    *self = Self::default();
+                    return Err(FrameError::TooLarge {
+                        limit: limits.max_frame_bytes,
+                    });
+                }
+            }
+        }
+        result
+    }
+
+    fn step(&mut self, buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
+        let Some(&first) = buf.first() else {
+            return Ok(None);
+        };
+        let remaining = match self.remaining {
+            Some(n) => n,
+            None if first != b'*' => return self.inline(buf, limits),
+            None => {
+                let Some(end) = self.line_end(buf, 1)? else {
+                    return Ok(None);
+                };
+                let n = parse_i64(&buf[1..end]).ok_or(FrameError::Protocol("invalid integer"))?;
+                if n < 0 {
+                    return Err(FrameError::Protocol("expected an array of bulk strings"));
+                }
+                let n =
+                    usize::try_from(n).map_err(|_| FrameError::Protocol("length out of range"))?;
+                if n > limits.max_frame_bytes / 3 {
+                    return Err(FrameError::TooLarge {
+                        limit: limits.max_frame_bytes,
+                    });
+                }
+                self.pos = end + 2;
+                self.scanned = self.pos;
+                self.args = Vec::with_capacity(n.min(1024));
+                self.remaining = Some(n);
+                n
+            }
+        };
+        for _ in 0..remaining {
+            let (start, len) = match self.bulk {
+                Some(bulk) => bulk,
+                None => {
+                    let Some(&kind) = buf.get(self.pos) else {
+                        return Ok(None);
+                    };
+                    if kind != b'$' {
+                        return Err(FrameError::Protocol("expected an array of bulk strings"));
+                    }
+                    let Some(end) = self.line_end(buf, self.pos + 1)? else {
+                        return Ok(None);
+                    };
+                    let n = parse_i64(&buf[self.pos + 1..end])
+                        .ok_or(FrameError::Protocol("invalid integer"))?;
+                    let len = match n {
+                        -1 => {
+                            return Err(FrameError::Protocol("expected an array of bulk strings"))
+                        }
+                        n if n < 0 => return Err(FrameError::Protocol("negative length")),
+                        n => usize::try_from(n)
+                            .map_err(|_| FrameError::Protocol("length out of range"))?,
+                    };
+                    if len > limits.max_frame_bytes {
+                        return Err(FrameError::TooLarge {
+                            limit: limits.max_frame_bytes,
+                        });
+                    }
+                    self.bulk = Some((end + 2, len));
+                    (end + 2, len)
+                }
+            };
+            let data_end = start
+                .checked_add(len)
+                .ok_or(FrameError::Protocol("length out of range"))?;
+            if buf.len() < data_end + 2 {
+                return Ok(None);
+            }
+            if &buf[data_end..data_end + 2] != b"\r\n" {
+                return Err(FrameError::Protocol("bulk string not terminated by CRLF"));
+            }
+            self.args
+                .push(Bytes::copy_from_slice(&buf[start..data_end]));
+            self.bulk = None;
+            self.pos = data_end + 2;
+            self.scanned = self.pos;
+            self.remaining = Some(self.remaining.unwrap_or(1) - 1);
+        }
+        Ok(Some(Request {
+            args: std::mem::take(&mut self.args),
+            wire_len: self.pos,
+        }))
+    }
+
+    /// The index of the `\r` ending the line that starts at `from`, searching only bytes not
+    /// searched before.
+    fn line_end(&mut self, buf: &[u8], from: usize) -> Result<Option<usize>, FrameError> {
+        // A `\r` seen last time may have been the last byte: look at it again.
+        let start = self.scanned.saturating_sub(1).max(from);
+        match buf[start.min(buf.len())..]
+            .windows(2)
+            .position(|w| w == b"\r\n")
+        {
+            Some(i) => Ok(Some(start + i)),
+            None => {
+                self.scanned = buf.len();
+                if buf.len() - from.min(buf.len()) > MAX_LINE {
+                    return Err(FrameError::Protocol("header line longer than 64 KiB"));
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    fn inline(&mut self, buf: &[u8], limits: &Limits) -> Result<Option<Request>, FrameError> {
+        let start = self.scanned.min(buf.len());
+        let Some(i) = buf[start..].iter().position(|&b| b == b'\n') else {
+            self.scanned = buf.len();
+            let limit = limits.max_frame_bytes.min(MAX_LINE);
+            if buf.len() > limit {
+                return Err(FrameError::TooLarge { limit });
+            }
+            return Ok(None);
+        };
+        let end = start + i;
+        crate::frame::parse_request(&buf[..=end], limits)
+    }
+}
+
+fn parse_i64(line: &[u8]) -> Option<i64> {
+    std::str::from_utf8(line).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::frame::parse_request;
+
+    fn limits() -> Limits {
+        Limits {
+            max_frame_bytes: 1 << 20,
+            ..Limits::default()
+        }
+    }
+
+    /// Feeds `bytes` in pieces of `chunk` bytes; collects requests as the reader would.
+    fn feed(bytes: &[u8], chunk: usize) -> Result<Vec<Request>, FrameError> {
+        let mut parser = RequestParser::default();
+        let mut buf = Vec::new();
+        let mut out = Vec::new();
+        for piece in bytes.chunks(chunk.max(1)) {
+            buf.extend_from_slice(piece);
+            while let Some(r) = parser.next(&buf, &limits())? {
+                buf.drain(..r.wire_len);
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    fn whole(bytes: &[u8]) -> Result<Vec<Request>, FrameError> {
+        let mut buf = bytes.to_vec();
+        let mut out = Vec::new();
+        while let Some(r) = parse_request(&buf, &limits())? {
+            buf.drain(..r.wire_len);
+            out.push(r);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn byte_at_a_time_equals_whole() {
+        let wire =
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$5\r\nv\r\nxy\r\nPING\r\n*1\r\n$4\r\nPING\r\n*0\r\n";
+        let a = feed(wire, 1).unwrap();
+        assert_eq!(a, whole(wire).unwrap());
+        assert_eq!(a.len(), 4);
+        assert_eq!(a[0].args[2].as_ref(), b"v\r\nxy");
+    }
+
+    #[test]
+    fn trickled_megabyte_is_linear() {
+        // 100,000 one-byte arguments, fed 7 bytes at a time: quadratic re-parsing would
+        // take minutes here.
+        let n = 100_000;
+        let mut wire = format!("*{}\r\n$3\r\nDEL\r\n", n + 1).into_bytes();
+        for _ in 0..n {
+            wire.extend_from_slice(b"$1\r\nk\r\n");
+        }
+        let started = std::time::Instant::now();
+        let out = feed(&wire, 7).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].args.len(), n + 1);
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    proptest! {
+        #[test]
+        fn any_split_equals_whole(
+            args in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..20), 1..6),
+            garbage in prop::collection::vec(any::<u8>(), 0..12),
+            chunk in 1usize..16,
+        ) {
+            let mut wire = Vec::new();
+            wire.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+            for a in &args {
+                wire.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+                wire.extend_from_slice(a);
+                wire.extend_from_slice(b"\r\n");
+            }
+            wire.extend_from_slice(&garbage);
+            let split = feed(&wire, chunk);
+            let all = whole(&wire);
+            match (split, all) {
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "split {:?} whole {:?}", a, b),
+            }
+        }
+    }
+}
