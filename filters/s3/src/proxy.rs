@@ -258,7 +258,9 @@ impl ProxyHttp for S3Proxy {
         let query = crate::session::query_pairs(&raw_query);
         let copy_source = headers.iter().any(|(n, _)| n == "x-amz-copy-source");
         let operation = Operation::classify(&method, &query, target.key.is_some(), copy_source);
-        if operation == Operation::Read {
+        let judged = Upstream::path_and_query(target.bucket.as_deref(), target.key.as_deref(), "");
+        let normalized = !self.shared.upstream.sent_as_judged(&judged);
+        if operation == Operation::Read && !normalized {
             ctx.target = Some(target);
             return Ok(false);
         }
@@ -273,7 +275,11 @@ impl ProxyHttp for S3Proxy {
             target,
             operation,
         };
-        write.run().await;
+        if normalized {
+            write.refuse_normalized_path().await;
+        } else {
+            write.run().await;
+        }
         Ok(true)
     }
 
@@ -283,11 +289,13 @@ impl ProxyHttp for S3Proxy {
         _ctx: &mut RequestCtx,
     ) -> pingora_core::Result<Box<HttpPeer>> {
         let up = &self.shared.upstream;
-        Ok(Box::new(HttpPeer::new(
-            (up.host.as_str(), up.port),
-            up.tls,
-            up.host.clone(),
-        )))
+        let mut peer = HttpPeer::new((up.host.as_str(), up.port), up.tls, up.host.clone());
+        // A hung store answers the reader 502/504 within the bound instead of never.
+        let timeout = std::time::Duration::from_millis(self.shared.config.upstream_timeout_ms);
+        peer.options.connection_timeout = Some(timeout);
+        peer.options.total_connection_timeout = Some(timeout);
+        peer.options.read_timeout = Some(timeout);
+        Ok(Box::new(peer))
     }
 
     async fn upstream_request_filter(

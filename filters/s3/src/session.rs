@@ -1,8 +1,9 @@
 //! Writes: everything that is not a `GET`/`HEAD`, answered from pingora's `request_filter`.
 //!
 //! A write to an unprotected bucket (or an inert multipart step) streams through, re-signed.
-//! A fenced write runs the object-mode loop: read the object's ETag and fence (HEAD, or the
-//! ETag this gateway got back from its own last write), plan the conditional request
+//! A fenced write runs the object-mode loop: read the object's ETag and fence with a fresh
+//! HEAD (never an ETag remembered from this node's own write: another node may have written
+//! identical bytes, same ETag, with a higher fence since), plan the conditional request
 //! ([`crate::rewrite::plan_write`]), send it; when the store answers 412/409 someone wrote in
 //! between, so re-read and try again (bounded), refusing as soon as the fence is above the
 //! token. The decision is always the store's: the gateway never writes unconditionally.
@@ -12,6 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
@@ -24,7 +26,7 @@ use pingora_proxy::Session;
 use sha2::{Digest, Sha256};
 
 use crate::chunked::{ChunkDecoder, ChunkError};
-use crate::config::{ProtectMode, ProtectRule, S3Config};
+use crate::config::{ProtectRule, S3Config};
 use crate::error::S3Error;
 use crate::error_xml::S3ErrorBody;
 use crate::multi_delete::{self, DeleteEntry, DeleteOutcome};
@@ -35,8 +37,6 @@ use crate::rewrite::{
 use crate::sigv4_verify::{PayloadMode, Verified};
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
-/// How many objects' ETags the gateway remembers from its own writes.
-const ETAG_CACHE: usize = 10_000;
 /// The largest XML body (CompleteMultipartUpload, DeleteObjects) accepted.
 const MAX_XML_BODY: usize = 2 * 1024 * 1024;
 
@@ -48,11 +48,14 @@ pub struct Shared {
     policy: TokenPolicy,
     audit: Arc<dyn AuditSink>,
     http: reqwest::Client,
-    /// `(bucket, key)` -> what this gateway's own last write left there.
-    etags: Mutex<HashMap<(String, String), ObjectState>>,
-    /// Multipart upload id -> the revision its fence metadata carries.
-    uploads: Mutex<HashMap<String, u64>>,
+    /// Fenced multipart uploads: `(bucket, key, upload id)` -> the revision its fence
+    /// metadata carries and when it was created. Forgotten by age only (a flood of new uploads
+    /// is refused instead of evicting a holder's), bounded by `max_open_uploads`.
+    uploads: Mutex<HashMap<UploadKey, (u64, Instant)>>,
 }
+
+/// `(bucket, key, upload id)`: an upload is completed only through the key it was created for.
+type UploadKey = (String, String, String);
 
 impl Shared {
     pub(crate) fn new(
@@ -62,7 +65,13 @@ impl Shared {
         policy: TokenPolicy,
         audit: Arc<dyn AuditSink>,
     ) -> Result<Self, S3Error> {
-        let mut http = reqwest::Client::builder().pool_max_idle_per_host(64);
+        let timeout = Duration::from_millis(config.upstream_timeout_ms);
+        // connect and read timeouts (not a total one): a large body may take long to send,
+        // but a store that stops answering is given up on after `timeout`.
+        let mut http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .connect_timeout(timeout)
+            .read_timeout(timeout);
         if let Some(path) = &config.upstream_ca_file {
             let pem = std::fs::read(path).map_err(|e| {
                 S3Error::Config(format!("upstream_ca_file {}: {e}", path.display()))
@@ -81,32 +90,32 @@ impl Shared {
             policy,
             audit,
             http,
-            etags: Mutex::new(HashMap::new()),
             uploads: Mutex::new(HashMap::new()),
         })
     }
 
-    fn cached(&self, bucket: &str, key: &str) -> Option<ObjectState> {
-        self.etags
-            .lock()
-            .expect("poisoned")
-            .get(&(bucket.to_owned(), key.to_owned()))
-            .cloned()
-    }
-
-    fn remember(&self, bucket: &str, key: &str, state: Option<ObjectState>) {
-        let mut etags = self.etags.lock().expect("poisoned");
-        match state {
-            Some(state) => {
-                if etags.len() >= ETAG_CACHE {
-                    etags.clear();
-                }
-                etags.insert((bucket.to_owned(), key.to_owned()), state);
-            }
-            None => {
-                etags.remove(&(bucket.to_owned(), key.to_owned()));
+    /// Records a fenced upload; `false` when `max_open_uploads` younger uploads are open.
+    fn track_upload(&self, key: UploadKey, revision: u64) -> bool {
+        let max_age = Duration::from_secs(self.config.upload_max_age_s);
+        let mut uploads = self.uploads.lock().expect("poisoned");
+        if uploads.len() >= self.config.max_open_uploads {
+            uploads.retain(|_, (_, created)| created.elapsed() < max_age);
+            if uploads.len() >= self.config.max_open_uploads {
+                return false;
             }
         }
+        uploads.insert(key, (revision, Instant::now()));
+        true
+    }
+
+    /// The revision an open upload was created with, if it is known and not too old.
+    fn upload_revision(&self, key: &UploadKey) -> Option<u64> {
+        let max_age = Duration::from_secs(self.config.upload_max_age_s);
+        let uploads = self.uploads.lock().expect("poisoned");
+        uploads
+            .get(key)
+            .filter(|(_, created)| created.elapsed() < max_age)
+            .map(|(revision, _)| *revision)
     }
 
     /// Sends one signed upstream request; the response body is read whole (write responses
@@ -119,6 +128,13 @@ impl Shared {
         body: reqwest::Body,
         content_length: Option<u64>,
     ) -> Result<UpstreamResponse, S3Error> {
+        if !self.upstream.sent_as_judged(path) {
+            // Backstop: the request was judged for another path than the one the HTTP client
+            // would send; nothing goes out.
+            return Err(S3Error::Upstream(format!(
+                "refusing to send {method} {path}: the HTTP client would normalize the path"
+            )));
+        }
         let mut headers = headers;
         headers.push(("host".to_owned(), self.upstream.host_header()));
         let signature = self.upstream.sign(method, path, &headers)?;
@@ -200,13 +216,6 @@ struct UpstreamResponse {
 }
 
 impl UpstreamResponse {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
     /// Whether the store refused the write's precondition (someone wrote in between).
     /// S3 may answer CompleteMultipartUpload with 200 and an `<Error>` body.
     fn lost_race(&self) -> bool {
@@ -522,21 +531,26 @@ impl WriteSession<'_> {
             return;
         }
         let key = self.target.key.clone();
+        if key.is_none() && self.shared.config.bucket_protected(&bucket) {
+            // A bucket-level write (lifecycle, policy, versioning, deletion, ...) can change
+            // every key of the bucket, whatever rule its keys fall under: fail closed.
+            let detail = format!(
+                "{} on bucket {bucket}, which has protected keys, cannot be fenced; refused (fail closed): change bucket settings directly on the store with an admin credential",
+                self.operation.name()
+            );
+            self.refuse(Rejection::new(RejectReason::Unsupported, detail), None)
+                .await;
+            return;
+        }
         let rule = self
             .shared
             .config
             .rule_for(&bucket, key.as_deref())
             .cloned();
-        let protected = rule.as_ref().is_some_and(|r| r.mode == ProtectMode::Object);
-        let inert = matches!(
-            self.operation,
-            Operation::UploadPart | Operation::AbortMultipartUpload
-        );
-        if !protected || inert {
+        let Some(rule) = rule.filter(|r| r.mode.fenced()) else {
             self.pass_through(&bucket, key.as_deref()).await;
             return;
-        }
-        let rule = rule.expect("protected implies a rule");
+        };
         if let Operation::OtherWrite(what) = &self.operation {
             let detail = format!(
                 "{what} on protected {} cannot be fenced in object mode; refused (fail closed)",
@@ -564,8 +578,18 @@ impl WriteSession<'_> {
             }
             Operation::CreateMultipartUpload => self.create_upload(&bucket, &key, &token).await,
             Operation::DeleteObject => self.fenced_delete(&bucket, &key, &token).await,
+            // UploadPart(Copy) and AbortMultipartUpload are inert until completion, but still
+            // need a valid token for the rule's resource: a tokenless client must not be able
+            // to abort the holder's upload or swap its parts.
             _ => self.pass_through(&bucket, Some(&key)).await,
         }
+    }
+
+    /// Refuses (and audits) a request whose key an HTTP client would rewrite on the way to
+    /// the store (`.`/`..` segments): what is judged must be what the store executes.
+    pub(crate) async fn refuse_normalized_path(&mut self) {
+        let rejection = normalized_path_rejection(&self.target.display());
+        self.refuse(rejection, None).await;
     }
 
     fn token(&self, rule: &ProtectRule) -> Result<Token, Rejection> {
@@ -813,18 +837,16 @@ impl WriteSession<'_> {
     ) {
         let target = format!("{bucket}/{key}");
         if let Some(upload_id) = &upload_id {
-            let created = self
-                .shared
-                .uploads
-                .lock()
-                .expect("poisoned")
-                .get(upload_id)
-                .copied();
+            let created = self.shared.upload_revision(&(
+                bucket.to_owned(),
+                key.to_owned(),
+                upload_id.clone(),
+            ));
             let revision = token.revision().get();
             let rejection = match created {
                 None => Some(Rejection::new(
                     RejectReason::Unsupported,
-                    format!("upload {upload_id} of {target} was not created through this gateway with a fencing token; restart it with CreateMultipartUpload"),
+                    format!("upload {upload_id} was not created for {target} through this gateway with a fencing token (or is too old); restart it with CreateMultipartUpload on this key"),
                 )),
                 Some(created) if created > revision => Some(Rejection::new(
                     RejectReason::Stale { fence: created },
@@ -882,17 +904,10 @@ impl WriteSession<'_> {
             }
         };
         extra.extend(reader.trailer_checksums());
-        let mut use_cache = true;
         for _attempt in 0..self.shared.config.max_attempts {
-            let observed = match use_cache.then(|| self.shared.cached(bucket, key)).flatten() {
-                Some(state) => Some(state),
-                None => {
-                    use_cache = false;
-                    match self.shared.head(bucket, key).await {
-                        Ok(state) => state,
-                        Err(e) => return self.upstream_failed(e).await,
-                    }
-                }
+            let observed = match self.shared.head(bucket, key).await {
+                Ok(state) => state,
+                Err(e) => return self.upstream_failed(e).await,
             };
             let plan = plan_write(
                 WriteKind::Replace,
@@ -902,15 +917,6 @@ impl WriteSession<'_> {
                 &conditions,
             );
             let plan_headers = match plan {
-                WritePlan::Refuse(_) | WritePlan::PreconditionFailed | WritePlan::NoSuchKey
-                    if use_cache =>
-                {
-                    // The remembered state may be older than the store's: any answer other
-                    // than a conditional write is confirmed with a HEAD first.
-                    use_cache = false;
-                    self.shared.remember(bucket, key, None);
-                    continue;
-                }
                 WritePlan::Refuse(rejection) => return self.refuse(rejection, None).await,
                 WritePlan::PreconditionFailed => {
                     return self
@@ -953,8 +959,6 @@ impl WriteSession<'_> {
             };
             if response.lost_race() || (response.status == 404 && observed.is_some() && !xml) {
                 // Someone wrote (or deleted) in between: nothing of ours was applied.
-                self.shared.remember(bucket, key, None);
-                use_cache = false;
                 if let Payload::Stream(_) = payload {
                     return self.after_lost_stream(bucket, key, token, &target).await;
                 }
@@ -962,20 +966,12 @@ impl WriteSession<'_> {
             }
             if (200..300).contains(&response.status) {
                 self.shared.audit.applied("s3");
-                let etag = response.header("etag").map(str::to_owned);
-                let state = etag
-                    .filter(|_| !xml && self.operation == Operation::PutObject)
-                    .map(|etag| ObjectState {
-                        etag,
-                        fence: Some(token.revision().get()),
-                    });
-                self.shared.remember(bucket, key, state);
                 if let Some(upload_id) = &upload_id {
-                    self.shared
-                        .uploads
-                        .lock()
-                        .expect("poisoned")
-                        .remove(upload_id);
+                    self.shared.uploads.lock().expect("poisoned").remove(&(
+                        bucket.to_owned(),
+                        key.to_owned(),
+                        upload_id.clone(),
+                    ));
                 }
             }
             return self.relay(response).await;
@@ -1095,11 +1091,17 @@ impl WriteSession<'_> {
             Ok(response) => {
                 if response.status == 200 {
                     if let Some(upload_id) = xml_text(&response.body, "UploadId") {
-                        let mut uploads = self.shared.uploads.lock().expect("poisoned");
-                        if uploads.len() >= ETAG_CACHE {
-                            uploads.clear();
+                        let upload = (bucket.to_owned(), key.to_owned(), upload_id);
+                        if !self.shared.track_upload(upload, token.revision().get()) {
+                            // Not tracked means its completion would be refused: say so now.
+                            return self
+                                .error(
+                                    503,
+                                    "SlowDown",
+                                    "too many fenced multipart uploads are open; complete or abort some, then retry",
+                                )
+                                .await;
                         }
-                        uploads.insert(upload_id, token.revision().get());
                     }
                 }
                 self.relay(response).await;
@@ -1144,7 +1146,6 @@ impl WriteSession<'_> {
                         continue;
                     }
                     if (200..300).contains(&response.status) {
-                        self.shared.remember(bucket, key, None);
                         self.shared.audit.applied("s3");
                         return Ok(Ok(DeleteDone::Deleted));
                     }
@@ -1212,19 +1213,36 @@ impl WriteSession<'_> {
                 .error(400, "MalformedXML", "The XML you provided was not well-formed or did not validate against our published schema.")
                 .await;
         };
-        let mut token: Option<Result<Token, Rejection>> = None;
         let mut outcomes = Vec::new();
         for entry in request.entries {
+            let path = Upstream::path_and_query(Some(bucket), Some(&entry.key), "");
+            if !self.shared.upstream.sent_as_judged(&path) {
+                let rejection = normalized_path_rejection(&format!("{bucket}/{}", entry.key));
+                let event = self.audit_event(&rejection, Some(&entry.key));
+                if let Err(e) = self.shared.audit.refused(event).await {
+                    tracing::error!(request_id = %self.request_id, error = %e, "the refusal could not be audited");
+                }
+                let (_, code) = crate::error_xml::status_and_code(&rejection.reason);
+                outcomes.push((
+                    entry,
+                    DeleteOutcome::Error {
+                        code: code.into(),
+                        message: rejection.detail,
+                    },
+                ));
+                continue;
+            }
             let rule = self
                 .shared
                 .config
                 .rule_for(bucket, Some(&entry.key))
                 .cloned();
-            let outcome = match rule.filter(|r| r.mode == ProtectMode::Object) {
+            let outcome = match rule.filter(|r| r.mode.fenced()) {
                 None => self.plain_delete(bucket, &entry).await,
                 Some(rule) => {
-                    let token = token.get_or_insert_with(|| self.token(&rule)).clone();
-                    let result = match (token, &entry.version_id) {
+                    // Each key is judged by its own rule: a token valid for one prefix's
+                    // resource says nothing about another's.
+                    let result = match (self.token(&rule), &entry.version_id) {
                         (Err(rejection), _) => Err(rejection),
                         (Ok(_), Some(_)) => Err(Rejection::new(
                             RejectReason::Unsupported,
@@ -1289,6 +1307,15 @@ impl WriteSession<'_> {
             },
         }
     }
+}
+
+fn normalized_path_rejection(target: &str) -> Rejection {
+    Rejection::new(
+        RejectReason::Unsupported,
+        format!(
+            "the key of {target} has `.` or `..` path segments, which HTTP clients and stores resolve to another key; refused"
+        ),
+    )
 }
 
 enum DeleteDone {
