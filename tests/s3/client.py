@@ -222,6 +222,23 @@ def step(s):
         with ThreadPoolExecutor(4) as pool:
             created = sum(pool.map(create, range(s["count"])))
         return {"ok": True, "created": created}
+    if op == "list_pages":
+        # ListObjectsV2 through boto3's paginator: every key and common prefix, page by page.
+        pages = c.get_paginator("list_objects_v2").paginate(
+            Bucket=b, Prefix=s.get("prefix", ""), Delimiter=s.get("delimiter", ""),
+            PaginationConfig={"PageSize": s.get("page_size", 1000)})
+        keys, prefixes, count = [], [], 0
+        for page in pages:
+            count += 1
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+        return {"ok": True, "keys": keys, "prefixes": prefixes, "pages": count}
+    if op == "get_range":
+        r = c.get_object(Bucket=b, Key=k, Range=s["range"])
+        return {"ok": True, "body": r["Body"].read().decode("latin-1"), "status": r["ResponseMetadata"]["HTTPStatusCode"]}
+    if op == "get_json":
+        r = c.get_object(Bucket=b, Key=k)
+        return {"ok": True, "json": json.loads(r["Body"].read())}
     if op == "bucket_versioning":
         r = c.get_bucket_versioning(Bucket=b)
         return {"ok": True, "status": r.get("Status", "")}

@@ -121,8 +121,13 @@ pub struct ProtectRule {
 #[serde(rename_all = "lowercase")]
 pub enum ProtectMode {
     /// The fence travels in each object's metadata; writes are conditional on its ETag.
+    /// Cannot fence a key it has never seen, nor tell identical bytes apart.
     #[default]
     Object,
+    /// Writes go to immutable objects and become visible only when committed into the
+    /// resource's manifest, which holds the fence (see [`crate::manifest`]). Fences new keys,
+    /// deletes and identical bytes too.
+    Manifest,
     /// Writes pass through (verified and re-signed) without a token.
     Off,
 }
@@ -278,6 +283,16 @@ impl S3Config {
         self.protect
             .iter()
             .any(|rule| rule.bucket == bucket && rule.mode.fenced())
+    }
+}
+
+impl S3Config {
+    /// Whether any rule of `bucket` is in manifest mode (its keys are logical: reads resolve
+    /// them through the manifest).
+    pub fn bucket_has_manifest(&self, bucket: &str) -> bool {
+        self.protect
+            .iter()
+            .any(|rule| rule.bucket == bucket && rule.mode == ProtectMode::Manifest)
     }
 }
 

@@ -260,7 +260,11 @@ impl ProxyHttp for S3Proxy {
         let operation = Operation::classify(&method, &query, target.key.is_some(), copy_source);
         let judged = Upstream::path_and_query(target.bucket.as_deref(), target.key.as_deref(), "");
         let normalized = !self.shared.upstream.sent_as_judged(&judged);
-        if operation == Operation::Read && !normalized {
+        let manifest_bucket = target
+            .bucket
+            .as_deref()
+            .is_some_and(|b| self.shared.config.bucket_has_manifest(b));
+        if operation == Operation::Read && !normalized && !manifest_bucket {
             ctx.target = Some(target);
             return Ok(false);
         }
@@ -277,6 +281,12 @@ impl ProxyHttp for S3Proxy {
         };
         if normalized {
             write.refuse_normalized_path().await;
+        } else if write.operation == Operation::Read {
+            // Manifest mode: a logical key resolves to its physical object, or is answered here.
+            if let Some(physical) = write.manifest_read().await {
+                ctx.target = Some(physical);
+                return Ok(false);
+            }
         } else {
             write.run().await;
         }

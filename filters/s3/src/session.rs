@@ -46,16 +46,29 @@ pub struct Shared {
     pub(crate) clients: HashMap<String, String>,
     pub(crate) upstream: Upstream,
     policy: TokenPolicy,
-    audit: Arc<dyn AuditSink>,
+    pub(crate) audit: Arc<dyn AuditSink>,
     http: reqwest::Client,
     /// Fenced multipart uploads: `(bucket, key, upload id)` -> the revision its fence
     /// metadata carries and when it was created. Forgotten by age only (a flood of new uploads
     /// is refused instead of evicting a holder's), bounded by `max_open_uploads`.
-    uploads: Mutex<HashMap<UploadKey, (u64, Instant)>>,
+    uploads: Mutex<HashMap<UploadKey, Upload>>,
+    /// Manifest mode: `(bucket, resource)` -> the manifest last read or committed, by ETag.
+    /// One entry per manifest-mode rule, so bounded by the config.
+    pub(crate) manifests: Mutex<HashMap<(String, String), crate::manifest_store::Loaded>>,
+}
+
+/// A fenced multipart upload the gateway created.
+#[derive(Debug, Clone)]
+pub(crate) struct Upload {
+    /// The revision its creator's token carried.
+    pub(crate) revision: u64,
+    /// Manifest mode: the physical key the parts go to.
+    pub(crate) physical: Option<String>,
+    created: Instant,
 }
 
 /// `(bucket, key, upload id)`: an upload is completed only through the key it was created for.
-type UploadKey = (String, String, String);
+pub(crate) type UploadKey = (String, String, String);
 
 impl Shared {
     pub(crate) fn new(
@@ -91,36 +104,54 @@ impl Shared {
             audit,
             http,
             uploads: Mutex::new(HashMap::new()),
+            manifests: Mutex::new(HashMap::new()),
         })
     }
 
     /// Records a fenced upload; `false` when `max_open_uploads` younger uploads are open.
-    fn track_upload(&self, key: UploadKey, revision: u64) -> bool {
+    pub(crate) fn track_upload(
+        &self,
+        key: UploadKey,
+        revision: u64,
+        physical: Option<String>,
+    ) -> bool {
         let max_age = Duration::from_secs(self.config.upload_max_age_s);
         let mut uploads = self.uploads.lock().expect("poisoned");
         if uploads.len() >= self.config.max_open_uploads {
-            uploads.retain(|_, (_, created)| created.elapsed() < max_age);
+            uploads.retain(|_, upload| upload.created.elapsed() < max_age);
             if uploads.len() >= self.config.max_open_uploads {
                 return false;
             }
         }
-        uploads.insert(key, (revision, Instant::now()));
+        uploads.insert(
+            key,
+            Upload {
+                revision,
+                physical,
+                created: Instant::now(),
+            },
+        );
         true
     }
 
-    /// The revision an open upload was created with, if it is known and not too old.
-    fn upload_revision(&self, key: &UploadKey) -> Option<u64> {
+    /// An open upload, if it is known and not too old.
+    pub(crate) fn upload(&self, key: &UploadKey) -> Option<Upload> {
         let max_age = Duration::from_secs(self.config.upload_max_age_s);
         let uploads = self.uploads.lock().expect("poisoned");
         uploads
             .get(key)
-            .filter(|(_, created)| created.elapsed() < max_age)
-            .map(|(revision, _)| *revision)
+            .filter(|upload| upload.created.elapsed() < max_age)
+            .cloned()
+    }
+
+    /// Forgets an upload (completed or aborted).
+    pub(crate) fn forget_upload(&self, key: &UploadKey) {
+        self.uploads.lock().expect("poisoned").remove(key);
     }
 
     /// Sends one signed upstream request; the response body is read whole (write responses
     /// are small XML documents).
-    async fn send(
+    pub(crate) async fn send(
         &self,
         method: &str,
         path: &str,
@@ -183,7 +214,7 @@ impl Shared {
         }))
     }
 
-    async fn head_headers(
+    pub(crate) async fn head_headers(
         &self,
         bucket: &str,
         key: &str,
@@ -209,10 +240,26 @@ impl Shared {
     }
 }
 
-struct UpstreamResponse {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Bytes,
+pub(crate) struct UpstreamResponse {
+    pub(crate) status: u16,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) body: Bytes,
+}
+
+impl UpstreamResponse {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// A 2xx answer without an `<Error>` document (S3 may answer CompleteMultipartUpload and
+    /// CopyObject with 200 and an error body).
+    pub(crate) fn succeeded(&self) -> bool {
+        (200..300).contains(&self.status)
+            && !(self.body.starts_with(b"<?xml") && contains(&self.body, b"<Error>"))
+    }
 }
 
 impl UpstreamResponse {
@@ -273,7 +320,7 @@ async fn respond_body(session: &mut Session, error: &S3ErrorBody) {
     .await;
 }
 
-async fn respond(
+pub(crate) async fn respond(
     session: &mut Session,
     status: u16,
     headers: Vec<(String, String)>,
@@ -312,7 +359,7 @@ async fn respond(
 }
 
 /// A failure reading the client's body.
-enum BodyError {
+pub(crate) enum BodyError {
     /// The client sent something wrong: answer with this.
     Client(u16, &'static str, String),
     /// The connection failed.
@@ -334,7 +381,7 @@ impl From<ChunkError> for BodyError {
 
 /// Reads the client's body, checking it as it streams; holds back the last piece until the
 /// whole body has been checked.
-struct BodyReader {
+pub(crate) struct BodyReader {
     hash: Option<(Sha256, String)>,
     decoder: Option<ChunkDecoder>,
     queue: VecDeque<Bytes>,
@@ -346,7 +393,7 @@ struct BodyReader {
 }
 
 impl BodyReader {
-    fn new(verified: &Verified, headers: &[(String, String)]) -> Self {
+    pub(crate) fn new(verified: &Verified, headers: &[(String, String)]) -> Self {
         let decoded_len =
             header(headers, "x-amz-decoded-content-length").and_then(|v| v.parse().ok());
         let (hash, decoder) = match &verified.payload {
@@ -455,7 +502,11 @@ impl BodyReader {
     }
 
     /// Reads the whole body, refusing it past `limit` bytes.
-    async fn read_all(&mut self, session: &mut Session, limit: usize) -> Result<Bytes, BodyError> {
+    pub(crate) async fn read_all(
+        &mut self,
+        session: &mut Session,
+        limit: usize,
+    ) -> Result<Bytes, BodyError> {
         let mut pieces = Vec::new();
         let mut len = 0;
         while let Some(piece) = self.next(session).await? {
@@ -473,7 +524,7 @@ impl BodyReader {
     }
 
     /// Trailer checksums (`x-amz-checksum-*`) of an aws-chunked body, to forward as headers.
-    fn trailer_checksums(&self) -> Vec<(String, String)> {
+    pub(crate) fn trailer_checksums(&self) -> Vec<(String, String)> {
         self.decoder
             .as_ref()
             .map(|d| {
@@ -487,7 +538,7 @@ impl BodyReader {
     }
 }
 
-fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
+pub(crate) fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
     headers
         .iter()
         .find(|(n, _)| n == name)
@@ -495,7 +546,7 @@ fn header<'h>(headers: &'h [(String, String)], name: &str) -> Option<&'h str> {
 }
 
 /// Where a write's body comes from on each attempt.
-enum Payload {
+pub(crate) enum Payload {
     /// Held whole: can be resent.
     Buffered(Bytes),
     /// Streams once from the client.
@@ -542,6 +593,19 @@ impl WriteSession<'_> {
                 .await;
             return;
         }
+        if key
+            .as_deref()
+            .is_some_and(|k| k.starts_with(crate::manifest::RESERVED_PREFIX))
+            && self.shared.config.bucket_has_manifest(&bucket)
+        {
+            let detail = format!(
+                "{} is the gateway's own manifest-mode storage; clients cannot write it",
+                self.target.display()
+            );
+            self.refuse(Rejection::new(RejectReason::Unsupported, detail), None)
+                .await;
+            return;
+        }
         let rule = self
             .shared
             .config
@@ -568,6 +632,9 @@ impl WriteSession<'_> {
             }
         };
         let key = key.expect("object operations name a key");
+        if rule.mode == crate::config::ProtectMode::Manifest {
+            return self.manifest_write(&bucket, &key, &rule, &token).await;
+        }
         match self.operation.clone() {
             Operation::PutObject | Operation::CopyObject => {
                 self.fenced_replace(&bucket, &key, &token, None).await
@@ -592,7 +659,7 @@ impl WriteSession<'_> {
         self.refuse(rejection, None).await;
     }
 
-    fn token(&self, rule: &ProtectRule) -> Result<Token, Rejection> {
+    pub(crate) fn token(&self, rule: &ProtectRule) -> Result<Token, Rejection> {
         let Some(presented) = header(&self.headers, TOKEN_HEADER) else {
             return Err(Rejection::new(
                 RejectReason::Missing,
@@ -616,7 +683,7 @@ impl WriteSession<'_> {
             })
     }
 
-    async fn error(&mut self, status: u16, code: &'static str, message: &str) {
+    pub(crate) async fn error(&mut self, status: u16, code: &'static str, message: &str) {
         let resource = format!("/{}", self.target.display());
         respond_error(
             self.session,
@@ -629,7 +696,7 @@ impl WriteSession<'_> {
         .await;
     }
 
-    async fn upstream_failed(&mut self, e: S3Error) {
+    pub(crate) async fn upstream_failed(&mut self, e: S3Error) {
         tracing::warn!(request_id = %self.request_id, error = %e, "upstream request failed");
         self.error(
             503,
@@ -639,7 +706,7 @@ impl WriteSession<'_> {
         .await;
     }
 
-    async fn body_failed(&mut self, e: BodyError) {
+    pub(crate) async fn body_failed(&mut self, e: BodyError) {
         match e {
             BodyError::Client(status, code, message) => self.error(status, code, &message).await,
             BodyError::Io => {
@@ -649,7 +716,7 @@ impl WriteSession<'_> {
     }
 
     /// Audits a refusal (once), then answers it.
-    async fn refuse(&mut self, rejection: Rejection, key: Option<&str>) {
+    pub(crate) async fn refuse(&mut self, rejection: Rejection, key: Option<&str>) {
         let event = self.audit_event(&rejection, key);
         tracing::info!(request_id = %self.request_id, reason = rejection.reason.label(), target = %self.target.display(), "write refused");
         if let Err(e) = self.shared.audit.refused(event).await {
@@ -660,7 +727,7 @@ impl WriteSession<'_> {
         respond_body(self.session, &body).await;
     }
 
-    fn audit_event(&self, rejection: &Rejection, key: Option<&str>) -> AuditEvent {
+    pub(crate) fn audit_event(&self, rejection: &Rejection, key: Option<&str>) -> AuditEvent {
         let presented = header(&self.headers, TOKEN_HEADER).and_then(|t| Token::parse(t).ok());
         let object = match key {
             Some(key) => format!("{}/{key}", self.target.bucket.as_deref().unwrap_or("")),
@@ -700,7 +767,7 @@ impl WriteSession<'_> {
     /// The client's headers that go upstream: without its signature, framing, the token, and
     /// any fence metadata it tried to set itself; `conditions` false also drops its
     /// `If-Match`/`If-None-Match` (the plan sets them).
-    fn upstream_headers(&self, conditions: bool) -> Vec<(String, String)> {
+    pub(crate) fn upstream_headers(&self, conditions: bool) -> Vec<(String, String)> {
         self.headers
             .iter()
             .filter(|(n, _)| {
@@ -725,7 +792,7 @@ impl WriteSession<'_> {
             .collect()
     }
 
-    fn body_length(&self) -> Option<u64> {
+    pub(crate) fn body_length(&self) -> Option<u64> {
         let name = if self.verified.payload.is_chunked() {
             "x-amz-decoded-content-length"
         } else {
@@ -735,7 +802,7 @@ impl WriteSession<'_> {
     }
 
     /// Streams a request through, re-signed, without fencing.
-    async fn pass_through(&mut self, bucket: &str, key: Option<&str>) {
+    pub(crate) async fn pass_through(&mut self, bucket: &str, key: Option<&str>) {
         let path = Upstream::path_and_query(Some(bucket), key, &self.raw_query);
         let headers = self.upstream_headers(true);
         let len = self.body_length();
@@ -771,7 +838,7 @@ impl WriteSession<'_> {
     }
 
     /// Streams the client's body into one upstream request.
-    async fn stream(
+    pub(crate) async fn stream(
         &mut self,
         reader: &mut BodyReader,
         path: &str,
@@ -811,7 +878,7 @@ impl WriteSession<'_> {
         sent.map_err(SendError::Upstream)
     }
 
-    async fn relay(&mut self, response: UpstreamResponse) {
+    pub(crate) async fn relay(&mut self, response: UpstreamResponse) {
         let headers = response
             .headers
             .into_iter()
@@ -837,11 +904,10 @@ impl WriteSession<'_> {
     ) {
         let target = format!("{bucket}/{key}");
         if let Some(upload_id) = &upload_id {
-            let created = self.shared.upload_revision(&(
-                bucket.to_owned(),
-                key.to_owned(),
-                upload_id.clone(),
-            ));
+            let created = self
+                .shared
+                .upload(&(bucket.to_owned(), key.to_owned(), upload_id.clone()))
+                .map(|upload| upload.revision);
             let revision = token.revision().get();
             let rejection = match created {
                 None => Some(Rejection::new(
@@ -967,7 +1033,7 @@ impl WriteSession<'_> {
             if (200..300).contains(&response.status) {
                 self.shared.audit.applied("s3");
                 if let Some(upload_id) = &upload_id {
-                    self.shared.uploads.lock().expect("poisoned").remove(&(
+                    self.shared.forget_upload(&(
                         bucket.to_owned(),
                         key.to_owned(),
                         upload_id.clone(),
@@ -1092,7 +1158,10 @@ impl WriteSession<'_> {
                 if response.status == 200 {
                     if let Some(upload_id) = xml_text(&response.body, "UploadId") {
                         let upload = (bucket.to_owned(), key.to_owned(), upload_id);
-                        if !self.shared.track_upload(upload, token.revision().get()) {
+                        if !self
+                            .shared
+                            .track_upload(upload, token.revision().get(), None)
+                        {
                             // Not tracked means its completion would be refused: say so now.
                             return self
                                 .error(
@@ -1216,8 +1285,17 @@ impl WriteSession<'_> {
         let mut outcomes = Vec::new();
         for entry in request.entries {
             let path = Upstream::path_and_query(Some(bucket), Some(&entry.key), "");
-            if !self.shared.upstream.sent_as_judged(&path) {
-                let rejection = normalized_path_rejection(&format!("{bucket}/{}", entry.key));
+            let reserved = entry.key.starts_with(crate::manifest::RESERVED_PREFIX)
+                && self.shared.config.bucket_has_manifest(bucket);
+            if reserved || !self.shared.upstream.sent_as_judged(&path) {
+                let rejection = if reserved {
+                    Rejection::new(
+                        RejectReason::Unsupported,
+                        format!("{bucket}/{} is the gateway's own manifest-mode storage; clients cannot delete it", entry.key),
+                    )
+                } else {
+                    normalized_path_rejection(&format!("{bucket}/{}", entry.key))
+                };
                 let event = self.audit_event(&rejection, Some(&entry.key));
                 if let Err(e) = self.shared.audit.refused(event).await {
                     tracing::error!(request_id = %self.request_id, error = %e, "the refusal could not be audited");
@@ -1248,6 +1326,16 @@ impl WriteSession<'_> {
                             RejectReason::Unsupported,
                             format!("deleting a version of protected {bucket}/{} cannot be fenced; refused", entry.key),
                         )),
+                        (Ok(token), None) if rule.mode == crate::config::ProtectMode::Manifest => {
+                            let resource = rule.resource.clone().unwrap_or_default();
+                            let change = crate::manifest::Change::Delete(entry.key.clone());
+                            match self.commit(bucket, &resource, &token, &entry.key, change, &ClientConditions::default()).await {
+                                Ok(crate::manifest_write::CommitDone::Committed) => Ok(DeleteOutcome::Deleted),
+                                Ok(crate::manifest_write::CommitDone::Refused(rejection)) => Err(rejection),
+                                Ok(_) => Ok(DeleteOutcome::Error { code: "SlowDown".into(), message: "retry".into() }),
+                                Err(e) => Ok(DeleteOutcome::Error { code: "ServiceUnavailable".into(), message: e.to_string() }),
+                            }
+                        }
                         (Ok(token), None) => match self.delete_one(bucket, &entry.key, &token, &ClientConditions::default()).await {
                             Ok(Ok(DeleteDone::Deleted)) => Ok(DeleteOutcome::Deleted),
                             Ok(Ok(_)) => Ok(DeleteOutcome::Error { code: "SlowDown".into(), message: "retry".into() }),
@@ -1325,12 +1413,12 @@ enum DeleteDone {
     Busy,
 }
 
-enum SendError {
+pub(crate) enum SendError {
     Body(BodyError),
     Upstream(S3Error),
 }
 
-fn xml_text(xml: &[u8], element: &str) -> Option<String> {
+pub(crate) fn xml_text(xml: &[u8], element: &str) -> Option<String> {
     let text = std::str::from_utf8(xml).ok()?;
     let open = format!("<{element}>");
     let start = text.find(&open)? + open.len();

@@ -19,7 +19,8 @@ pub const SECRET: &str = "client-secret-for-tests";
 const UPSTREAM_SECRET_ENV: &str = "FENCEGATE_TEST_S3_UPSTREAM_SECRET";
 
 /// moto + a gateway in front of it, protecting bucket `fenced` (object mode, resource `job`),
-/// bucket `mixed` (`tmp/` off, `other/` for resource `other`, the rest for `job`) and leaving
+/// bucket `mixed` (`tmp/` off, `other/` for resource `other`, the rest for `job`), bucket
+/// `ledger` in manifest mode (resource `job`) and leaving
 /// bucket `open` unprotected.
 pub struct Harness {
     pub moto: MotoServer,
@@ -192,6 +193,7 @@ impl Harness {
             {"op": "create_bucket", "bucket": "fenced"},
             {"op": "create_bucket", "bucket": "open"},
             {"op": "create_bucket", "bucket": "mixed"},
+            {"op": "create_bucket", "bucket": "ledger"},
             {"op": "create_bucket", "bucket": "versioned", "versioning": true},
         ]));
         assert!(
@@ -226,6 +228,7 @@ impl Harness {
                 rule("mixed", "tmp/", ProtectMode::Off, None),
                 rule("mixed", "other/", ProtectMode::Object, Some("other")),
                 rule("mixed", "", ProtectMode::Object, Some("job")),
+                rule("ledger", "", ProtectMode::Manifest, Some("job")),
             ],
             ..S3Config::default()
         };
