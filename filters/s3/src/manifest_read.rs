@@ -8,9 +8,11 @@ use bytes::Bytes;
 use quick_xml::escape::escape;
 
 use crate::config::ProtectMode;
+use crate::gateway::query_pairs;
 use crate::manifest::{list, ListPage, ListRequest, RESERVED_PREFIX};
+use crate::respond::respond;
 use crate::rewrite::Target;
-use crate::session::{query_pairs, respond, WriteSession};
+use crate::session::WriteSession;
 
 /// Query parameters a listing may carry; any other makes a bucket GET something else
 /// (`?location`, `?versioning`, `?uploads`, ...), which is proxied.

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::error::S3Error;
+use crate::gateway::Shared;
 use crate::manifest::{manifest_key, Manifest};
-use crate::session::Shared;
 use crate::upstream::Upstream;
 
 /// A manifest as read or committed, with the ETag the store gave it.

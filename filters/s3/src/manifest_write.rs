@@ -8,19 +8,16 @@
 use bytes::Bytes;
 use fencegate_core::{RejectReason, Rejection, Token};
 
+use crate::body::{header, BodyReader, Payload, MAX_XML_BODY};
 use crate::config::{ProtectMode, ProtectRule};
 use crate::error::S3Error;
+use crate::gateway::{query_pairs, UpstreamResponse};
 use crate::manifest::{physical_key, plan_commit, Change, CommitPlan, Entry, RESERVED_PREFIX};
+use crate::respond::respond;
 use crate::rewrite::{ClientConditions, Operation};
-use crate::session::{
-    header, query_pairs, respond, xml_text, BodyReader, Payload, SendError, UpstreamResponse,
-    WriteSession,
-};
+use crate::session::{xml_text, SendError, WriteSession};
 use crate::sigv4_verify::encode_path;
 use crate::upstream::Upstream;
-
-/// The largest CompleteMultipartUpload body accepted.
-const MAX_XML_BODY: usize = 2 * 1024 * 1024;
 
 /// How a commit ended.
 pub(crate) enum CommitDone {
@@ -515,7 +512,7 @@ impl WriteSession<'_> {
         let revision = token.revision().get();
         let upload = self.shared.upload(&id);
         let rejection = match &upload {
-            None | Some(crate::session::Upload { physical: None, .. }) => Some(Rejection::new(
+            None | Some(crate::gateway::Upload { physical: None, .. }) => Some(Rejection::new(
                 RejectReason::Unsupported,
                 format!("upload {upload_id} was not created for {target} through this gateway with a fencing token (or is too old); restart it with CreateMultipartUpload on this key"),
             )),

@@ -23,8 +23,10 @@ use tokio::sync::watch;
 
 use crate::config::{parse_credentials, S3Config};
 use crate::error::S3Error;
+use crate::gateway::Shared;
+use crate::respond::respond_error;
 use crate::rewrite::{Operation, Target};
-use crate::session::{respond_error, Shared, WriteSession};
+use crate::session::WriteSession;
 use crate::sigv4_verify::{self, SignedRequest};
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
@@ -255,7 +257,7 @@ impl ProxyHttp for S3Proxy {
             &raw_path,
             self.shared.config.virtual_host_suffix.as_deref(),
         );
-        let query = crate::session::query_pairs(&raw_query);
+        let query = crate::gateway::query_pairs(&raw_query);
         let copy_source = headers.iter().any(|(n, _)| n == "x-amz-copy-source");
         let operation = Operation::classify(&method, &query, target.key.is_some(), copy_source);
         let judged = Upstream::path_and_query(target.bucket.as_deref(), target.key.as_deref(), "");
