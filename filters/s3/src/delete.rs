@@ -165,8 +165,8 @@ impl WriteSession<'_> {
                             let resource = rule.resource.clone().unwrap_or_default();
                             let change = crate::manifest::Change::Delete(entry.key.clone());
                             match self.commit(bucket, &resource, &token, &entry.key, change, &ClientConditions::default()).await {
-                                Ok(crate::manifest_write::CommitDone::Committed) => Ok(DeleteOutcome::Deleted),
-                                Ok(crate::manifest_write::CommitDone::Refused(rejection)) => Err(rejection),
+                                Ok(crate::group_commit::CommitDone::Committed) => Ok(DeleteOutcome::Deleted),
+                                Ok(crate::group_commit::CommitDone::Refused(rejection)) => Err(rejection),
                                 Ok(_) => Ok(DeleteOutcome::Error { code: "SlowDown".into(), message: "retry".into() }),
                                 Err(e) => Ok(DeleteOutcome::Error { code: "ServiceUnavailable".into(), message: e.to_string() }),
                             }

@@ -29,6 +29,8 @@ pub struct Shared {
     /// Manifest mode: `(bucket, resource)` -> the manifest last read or committed, by ETag.
     /// One entry per manifest-mode rule, so bounded by the config.
     pub(crate) manifests: Mutex<HashMap<(String, String), crate::manifest_store::Loaded>>,
+    /// Manifest mode: each manifest's group-commit queue (one per rule, bounded by the config).
+    pub(crate) committers: Mutex<HashMap<(String, String), Arc<crate::group_commit::Committer>>>,
 }
 
 /// A fenced multipart upload the gateway created.
@@ -79,6 +81,7 @@ impl Shared {
             http,
             uploads: Mutex::new(HashMap::new()),
             manifests: Mutex::new(HashMap::new()),
+            committers: Mutex::new(HashMap::new()),
         })
     }
 

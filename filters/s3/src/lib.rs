@@ -21,6 +21,7 @@ mod delete;
 pub mod error;
 pub mod error_xml;
 mod gateway;
+mod group_commit;
 pub mod manifest;
 mod manifest_read;
 mod manifest_store;

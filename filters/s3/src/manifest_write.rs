@@ -12,21 +12,13 @@ use crate::body::{header, BodyReader, Payload, MAX_XML_BODY};
 use crate::config::{ProtectMode, ProtectRule};
 use crate::error::S3Error;
 use crate::gateway::{query_pairs, UpstreamResponse};
-use crate::manifest::{physical_key, plan_commit, Change, CommitPlan, Entry, RESERVED_PREFIX};
+use crate::group_commit::CommitDone;
+use crate::manifest::{physical_key, Change, Entry, RESERVED_PREFIX};
 use crate::respond::respond;
 use crate::rewrite::{ClientConditions, Operation};
 use crate::session::{xml_text, SendError, WriteSession};
 use crate::sigv4_verify::encode_path;
 use crate::upstream::Upstream;
-
-/// How a commit ended.
-pub(crate) enum CommitDone {
-    Committed,
-    Refused(Rejection),
-    PreconditionFailed,
-    NoSuchKey,
-    Busy,
-}
 
 /// S3's timestamp form for listings (`2026-12-01T03:04:05.000Z`).
 fn now_s3() -> String {
@@ -103,8 +95,8 @@ impl WriteSession<'_> {
         }
     }
 
-    /// Commits `change` into the manifest of `resource`, re-planning on the fresh manifest
-    /// when the store refuses the condition.
+    /// Commits `change` into the manifest of `resource` (group commit: shares one
+    /// conditional manifest write with the other changes queued for it on this node).
     pub(crate) async fn commit(
         &self,
         bucket: &str,
@@ -114,42 +106,16 @@ impl WriteSession<'_> {
         change: Change,
         conditions: &ClientConditions,
     ) -> Result<CommitDone, S3Error> {
-        let target = format!("{bucket}/{key}");
-        let mut revalidate = false;
-        for _attempt in 0..self.shared.config.max_attempts {
-            let current = self.shared.manifest(bucket, resource, revalidate).await?;
-            let plan = plan_commit(
-                current.as_ref().map(|l| &*l.manifest),
+        self.shared
+            .commit_grouped(
+                bucket,
+                resource,
                 token,
-                &target,
-                &change,
-                conditions,
-            );
-            match plan {
-                // A cached fence above the token is final (fences only grow); a client
-                // precondition judged on a cached copy is checked on a fresh one first.
-                CommitPlan::Refuse(rejection) => return Ok(CommitDone::Refused(rejection)),
-                CommitPlan::PreconditionFailed | CommitPlan::NoSuchKey if !revalidate => {
-                    revalidate = true;
-                }
-                CommitPlan::PreconditionFailed => return Ok(CommitDone::PreconditionFailed),
-                CommitPlan::NoSuchKey => return Ok(CommitDone::NoSuchKey),
-                CommitPlan::Commit(next) => {
-                    match self
-                        .shared
-                        .commit_manifest(bucket, resource, current.as_ref(), next)
-                        .await?
-                    {
-                        Some(_) => {
-                            self.shared.audit.applied("s3");
-                            return Ok(CommitDone::Committed);
-                        }
-                        None => revalidate = true,
-                    }
-                }
-            }
-        }
-        Ok(CommitDone::Busy)
+                format!("{bucket}/{key}"),
+                change,
+                conditions.clone(),
+            )
+            .await
     }
 
     /// Refuses early, before any physical write, when the (possibly cached) manifest's fence

@@ -234,3 +234,47 @@ fn boto3_works_unchanged_on_logical_keys() {
         "the write to the gateway's own key"
     );
 }
+
+/// 16 writers with tokens 1..16 put the same fresh key at once (group commit shares their
+/// manifest writes): the committed entry is the highest token that committed, every other
+/// outcome is a stale refusal, audited once each.
+#[test]
+fn sixteen_racing_writers_commit_in_fence_order() {
+    let h = Harness::start();
+    let out = h.run(
+        json!([{"op": "race", "bucket": "ledger", "prefix": "race", "clients": 16, "rounds": 5}]),
+    );
+    let rounds = out[0]["rounds"].as_array().expect("race output").clone();
+    let mut applied_total = 0;
+    for round in &rounds {
+        let results = round["results"].as_object().unwrap();
+        let applied: Vec<u64> = results
+            .iter()
+            .filter(|(_, r)| *r == "applied")
+            .map(|(t, _)| t.parse().unwrap())
+            .collect();
+        println!(
+            "{}: applied {applied:?}, final {}",
+            round["key"], round["final_body"]
+        );
+        assert!(results
+            .values()
+            .all(|r| r == "applied" || r == "FencingTokenStale"));
+        let max = *applied.iter().max().expect("some writer applied");
+        let key = round["key"].as_str().unwrap();
+        assert_eq!(
+            round["final_body"],
+            format!("token {max} round {}", key.trim_start_matches("race/"))
+        );
+        applied_total += applied.len();
+    }
+    let m = manifest(&h);
+    assert_eq!(m["fence"], 16);
+    let events = h.audit.events();
+    assert_eq!(
+        events.len(),
+        16 * 5 - applied_total,
+        "one audit record per refusal"
+    );
+    assert!(events.iter().all(|e| e.reason == "stale"));
+}
