@@ -15,7 +15,7 @@
 //! virtual_host_suffix = "s3.local"      # optional: bucket.s3.local/key is virtual-hosted style
 //! retry_buffer_bytes = 16777216          # bodies up to this size are kept for conditional retries
 //! max_attempts = 8                       # conditional write attempts before answering 503 SlowDown
-//! upstream_timeout_ms = 30000            # a store silent this long answers 503 (writes) / 504 (reads)
+//! upstream_timeout_ms = 60000            # a store silent this long answers 503 (writes) / 504 (reads)
 //! max_open_uploads = 100000              # fenced multipart uploads tracked at once (age-evicted)
 //!
 //! # Protected buckets/prefixes; the first rule whose bucket and prefix match decides.
@@ -158,7 +158,7 @@ fn default_max_attempts() -> u32 {
     8
 }
 fn default_upstream_timeout_ms() -> u64 {
-    30_000
+    60_000
 }
 fn default_max_open_uploads() -> usize {
     100_000

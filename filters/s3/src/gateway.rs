@@ -3,6 +3,7 @@
 //! upstream request goes through [`Shared::send`], which refuses a path the HTTP client would
 //! rewrite and is bounded by `upstream_timeout_ms`.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,13 +55,11 @@ impl Shared {
         policy: TokenPolicy,
         audit: Arc<dyn AuditSink>,
     ) -> Result<Self, S3Error> {
-        let timeout = Duration::from_millis(config.upstream_timeout_ms);
-        // connect and read timeouts (not a total one): a large body may take long to send,
-        // but a store that stops answering is given up on after `timeout`.
+        // Connecting is bounded here; waiting for an answer is bounded per request in `send`
+        // (reqwest's read timeout also runs while a large body is still being sent).
         let mut http = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
-            .connect_timeout(timeout)
-            .read_timeout(timeout);
+            .connect_timeout(Duration::from_millis(config.upstream_timeout_ms));
         if let Some(path) = &config.upstream_ca_file {
             let pem = std::fs::read(path).map_err(|e| {
                 S3Error::Config(format!("upstream_ca_file {}: {e}", path.display()))
@@ -136,6 +135,22 @@ impl Shared {
         body: reqwest::Body,
         content_length: Option<u64>,
     ) -> Result<UpstreamResponse, S3Error> {
+        self.send_streaming(method, path, headers, body, content_length, None)
+            .await
+    }
+
+    /// [`Shared::send`] for a body that streams from the client: `progress` counts pieces
+    /// sent, and the store is given up on only after `upstream_timeout_ms` without progress
+    /// or answer (an idle timeout, so a long upload is not cut off).
+    pub(crate) async fn send_streaming(
+        &self,
+        method: &str,
+        path: &str,
+        headers: Vec<(String, String)>,
+        body: reqwest::Body,
+        content_length: Option<u64>,
+        progress: Option<&AtomicU64>,
+    ) -> Result<UpstreamResponse, S3Error> {
         if !self.upstream.sent_as_judged(path) {
             // Backstop: the request was judged for another path than the one the HTTP client
             // would send; nothing goes out.
@@ -157,11 +172,31 @@ impl Shared {
         if let Some(len) = content_length {
             request = request.header("content-length", len.to_string());
         }
-        let response = request
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| S3Error::Upstream(e.to_string()))?;
+        let timeout = Duration::from_millis(self.config.upstream_timeout_ms);
+        let silent = || {
+            S3Error::Upstream(format!(
+                "the store did not answer within upstream_timeout_ms ({} ms)",
+                timeout.as_millis()
+            ))
+        };
+        let sending = request.body(body).send();
+        tokio::pin!(sending);
+        let read = |p: Option<&AtomicU64>| p.map_or(0, |p| p.load(Ordering::Relaxed));
+        let mut seen = read(progress);
+        let response = loop {
+            tokio::select! {
+                response = &mut sending => {
+                    break response.map_err(|e| S3Error::Upstream(e.to_string()))?;
+                }
+                () = tokio::time::sleep(timeout) => {
+                    let now = read(progress);
+                    if now == seen {
+                        return Err(silent());
+                    }
+                    seen = now;
+                }
+            }
+        };
         let status = response.status().as_u16();
         let headers = response
             .headers()
@@ -172,9 +207,9 @@ impl Shared {
                     .map(|v| (n.as_str().to_owned(), v.to_owned()))
             })
             .collect();
-        let body = response
-            .bytes()
+        let body = tokio::time::timeout(timeout, response.bytes())
             .await
+            .map_err(|_| silent())?
             .map_err(|e| S3Error::Upstream(e.to_string()))?;
         Ok(UpstreamResponse {
             status,

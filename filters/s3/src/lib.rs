@@ -22,6 +22,7 @@ pub mod error;
 pub mod error_xml;
 mod gateway;
 mod group_commit;
+pub mod maintenance;
 pub mod manifest;
 mod manifest_read;
 mod manifest_store;
@@ -37,4 +38,5 @@ pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, S3Config};
 pub use error::S3Error;
+pub use maintenance::{GcReport, Maintenance};
 pub use proxy::{GatewayHandle, S3Gateway};

@@ -316,6 +316,9 @@ impl WriteSession<'_> {
         });
         let body = reqwest::Body::wrap_stream(stream);
         let session = &mut *self.session;
+        // Pieces handed to the store: the upstream timeout counts from the last one.
+        let progress = std::sync::atomic::AtomicU64::new(0);
+        let pumped_pieces = &progress;
         let pump = async move {
             loop {
                 match reader.next(session).await {
@@ -323,6 +326,7 @@ impl WriteSession<'_> {
                         if tx.send(Ok(piece)).await.is_err() {
                             return Ok(());
                         }
+                        pumped_pieces.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     Ok(None) => return Ok(()),
                     Err(e) => {
@@ -335,9 +339,14 @@ impl WriteSession<'_> {
                 }
             }
         };
-        let send = self
-            .shared
-            .send(&self.method, path, headers, body, Some(len));
+        let send = self.shared.send_streaming(
+            &self.method,
+            path,
+            headers,
+            body,
+            Some(len),
+            Some(&progress),
+        );
         let (pumped, sent) = tokio::join!(pump, send);
         pumped.map_err(SendError::Body)?;
         sent.map_err(SendError::Upstream)

@@ -278,3 +278,68 @@ fn sixteen_racing_writers_commit_in_fence_order() {
     );
     assert!(events.iter().all(|e| e.reason == "stale"));
 }
+
+/// `s3 gc` removes exactly the physical objects no manifest names (a refused commit's, an
+/// overwritten one's); `s3 export` copies the committed view to plain keys.
+#[test]
+fn gc_keeps_what_the_manifest_names_and_export_copies_it() {
+    let h = Harness::start();
+    let stale_node = h.second_node();
+    ok(&stale_node.run(json!([
+        {"op": "put", "bucket": "ledger", "key": "k", "body": "first", "token": token(2)},
+    ])));
+    ok(&h.run(json!([
+        {"op": "put", "bucket": "ledger", "key": "k", "body": "second", "token": token(3)},
+        {"op": "put", "bucket": "ledger", "key": "dir/j", "body": "other key", "token": token(3)},
+    ])));
+    let late = stale_node.run(json!([
+        {"op": "put", "bucket": "ledger", "key": "z", "body": "refused", "token": token(2)},
+    ]));
+    assert_stale(&late[0]);
+    let maintenance = fencegate_s3::Maintenance::new(h.config()).unwrap();
+    assert_eq!(
+        maintenance.manifests(),
+        [("ledger".to_owned(), "job".to_owned())]
+    );
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let hour = std::time::Duration::from_secs(3600);
+    let young = runtime
+        .block_on(maintenance.gc("ledger", "job", hour, false))
+        .unwrap();
+    println!("grace 1 h: {young:?}");
+    assert_eq!(
+        (
+            young.listed,
+            young.referenced,
+            young.too_young,
+            young.removed
+        ),
+        (4, 2, 2, 0)
+    );
+    let report = runtime
+        .block_on(maintenance.gc("ledger", "job", std::time::Duration::ZERO, false))
+        .unwrap();
+    println!("grace 0: {report:?}");
+    assert_eq!(
+        (report.listed, report.referenced, report.removed),
+        (4, 2, 2)
+    );
+    let physical =
+        h.direct(json!([{"op": "list", "bucket": "ledger", "prefix": ".fencegate/data/"}]));
+    assert_eq!(physical[0]["keys"].as_array().unwrap().len(), 2);
+    let exported = runtime
+        .block_on(maintenance.export("ledger", "job", "open", "export/"))
+        .unwrap();
+    assert_eq!(exported, 2);
+    let reads = h.run(json!([
+        {"op": "get", "bucket": "ledger", "key": "k"},
+        {"op": "get", "bucket": "ledger", "key": "dir/j"},
+        {"op": "get", "bucket": "open", "key": "export/k"},
+        {"op": "get", "bucket": "open", "key": "export/dir/j"},
+    ]));
+    let bodies: Vec<&Value> = reads.iter().map(|r| &r["body"]).collect();
+    assert_eq!(bodies, ["second", "other key", "second", "other key"]);
+    assert!(runtime
+        .block_on(maintenance.export("ledger", "job", "fenced", "copy/"))
+        .is_err());
+}

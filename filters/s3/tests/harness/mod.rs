@@ -70,6 +70,11 @@ impl Harness {
         Self::build(TokenPolicy::default(), false, false, configure)
     }
 
+    /// The gateway's config.
+    pub fn config(&self) -> S3Config {
+        self.config.clone()
+    }
+
     /// Starts another gateway node with the same config in front of the same moto.
     pub fn second_node(&self) -> Node {
         let port = free_s3_port();
