@@ -89,7 +89,7 @@ impl World {
                  [s3]\nlisten = \"127.0.0.1:{s3_port}\"\nupstream = \"{s3_up}\"\n\
                  upstream_access_key = \"gateway\"\nupstream_secret_env = \"S3_UPSTREAM_SECRET\"\n\
                  clients_env = \"S3_CLIENTS\"\n\n\
-                 [[s3.protect]]\nbucket = \"billing\"\nprefix = \"invoices/\"\nresource = \"{RESOURCE}\"\n",
+                 [[s3.protect]]\nbucket = \"billing\"\nprefix = \"invoices/\"\nmode = \"manifest\"\nresource = \"{RESOURCE}\"\n",
                 redis_up = redis.addr,
                 pg_up = pg.addr(),
                 s3_up = moto.endpoint,
@@ -164,8 +164,8 @@ impl World {
         all
     }
 
-    /// GET (or HEAD) an object straight from the S3 server: (status, fence metadata, body).
-    async fn s3_object(&self, key: &str, head: bool) -> (u16, Option<u64>, String) {
+    /// GET (or HEAD) a raw object straight from the S3 server: (status, body).
+    async fn s3_raw(&self, key: &str, head: bool) -> (u16, String) {
         let path = Upstream::path_and_query(Some("billing"), Some(key), "");
         let method = if head { "HEAD" } else { "GET" };
         let mut headers = vec![("host".to_owned(), self.s3_direct.host_header())];
@@ -178,20 +178,36 @@ impl World {
             request = request.header(name, value);
         }
         let answer = request.send().await.unwrap();
-        let fence = answer
-            .headers()
-            .get("x-amz-meta-fencegate-revision")
-            .and_then(|v| v.to_str().ok()?.parse().ok());
-        (
-            answer.status().as_u16(),
-            fence,
-            answer.text().await.unwrap(),
-        )
+        (answer.status().as_u16(), answer.text().await.unwrap())
+    }
+
+    /// The resource's manifest as stored (S3 manifest mode), read behind the gateway's back.
+    async fn s3_manifest(&self) -> Option<Value> {
+        let (status, body) = self
+            .s3_raw(&format!(".fencegate/manifest/{RESOURCE}"), false)
+            .await;
+        (status == 200).then(|| serde_json::from_str(&body).unwrap())
+    }
+
+    /// A logical S3 object resolved through the manifest, straight from the S3 server:
+    /// (status, revision that committed it, body).
+    async fn s3_object(&self, key: &str) -> (u16, Option<u64>, String) {
+        let entry = self
+            .s3_manifest()
+            .await
+            .and_then(|m| m["keys"].get(key).cloned());
+        let Some(entry) = entry else {
+            return (404, None, String::new());
+        };
+        let (status, body) = self
+            .s3_raw(entry["physical"].as_str().unwrap(), false)
+            .await;
+        (status, entry["revision"].as_u64(), body)
     }
 
     /// The fence each store holds now: PostgreSQL's fence row, Redis's fence key, and the
-    /// fence on S3 chunk object `chunk` (or the highest over all chunk objects).
-    async fn fences(&mut self, chunk: Option<u32>) -> [String; 3] {
+    /// fence of the S3 manifest.
+    async fn fences(&mut self) -> [String; 3] {
         let pg: Option<i64> = self
             .pg_direct
             .query_opt(
@@ -206,12 +222,7 @@ impl World {
             .query_async(&mut self.redis_direct)
             .await
             .unwrap();
-        let chunks: Vec<u32> = chunk.map_or((0..CHUNKS).collect(), |n| vec![n]);
-        let mut s3 = None;
-        for n in chunks {
-            let (_, fence, _) = self.s3_object(&chunk_key(n), true).await;
-            s3 = s3.max(fence);
-        }
+        let s3 = self.s3_manifest().await.and_then(|m| m["fence"].as_u64());
         let show = |v: Option<String>| v.unwrap_or_else(|| "-".into());
         [
             show(pg.map(|v| v.to_string())),
@@ -369,7 +380,7 @@ impl Story {
     /// Adds a row, with the fences read from the stores right now.
     async fn row(&mut self, said: &Said, event: &str, result: &str, chunk: Option<u32>) {
         let actor = said.actor;
-        let fences = self.world.fences(chunk).await;
+        let fences = self.world.fences().await;
         let token = self
             .workers
             .get(actor)
@@ -808,7 +819,7 @@ async fn verify(story: &mut Story, [a, b, c]: [u64; 3]) {
 
     // S3: one object per chunk, its body and its fence from the current holder.
     for n in 0..CHUNKS {
-        let (status, fence, body) = world.s3_object(&chunk_key(n), false).await;
+        let (status, fence, body) = world.s3_object(&chunk_key(n)).await;
         assert_eq!(status, 200, "s3 chunk {n}");
         assert_eq!(fence, Some(writer(n)), "s3 chunk {n} fence");
         let body: Value = serde_json::from_str(&body).unwrap();

@@ -339,7 +339,7 @@ pub fn s3_section(listen: u16, upstream: u16) -> String {
     format!(
         "[s3]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"http://127.0.0.1:{upstream}\"\nupstream_access_key = \"moto\"\n\
          upstream_secret_env = \"FENCEGATE_S3_UPSTREAM_SECRET\"\nclients_env = \"FENCEGATE_S3_CLIENTS\"\n\n\
-         [[s3.protect]]\nbucket = \"bench\"\nprefix = \"\"\nmode = \"object\"\n\n"
+         [[s3.protect]]\nbucket = \"bench\"\nprefix = \"\"\nmode = \"object\"\nresource = \"bench\"\n\n"
     )
 }
 

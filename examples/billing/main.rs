@@ -105,7 +105,7 @@ async fn run(args: Args, events: &Events) -> anyhow::Result<u8> {
     let raised = [
         ("postgres", postgres.raise_fence(&token).await?),
         ("redis", redis.raise_fence().await?),
-        ("s3", s3.raise_fence(args.chunks).await?),
+        ("s3", s3.raise_fence().await?),
     ];
     let report = Report::of(&raised);
     events.emit("fence", report.json(None));

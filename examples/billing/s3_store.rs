@@ -1,9 +1,10 @@
 //! One S3 object per chunk, through the gateway: SigV4-signed requests with the job's own
 //! credentials plus the `Fencing-Token` header (signed with the rest).
 //!
-//! In object mode a key that does not exist has no fence, so raising the fence means stamping
-//! every chunk key not written yet with a placeholder under this job's token. A chunk counts as
-//! written when its object holds invoices.
+//! The bucket's prefix is in manifest mode: every write (a new key included) is a commit into
+//! the resource's manifest, which holds the fence, so the job just writes. Raising the fence
+//! first is one commit that changes no key: a DELETE of a key that never exists. A chunk
+//! counts as written when its object holds invoices.
 
 use anyhow::Context;
 use fencegate_s3::upstream::Upstream;
@@ -47,7 +48,7 @@ impl S3Store {
     ) -> anyhow::Result<reqwest::Response> {
         let path = Upstream::path_and_query(Some(&self.bucket), Some(key), "");
         let mut headers = vec![("host".to_owned(), self.signer.host_header())];
-        if method == Method::PUT {
+        if method == Method::PUT || method == Method::DELETE {
             headers.push(("fencing-token".to_owned(), self.token.clone()));
         }
         headers.extend(self.signer.sign(method.as_str(), &path, &headers)?);
@@ -61,7 +62,7 @@ impl S3Store {
         Ok(request.send().await?)
     }
 
-    /// Whether the object holds a written chunk (not missing, not a placeholder).
+    /// Whether the object holds a written chunk.
     async fn has_chunk(&self, key: &str) -> anyhow::Result<bool> {
         let answer = self.send(Method::GET, key, Vec::new()).await?;
         match answer.status() {
@@ -75,23 +76,12 @@ impl S3Store {
         }
     }
 
-    /// Stamps every chunk key that has no chunk yet with a placeholder under the token. The
-    /// placeholder carries the token: object mode compares ETags, which are content hashes, so
-    /// two holders' placeholders must never be byte-identical (README, "Identical bytes").
-    pub async fn raise_fence(&self, chunks: u32) -> anyhow::Result<Outcome> {
-        let placeholder = serde_json::json!({ "placeholder": true, "token": self.token });
-        for n in 0..chunks {
-            let key = self.key(n);
-            if self.has_chunk(&key).await? {
-                continue;
-            }
-            if let Outcome::Refused(why) =
-                self.put(&key, placeholder.to_string().into_bytes()).await?
-            {
-                return Ok(Outcome::Refused(why));
-            }
-        }
-        Ok(Outcome::Written)
+    /// Raises the fence before anything else: deleting a key that never exists commits the
+    /// token into the manifest (a stale holder's later commit is refused) and changes no key.
+    pub async fn raise_fence(&self) -> anyhow::Result<Outcome> {
+        let key = format!("invoices/{}/.raise-fence", self.day);
+        let answer = self.send(Method::DELETE, &key, Vec::new()).await?;
+        refused_or_written(&key, answer).await
     }
 
     pub async fn has(&self, chunk: &Chunk) -> anyhow::Result<bool> {
@@ -105,21 +95,26 @@ impl S3Store {
 
     async fn put(&self, key: &str, body: Vec<u8>) -> anyhow::Result<Outcome> {
         let answer = self.send(Method::PUT, key, body).await?;
-        let status = answer.status();
-        if status.is_success() {
-            return Ok(Outcome::Written);
-        }
-        let text = answer.text().await.unwrap_or_default();
-        let code = between(&text, "<Code>", "</Code>").unwrap_or_default();
-        if code.starts_with("FencingToken") {
-            let message = between(&text, "<Message>", "</Message>").unwrap_or_default();
-            return Ok(Outcome::Refused(format!(
-                "{} {code}: {message}",
-                status.as_u16()
-            )));
-        }
-        anyhow::bail!("PUT {key}: {status} {code}")
+        refused_or_written(key, answer).await
     }
+}
+
+/// A fencing refusal, or success; anything else is an error.
+async fn refused_or_written(key: &str, answer: reqwest::Response) -> anyhow::Result<Outcome> {
+    let status = answer.status();
+    if status.is_success() {
+        return Ok(Outcome::Written);
+    }
+    let text = answer.text().await.unwrap_or_default();
+    let code = between(&text, "<Code>", "</Code>").unwrap_or_default();
+    if code.starts_with("FencingToken") {
+        let message = between(&text, "<Message>", "</Message>").unwrap_or_default();
+        return Ok(Outcome::Refused(format!(
+            "{} {code}: {message}",
+            status.as_u16()
+        )));
+    }
+    anyhow::bail!("{key}: {status} {code}")
 }
 
 /// The text between the first `open` and the next `close`.

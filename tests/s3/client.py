@@ -200,6 +200,48 @@ def step(s):
     if op == "delete":
         c.delete_object(Bucket=b, Key=k)
         return {"ok": True}
+    if op == "upload_part":
+        r = c.upload_part(Bucket=b, Key=k, UploadId=s["upload_id"], PartNumber=s.get("part", 1),
+                          Body=s.get("body", "part").encode())
+        return {"ok": True, "etag": r["ETag"]}
+    if op == "abort":
+        c.abort_multipart_upload(Bucket=b, Key=k, UploadId=s["upload_id"])
+        return {"ok": True}
+    if op == "uploads":
+        r = c.list_multipart_uploads(Bucket=b)
+        return {"ok": True, "uploads": sorted(u["UploadId"] for u in r.get("Uploads", []))}
+    if op == "mpu_flood":
+        # `count` CreateMultipartUpload calls on keys `<prefix><n>`, 4 at a time.
+        from concurrent.futures import ThreadPoolExecutor
+        def create(n):
+            try:
+                c.create_multipart_upload(Bucket=b, Key=f"{s['prefix']}{n}")
+                return True
+            except ClientError:
+                return False
+        with ThreadPoolExecutor(4) as pool:
+            created = sum(pool.map(create, range(s["count"])))
+        return {"ok": True, "created": created}
+    if op == "list_pages":
+        # ListObjectsV2 through boto3's paginator: every key and common prefix, page by page.
+        pages = c.get_paginator("list_objects_v2").paginate(
+            Bucket=b, Prefix=s.get("prefix", ""), Delimiter=s.get("delimiter", ""),
+            PaginationConfig={"PageSize": s.get("page_size", 1000)})
+        keys, prefixes, count = [], [], 0
+        for page in pages:
+            count += 1
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+        return {"ok": True, "keys": keys, "prefixes": prefixes, "pages": count}
+    if op == "get_range":
+        r = c.get_object(Bucket=b, Key=k, Range=s["range"])
+        return {"ok": True, "body": r["Body"].read().decode("latin-1"), "status": r["ResponseMetadata"]["HTTPStatusCode"]}
+    if op == "get_json":
+        r = c.get_object(Bucket=b, Key=k)
+        return {"ok": True, "json": json.loads(r["Body"].read())}
+    if op == "bucket_versioning":
+        r = c.get_bucket_versioning(Bucket=b)
+        return {"ok": True, "status": r.get("Status", "")}
     if op == "delete_many":
         r = c.delete_objects(Bucket=b, Delete={"Objects": [{"Key": x} for x in s["keys"]]})
         return {"ok": True, "deleted": sorted(d["Key"] for d in r.get("Deleted", [])),

@@ -15,13 +15,15 @@
 //! virtual_host_suffix = "s3.local"      # optional: bucket.s3.local/key is virtual-hosted style
 //! retry_buffer_bytes = 16777216          # bodies up to this size are kept for conditional retries
 //! max_attempts = 8                       # conditional write attempts before answering 503 SlowDown
+//! upstream_timeout_ms = 60000            # a store silent this long answers 503 (writes) / 504 (reads)
+//! max_open_uploads = 100000              # fenced multipart uploads tracked at once (age-evicted)
 //!
 //! # Protected buckets/prefixes; the first rule whose bucket and prefix match decides.
 //! [[s3.protect]]
 //! bucket = "billing"
 //! prefix = ""                            # "" = the whole bucket
-//! mode = "object"                        # "object" (default) or "off"
-//! resource = "billing"                   # optional: tokens must name this resource
+//! mode = "object"                        # "object" (default), "manifest" or "off"
+//! resource = "billing"                   # required unless mode = "off": tokens must name it
 //! ```
 
 use std::net::SocketAddr;
@@ -76,6 +78,18 @@ pub struct S3Config {
     /// Conditional write attempts (a HEAD and a conditional request each) before giving up.
     #[serde(default = "default_max_attempts")]
     pub max_attempts: u32,
+    /// How long the gateway waits for the store (connecting, or between bytes of an answer)
+    /// before answering the client 503/504; a hung store never holds a request forever.
+    #[serde(default = "default_upstream_timeout_ms")]
+    pub upstream_timeout_ms: u64,
+    /// How many fenced multipart uploads the gateway tracks at once; uploads are forgotten only
+    /// by age (`upload_max_age_s`), and past this many a new CreateMultipartUpload answers 503,
+    /// so nobody can flush a holder's upload out of the map.
+    #[serde(default = "default_max_open_uploads")]
+    pub max_open_uploads: usize,
+    /// Age after which a fenced multipart upload is forgotten (its completion is refused).
+    #[serde(default = "default_upload_max_age_s")]
+    pub upload_max_age_s: u64,
     /// Worker threads of the gateway's own (pingora) runtime.
     #[serde(default = "default_threads")]
     pub threads: usize,
@@ -96,8 +110,8 @@ pub struct ProtectRule {
     /// How writes under the rule are fenced.
     #[serde(default)]
     pub mode: ProtectMode,
-    /// The resource tokens must name; unset accepts any resource (revisions come from one
-    /// counter, so they compare across resources).
+    /// The resource tokens must name; required for every fencing mode (a token for another
+    /// resource is refused 403 `FencingTokenOutOfScope`).
     #[serde(default)]
     pub resource: Option<String>,
 }
@@ -107,10 +121,22 @@ pub struct ProtectRule {
 #[serde(rename_all = "lowercase")]
 pub enum ProtectMode {
     /// The fence travels in each object's metadata; writes are conditional on its ETag.
+    /// Cannot fence a key it has never seen, nor tell identical bytes apart.
     #[default]
     Object,
+    /// Writes go to immutable objects and become visible only when committed into the
+    /// resource's manifest, which holds the fence (see [`crate::manifest`]). Fences new keys,
+    /// deletes and identical bytes too.
+    Manifest,
     /// Writes pass through (verified and re-signed) without a token.
     Off,
+}
+
+impl ProtectMode {
+    /// Whether writes under the mode need a token.
+    pub fn fenced(self) -> bool {
+        self != Self::Off
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -130,6 +156,15 @@ fn default_retry_buffer_bytes() -> usize {
 }
 fn default_max_attempts() -> u32 {
     8
+}
+fn default_upstream_timeout_ms() -> u64 {
+    60_000
+}
+fn default_max_open_uploads() -> usize {
+    100_000
+}
+fn default_upload_max_age_s() -> u64 {
+    7 * 24 * 3600
 }
 fn default_threads() -> usize {
     2
@@ -151,6 +186,9 @@ impl Default for S3Config {
             virtual_host_suffix: None,
             retry_buffer_bytes: default_retry_buffer_bytes(),
             max_attempts: default_max_attempts(),
+            upstream_timeout_ms: default_upstream_timeout_ms(),
+            max_open_uploads: default_max_open_uploads(),
+            upload_max_age_s: default_upload_max_age_s(),
             threads: default_threads(),
             protect: Vec::new(),
         }
@@ -185,6 +223,16 @@ impl S3Config {
         if self.max_attempts == 0 || self.max_attempts > 100 {
             return Err(S3Error::Config("max_attempts must be 1 to 100".to_owned()));
         }
+        if self.upstream_timeout_ms == 0 {
+            return Err(S3Error::Config(
+                "upstream_timeout_ms must be at least 1".to_owned(),
+            ));
+        }
+        if self.max_open_uploads == 0 {
+            return Err(S3Error::Config(
+                "max_open_uploads must be at least 1".to_owned(),
+            ));
+        }
         if self.threads == 0 {
             return Err(S3Error::Config("threads must be at least 1".to_owned()));
         }
@@ -194,10 +242,21 @@ impl S3Config {
                     "a protect rule has an empty bucket".to_owned(),
                 ));
             }
-            if let Some(resource) = &rule.resource {
-                fencegate_core::Resource::new(resource).map_err(|e| {
-                    S3Error::Config(format!("protect rule for {}: {e}", rule.bucket))
-                })?;
+            match &rule.resource {
+                Some(resource) => {
+                    fencegate_core::Resource::new(resource).map_err(|e| {
+                        S3Error::Config(format!("protect rule for {}: {e}", rule.bucket))
+                    })?;
+                }
+                None if rule.mode.fenced() => {
+                    return Err(S3Error::Config(format!(
+                        "the protect rule for bucket {:?} prefix {:?} has no resource: name the lock \
+                         resource whose tokens may write it (resource = \"...\"), so a token issued \
+                         for another job is refused",
+                        rule.bucket, rule.prefix
+                    )));
+                }
+                None => {}
             }
         }
         Ok(())
@@ -213,6 +272,27 @@ impl S3Config {
                     None => true,
                 }
         })
+    }
+}
+
+impl S3Config {
+    /// Whether any rule of `bucket` fences writes: bucket-level writes (lifecycle, policy,
+    /// versioning, ...) can change every key, so they are refused on such a bucket whatever
+    /// its first rule says.
+    pub fn bucket_protected(&self, bucket: &str) -> bool {
+        self.protect
+            .iter()
+            .any(|rule| rule.bucket == bucket && rule.mode.fenced())
+    }
+}
+
+impl S3Config {
+    /// Whether any rule of `bucket` is in manifest mode (its keys are logical: reads resolve
+    /// them through the manifest).
+    pub fn bucket_has_manifest(&self, bucket: &str) -> bool {
+        self.protect
+            .iter()
+            .any(|rule| rule.bucket == bucket && rule.mode == ProtectMode::Manifest)
     }
 }
 
@@ -279,7 +359,7 @@ mod tests {
                     bucket: "b".into(),
                     prefix: String::new(),
                     mode: ProtectMode::Object,
-                    resource: None,
+                    resource: Some("job".into()),
                 },
             ],
             ..S3Config::default()
@@ -293,5 +373,26 @@ mod tests {
             ProtectMode::Object
         );
         assert!(config.rule_for("other", Some("x")).is_none());
+        assert!(config.bucket_protected("b"));
+        assert!(!config.bucket_protected("other"));
+    }
+
+    #[test]
+    fn fencing_rules_must_name_their_resource() {
+        let mut config = S3Config {
+            upstream_access_key: "gw".into(),
+            clients_env: Some("X".into()),
+            protect: vec![ProtectRule {
+                bucket: "b".into(),
+                prefix: String::new(),
+                mode: ProtectMode::Object,
+                resource: None,
+            }],
+            ..S3Config::default()
+        };
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("has no resource"), "{err}");
+        config.protect[0].mode = ProtectMode::Off;
+        config.validate().unwrap();
     }
 }

@@ -1,22 +1,36 @@
 //! fencegate's S3 filter: a pingora gateway in front of one S3 endpoint that verifies every
-//! client's SigV4 signature, turns every write to a protected bucket into a conditional request
-//! that carries the writer's fence in the object's metadata, and re-signs it with the gateway's
-//! own credentials.
+//! client's SigV4 signature, turns every write to a protected key into a conditional request
+//! (object mode: the fence in the object's metadata; manifest mode: an immutable object plus a
+//! conditional commit into the resource's manifest), and re-signs it with the gateway's own
+//! credentials.
 //!
-//! - [`sigv4_verify`] and [`chunked`]: checking what the client sent (signature, payload hash,
-//!   `aws-chunked` chunk signatures). [`rewrite`]: the pure decisions (which operation, which
-//!   object, how a fenced write becomes a conditional one). [`error_xml`]: S3 error bodies.
-//! - `proxy` (the pingora service, reads stream through) and `session` (fenced writes, the
-//!   only module that talks to the store for writes) hold the I/O.
+//! - Pure: [`sigv4_verify`] and [`chunked`] (checking what the client sent), [`rewrite`]
+//!   (which operation, which object, object mode's conditional write), [`manifest`] (manifest
+//!   mode's document, commit plan and listing), [`error_xml`], [`multi_delete`].
+//! - I/O: `proxy` (the pingora service; reads stream through), `gateway` (shared state and the
+//!   upstream client), `respond`, `body` (verifying bodies as they stream), `session` (one
+//!   write request: rule, token, refusal, audit), `replace` and `delete` (object mode),
+//!   `manifest_store`, `manifest_write` and `manifest_read` (manifest mode).
 
 #![deny(missing_docs)]
 
+mod body;
 pub mod chunked;
 pub mod config;
+mod delete;
 pub mod error;
 pub mod error_xml;
+mod gateway;
+mod group_commit;
+pub mod maintenance;
+pub mod manifest;
+mod manifest_read;
+mod manifest_store;
+mod manifest_write;
 pub mod multi_delete;
 mod proxy;
+mod replace;
+mod respond;
 pub mod rewrite;
 mod session;
 pub mod sigv4_verify;
@@ -24,4 +38,5 @@ pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, S3Config};
 pub use error::S3Error;
+pub use maintenance::{GcReport, Maintenance};
 pub use proxy::{GatewayHandle, S3Gateway};

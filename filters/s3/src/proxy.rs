@@ -23,8 +23,10 @@ use tokio::sync::watch;
 
 use crate::config::{parse_credentials, S3Config};
 use crate::error::S3Error;
+use crate::gateway::Shared;
+use crate::respond::respond_error;
 use crate::rewrite::{Operation, Target};
-use crate::session::{respond_error, Shared, WriteSession};
+use crate::session::WriteSession;
 use crate::sigv4_verify::{self, SignedRequest};
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
@@ -255,10 +257,16 @@ impl ProxyHttp for S3Proxy {
             &raw_path,
             self.shared.config.virtual_host_suffix.as_deref(),
         );
-        let query = crate::session::query_pairs(&raw_query);
+        let query = crate::gateway::query_pairs(&raw_query);
         let copy_source = headers.iter().any(|(n, _)| n == "x-amz-copy-source");
         let operation = Operation::classify(&method, &query, target.key.is_some(), copy_source);
-        if operation == Operation::Read {
+        let judged = Upstream::path_and_query(target.bucket.as_deref(), target.key.as_deref(), "");
+        let normalized = !self.shared.upstream.sent_as_judged(&judged);
+        let manifest_bucket = target
+            .bucket
+            .as_deref()
+            .is_some_and(|b| self.shared.config.bucket_has_manifest(b));
+        if operation == Operation::Read && !normalized && !manifest_bucket {
             ctx.target = Some(target);
             return Ok(false);
         }
@@ -273,7 +281,17 @@ impl ProxyHttp for S3Proxy {
             target,
             operation,
         };
-        write.run().await;
+        if normalized {
+            write.refuse_normalized_path().await;
+        } else if write.operation == Operation::Read {
+            // Manifest mode: a logical key resolves to its physical object, or is answered here.
+            if let Some(physical) = write.manifest_read().await {
+                ctx.target = Some(physical);
+                return Ok(false);
+            }
+        } else {
+            write.run().await;
+        }
         Ok(true)
     }
 
@@ -283,11 +301,13 @@ impl ProxyHttp for S3Proxy {
         _ctx: &mut RequestCtx,
     ) -> pingora_core::Result<Box<HttpPeer>> {
         let up = &self.shared.upstream;
-        Ok(Box::new(HttpPeer::new(
-            (up.host.as_str(), up.port),
-            up.tls,
-            up.host.clone(),
-        )))
+        let mut peer = HttpPeer::new((up.host.as_str(), up.port), up.tls, up.host.clone());
+        // A hung store answers the reader 502/504 within the bound instead of never.
+        let timeout = std::time::Duration::from_millis(self.shared.config.upstream_timeout_ms);
+        peer.options.connection_timeout = Some(timeout);
+        peer.options.total_connection_timeout = Some(timeout);
+        peer.options.read_timeout = Some(timeout);
+        Ok(Box::new(peer))
     }
 
     async fn upstream_request_filter(

@@ -130,6 +130,16 @@ impl Upstream {
         path
     }
 
+    /// Whether an HTTP client would send `path_and_query` exactly as given. URL parsers
+    /// resolve `.`/`..` segments, so `/open/../billing/k` judged as a
+    /// key of `open` would reach the store as `/billing/k`: such a request must be refused,
+    /// never sent.
+    pub fn sent_as_judged(&self, path_and_query: &str) -> bool {
+        let path = path_and_query.split('?').next().unwrap_or("");
+        reqwest::Url::parse(&format!("{}{path_and_query}", self.base))
+            .is_ok_and(|url| url.path() == path)
+    }
+
     /// Signs a request for `path_and_query` with `headers` (which must include `host`; every
     /// header given is signed); returns the headers to add (`authorization`, `x-amz-date`,
     /// `x-amz-content-sha256`).
@@ -200,6 +210,17 @@ mod tests {
             Upstream::path_and_query(Some("b"), Some("percent%20literal"), ""),
             "/b/percent%2520literal"
         );
+    }
+
+    #[test]
+    fn normalizing_paths_are_detected() {
+        let u = Upstream::new("http://127.0.0.1:9000", "us-east-1", "a", "s").unwrap();
+        assert!(u.sent_as_judged(&Upstream::path_and_query(Some("b"), Some("a/b c"), "x=1")));
+        assert!(u.sent_as_judged(&Upstream::path_and_query(Some("b"), Some("a//b..c"), "")));
+        for key in ["../billing/k", "./k", "a/../../k", "a/.."] {
+            let path = Upstream::path_and_query(Some("open"), Some(key), "");
+            assert!(!u.sent_as_judged(&path), "{key:?} -> {path}");
+        }
     }
 
     #[test]

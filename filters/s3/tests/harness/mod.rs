@@ -18,14 +18,35 @@ pub const ACCESS_KEY: &str = "AKIDFENCEGATETEST";
 pub const SECRET: &str = "client-secret-for-tests";
 const UPSTREAM_SECRET_ENV: &str = "FENCEGATE_TEST_S3_UPSTREAM_SECRET";
 
-/// moto + a gateway in front of it, protecting bucket `fenced` (object mode) and leaving
+/// moto + a gateway in front of it, protecting bucket `fenced` (object mode, resource `job`),
+/// bucket `mixed` (`tmp/` off, `other/` for resource `other`, the rest for `job`), bucket
+/// `ledger` in manifest mode (resource `job`) and leaving
 /// bucket `open` unprotected.
 pub struct Harness {
     pub moto: MotoServer,
     gateway: Option<GatewayHandle>,
     pub endpoint: String,
     pub audit: Arc<MemoryAuditSink>,
+    config: S3Config,
+    policy: TokenPolicy,
     _dir: tempfile::TempDir,
+}
+
+/// A second gateway node in front of the same store (its own audit log).
+pub struct Node {
+    _gateway: GatewayHandle,
+    pub endpoint: String,
+    pub audit: Arc<MemoryAuditSink>,
+}
+
+impl Node {
+    /// Runs boto3 steps through this node.
+    pub fn run(&self, steps: Value) -> Vec<Value> {
+        run_client(&self.endpoint, ACCESS_KEY, SECRET, steps)
+            .as_array()
+            .unwrap()
+            .clone()
+    }
 }
 
 impl Harness {
@@ -38,20 +59,48 @@ impl Harness {
     }
 
     pub fn with_policy(policy: TokenPolicy) -> Self {
-        Self::build(policy, false, false)
+        Self::build(policy, false, false, |_| {})
+    }
+
+    /// The default harness with its config changed by `configure` before the gateway starts.
+    pub fn with_config(configure: impl FnOnce(&mut S3Config)) -> Self {
+        Self::build(TokenPolicy::unsigned(), false, false, configure)
+    }
+
+    /// The gateway's config.
+    pub fn config(&self) -> S3Config {
+        self.config.clone()
+    }
+
+    /// Starts another gateway node with the same config in front of the same moto.
+    pub fn second_node(&self) -> Node {
+        let port = free_s3_port();
+        let mut config = self.config.clone();
+        config.listen = format!("127.0.0.1:{port}").parse().unwrap();
+        let audit = Arc::new(MemoryAuditSink::default());
+        let gateway = S3Gateway::new(config, self.policy.clone(), audit.clone())
+            .expect("gateway config")
+            .start()
+            .expect("gateway start");
+        wait_for_port(port, Duration::from_secs(10));
+        Node {
+            _gateway: gateway,
+            endpoint: format!("http://127.0.0.1:{port}"),
+            audit,
+        }
     }
 
     /// moto serves HTTPS (a fresh self-signed certificate, given to the gateway as
     /// `upstream_ca_file`); the gateway listens on plain HTTP. Sets `S3_CA_BUNDLE` so the
     /// boto3 script trusts moto directly too.
     pub fn with_tls_upstream() -> Self {
-        Self::build(TokenPolicy::unsigned(), false, true)
+        Self::build(TokenPolicy::unsigned(), false, true, |_| {})
     }
 
     /// A gateway serving HTTPS with a fresh self-signed certificate (clients trust
     /// [`Harness::ca_bundle`] through `S3_CA_BUNDLE`).
     pub fn with_tls() -> Self {
-        Self::build(TokenPolicy::unsigned(), true, false)
+        Self::build(TokenPolicy::unsigned(), true, false, |_| {})
     }
 
     /// The CA certificate clients must trust (HTTPS harnesses only).
@@ -59,7 +108,12 @@ impl Harness {
         self._dir.path().join("ca.pem")
     }
 
-    fn build(policy: TokenPolicy, tls: bool, tls_upstream: bool) -> Self {
+    fn build(
+        policy: TokenPolicy,
+        tls: bool,
+        tls_upstream: bool,
+        configure: impl FnOnce(&mut S3Config),
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
         if tls || tls_upstream {
@@ -140,6 +194,8 @@ impl Harness {
         let created = moto.direct(serde_json::json!([
             {"op": "create_bucket", "bucket": "fenced"},
             {"op": "create_bucket", "bucket": "open"},
+            {"op": "create_bucket", "bucket": "mixed"},
+            {"op": "create_bucket", "bucket": "ledger"},
             {"op": "create_bucket", "bucket": "versioned", "versioning": true},
         ]));
         assert!(
@@ -151,7 +207,13 @@ impl Harness {
         // The same value every time, so concurrent tests setting it agree.
         std::env::set_var(UPSTREAM_SECRET_ENV, "gateway-upstream-secret");
         let port = free_s3_port();
-        let config = S3Config {
+        let rule = |bucket: &str, prefix: &str, mode, resource: Option<&str>| ProtectRule {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            mode,
+            resource: resource.map(Into::into),
+        };
+        let mut config = S3Config {
             upstream_ca_file: tls_upstream.then(|| ca.clone()),
             tls_cert: tls.then(|| cert.clone()),
             tls_key: tls.then(|| key.clone()),
@@ -162,23 +224,19 @@ impl Harness {
             clients_file: Some(clients),
             virtual_host_suffix: Some("s3.test".into()),
             protect: vec![
-                ProtectRule {
-                    bucket: "fenced".into(),
-                    prefix: String::new(),
-                    mode: ProtectMode::Object,
-                    resource: None,
-                },
-                ProtectRule {
-                    bucket: "versioned".into(),
-                    prefix: String::new(),
-                    mode: ProtectMode::Object,
-                    resource: None,
-                },
+                rule("fenced", "", ProtectMode::Object, Some("job")),
+                rule("versioned", "", ProtectMode::Object, Some("job")),
+                // The first rule of `mixed` is off: bucket-level writes must still be refused.
+                rule("mixed", "tmp/", ProtectMode::Off, None),
+                rule("mixed", "other/", ProtectMode::Object, Some("other")),
+                rule("mixed", "", ProtectMode::Object, Some("job")),
+                rule("ledger", "", ProtectMode::Manifest, Some("job")),
             ],
             ..S3Config::default()
         };
+        configure(&mut config);
         let audit = Arc::new(MemoryAuditSink::default());
-        let gateway = S3Gateway::new(config, policy, audit.clone())
+        let gateway = S3Gateway::new(config.clone(), policy.clone(), audit.clone())
             .expect("gateway config")
             .start()
             .expect("gateway start");
@@ -188,6 +246,8 @@ impl Harness {
             gateway: Some(gateway),
             endpoint: format!("{}://127.0.0.1:{port}", if tls { "https" } else { "http" }),
             audit,
+            config,
+            policy,
             _dir: dir,
         }
     }
