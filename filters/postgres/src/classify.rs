@@ -297,28 +297,103 @@ fn read_unless(text: &str, whole: Option<&pg_query::ParseResult>) -> (Kind, Vec<
 }
 
 fn read_unless_parsed(parsed: &pg_query::ParseResult) -> (Kind, Vec<String>) {
-    let written: Vec<String> = parsed
-        .dml_tables()
-        .into_iter()
-        .chain(parsed.ddl_tables())
-        .collect();
-    let unknown_function = parsed.functions.iter().any(|(name, _)| {
+    let tree = TreeFacts::of(parsed);
+    let unknown_function = tree.functions.iter().any(|name| {
         let base = name.rsplit('.').next().unwrap_or(name);
         let in_catalog = name.starts_with("pg_catalog.") || !name.contains('.');
         !(in_catalog && READ_ONLY_FUNCTIONS.contains(&base.to_ascii_lowercase().as_str()))
     });
-    if written.is_empty() && !unknown_function {
+    if !tree.writes && !unknown_function && parsed.ddl_tables().is_empty() {
         (Kind::Read, Vec::new())
     } else {
-        (Kind::Write, written)
+        (Kind::Write, written_tables(parsed, &tree))
     }
 }
 
 fn targets(text: &str, whole: Option<&pg_query::ParseResult>) -> Vec<String> {
-    with_parse(text, whole, |p| {
-        p.dml_tables().into_iter().chain(p.ddl_tables()).collect()
-    })
-    .unwrap_or_default()
+    with_parse(text, whole, |p| written_tables(p, &TreeFacts::of(p))).unwrap_or_default()
+}
+
+/// The tables a statement writes: the targets of every INSERT/UPDATE/DELETE/MERGE node found by
+/// the full walk (a CTE of the same name never hides one: PostgreSQL never resolves a write
+/// target to a CTE), plus pg_query's DML and DDL tables (TRUNCATE, COPY, ALTER, ...).
+fn written_tables(parsed: &pg_query::ParseResult, tree: &TreeFacts) -> Vec<String> {
+    let mut out = tree.targets.clone();
+    for t in parsed.dml_tables().into_iter().chain(parsed.ddl_tables()) {
+        if !out.contains(&t) {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// What a complete walk of the parse tree finds. pg_query's own summary (`tables`,
+/// `functions`) visits only some fields and drops write targets named like a CTE; this walk
+/// visits every node of the serialized tree.
+#[derive(Debug, Default)]
+struct TreeFacts {
+    /// Any INSERT, UPDATE, DELETE or MERGE node, at any depth.
+    writes: bool,
+    /// Their target relations, `schema.name` or `name`.
+    targets: Vec<String>,
+    /// Every function called, `schema.name` or `name`.
+    functions: Vec<String>,
+}
+
+impl TreeFacts {
+    fn of(parsed: &pg_query::ParseResult) -> Self {
+        let mut facts = Self::default();
+        match serde_json::to_value(&parsed.protobuf) {
+            Ok(tree) => facts.visit(&tree),
+            // Cannot happen for these types; fail closed if it ever does.
+            Err(_) => facts.writes = true,
+        }
+        facts
+    }
+
+    fn visit(&mut self, value: &serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, child) in map {
+                    match key.as_str() {
+                        "InsertStmt" | "UpdateStmt" | "DeleteStmt" | "MergeStmt" => {
+                            self.writes = true;
+                            if let Some(target) = child.get("relation").and_then(range_var_name) {
+                                self.targets.push(target);
+                            }
+                        }
+                        "FuncCall" => {
+                            let name = child
+                                .get("funcname")
+                                .and_then(|n| n.as_array())
+                                .map(|parts| {
+                                    parts
+                                        .iter()
+                                        .filter_map(|p| p.pointer("/node/String/sval"))
+                                        .filter_map(|s| s.as_str())
+                                        .collect::<Vec<_>>()
+                                        .join(".")
+                                })
+                                .unwrap_or_default();
+                            self.functions.push(name);
+                        }
+                        _ => {}
+                    }
+                    self.visit(child);
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|i| self.visit(i)),
+            _ => {}
+        }
+    }
+}
+
+fn range_var_name(range_var: &serde_json::Value) -> Option<String> {
+    let name = range_var.get("relname")?.as_str()?;
+    match range_var.get("schemaname").and_then(|s| s.as_str()) {
+        Some(schema) if !schema.is_empty() => Some(format!("{schema}.{name}")),
+        _ => Some(name.to_owned()),
+    }
 }
 
 /// Runs `f` on `whole` if given, else on a parse of `text` (`None` if it does not parse).
@@ -435,6 +510,34 @@ mod tests {
         ] {
             assert_eq!(kinds(sql), vec![Kind::Write], "{sql}");
         }
+    }
+
+    /// Issue 12, bypasses 1, 2 and 6: writes and function calls anywhere in the tree.
+    #[test]
+    fn the_full_tree_is_walked() {
+        for sql in [
+            "WITH t AS (DELETE FROM t RETURNING *) SELECT * FROM t",
+            "WITH items AS (UPDATE items SET v = 1 RETURNING 1) SELECT 1",
+            "DECLARE c CURSOR FOR SELECT my_writer()",
+            "PREPARE p AS INSERT INTO t VALUES (1)",
+            "PREPARE p AS WITH t AS (DELETE FROM t RETURNING 1) SELECT 1",
+            "SELECT 1 LIMIT nextval('s')",
+            "SELECT 1 OFFSET setval('s', 1)",
+            "VALUES (nextval('s'))",
+            "SELECT count(*) FILTER (WHERE lo_unlink(1) = 1) FROM t",
+            "SELECT ARRAY[my_writer()]",
+            "SELECT CASE my_writer() WHEN 1 THEN 1 END",
+            "SELECT my_writer() IN (1, 2)",
+            "SELECT * FROM t WHERE a IN (SELECT my_writer())",
+        ] {
+            assert_eq!(kinds(sql), vec![Kind::Write], "{sql}");
+        }
+        let c = classify("WITH t AS (DELETE FROM t RETURNING *) SELECT * FROM t");
+        assert_eq!(c.statements[0].targets, vec!["t".to_owned()]);
+        assert_eq!(
+            kinds("SELECT count(*) FILTER (WHERE a > 1) FROM t LIMIT 3"),
+            vec![Kind::Read]
+        );
     }
 
     #[test]
