@@ -22,6 +22,9 @@ pub enum Kind {
     TransactionControl,
     /// `SET fencegate.token = '...'` (`Some`) or `RESET fencegate.token` (`None`).
     SetToken(Option<String>),
+    /// A statement the gateway must not let run on a protected database, with why: a `SET` that
+    /// would make the server lex later SQL differently from the gateway's parser.
+    Unfenceable(String),
     /// `DISCARD ALL` or `RESET ALL`: relayed, and the session token is dropped with the rest of
     /// the session's settings.
     SessionReset,
@@ -261,6 +264,10 @@ fn classify_statement(
                 (Kind::SetToken(None), Vec::new())
             }
         }
+        NodeEnum::VariableSetStmt(set) if lexing_hazard(set).is_some() => (
+            Kind::Unfenceable(lexing_hazard(set).unwrap_or_default()),
+            Vec::new(),
+        ),
         NodeEnum::VariableSetStmt(set)
             if set.kind == protobuf::VariableSetKind::VarResetAll as i32 =>
         {
@@ -406,6 +413,31 @@ fn with_parse<T>(
         Some(parsed) => Some(f(parsed)),
         None => pg_query::parse(text).ok().map(|p| f(&p)),
     }
+}
+
+/// `SET standard_conforming_strings = off` or `SET client_encoding`/`SET NAMES` to an encoding
+/// the gateway cannot lex (see [`crate::lexing`]); a value that is not a constant counts too.
+fn lexing_hazard(set: &protobuf::VariableSetStmt) -> Option<String> {
+    let name = set.name.to_ascii_lowercase();
+    if name != "standard_conforming_strings" && name != "client_encoding" {
+        return None;
+    }
+    if set.kind != protobuf::VariableSetKind::VarSetValue as i32 {
+        // RESET / DEFAULT go back to the session's start, which the server already reported.
+        return None;
+    }
+    let value = set_value(&set.args);
+    let hazardous = match (&value, name.as_str()) {
+        (Some(v), "standard_conforming_strings") => !crate::lexing::conforming(v),
+        (Some(v), _) => crate::lexing::unsafe_encoding(v),
+        (None, _) => true,
+    };
+    hazardous.then(|| {
+        format!(
+            "SET {name} to {} would make the server read SQL differently from the gateway",
+            value.as_deref().unwrap_or("a non-constant value")
+        )
+    })
 }
 
 fn explain_analyzes(options: &[protobuf::Node]) -> bool {
@@ -592,6 +624,20 @@ mod tests {
         assert_eq!(kinds("DISCARD ALL"), vec![Kind::SessionReset]);
         assert_eq!(kinds("RESET ALL"), vec![Kind::SessionReset]);
         assert_eq!(kinds("DISCARD PLANS"), vec![Kind::Read]);
+        // Issue 12, bypass 4: settings that change lexing are not relayed on a protected database.
+        for sql in [
+            "SET standard_conforming_strings = off",
+            "SET LOCAL standard_conforming_strings TO false",
+            "SET client_encoding = 'SJIS'",
+            "SET NAMES 'big5'",
+        ] {
+            assert!(matches!(kinds(sql)[0], Kind::Unfenceable(_)), "{sql}");
+        }
+        assert_eq!(
+            kinds("SET standard_conforming_strings = on"),
+            vec![Kind::Read]
+        );
+        assert_eq!(kinds("SET client_encoding = 'UTF8'"), vec![Kind::Read]);
         assert_eq!(
             kinds("SET SESSION fencegate.token = DEFAULT"),
             vec![Kind::SetToken(None)]

@@ -55,11 +55,17 @@ fn is_ident_byte(b: u8) -> bool {
 fn shape(sql: &str) -> Option<Shape> {
     // PostgreSQL ends a `--` comment at `\r` too, and `UESCAPE` changes how a `U&` identifier
     // or string ends: texts with either are not shaped (issue 12, bypass 5).
+    // Settings that change lexing are judged on their value (a literal): never shaped.
+    let has = |word: &[u8]| {
+        sql.as_bytes()
+            .windows(word.len())
+            .any(|w| w.eq_ignore_ascii_case(word))
+    };
     if sql.contains('\r')
-        || sql
-            .as_bytes()
-            .windows(7)
-            .any(|w| w.eq_ignore_ascii_case(b"uescape"))
+        || has(b"uescape")
+        || has(b"client_encoding")
+        || has(b"standard_conforming")
+        || (has(b"names") && has(b"set"))
     {
         return None;
     }
@@ -297,6 +303,8 @@ mod tests {
     fn carriage_returns_and_uescape_are_not_shaped() {
         assert_eq!(shape("SELECT 1 -- x\rDELETE FROM t"), None);
         assert_eq!(shape("SELECT U&\"d!0061t\" UESCAPE '!' FROM t"), None);
+        assert_eq!(shape("SET client_encoding = 'UTF8'"), None);
+        assert_eq!(shape("set names 'x'"), None);
         let cache = ClassifyCache::new(16);
         let kinds = |sql: &str| -> Vec<Kind> {
             cache

@@ -40,6 +40,7 @@ pub mod error;
 mod gateway;
 pub mod install;
 mod lazy_writer;
+pub mod lexing;
 pub mod message;
 pub mod protect;
 pub mod rewrite;

@@ -69,6 +69,9 @@ impl Decision {
 
 /// Decides about one statement.
 pub fn decide(statement: &Statement, ctx: &Context<'_>) -> Decision {
+    if let (Kind::Unfenceable(why), true) = (&statement.kind, ctx.protected) {
+        return Decision::Refuse(Rejection::new(RejectReason::Unsupported, why.clone()));
+    }
     if statement.kind != Kind::Write || !ctx.protected {
         return Decision::Pass;
     }

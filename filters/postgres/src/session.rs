@@ -24,6 +24,7 @@ use crate::classify::{Classified, Kind};
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
 use crate::lazy_writer::LazyWriter;
+use crate::lexing::{self, Lexing};
 use crate::message::{self, ErrorFields, Frame, FrameReader, Startup};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
@@ -65,14 +66,34 @@ struct GuardInfo {
     decides: bool,
 }
 
+/// A client's Parse (`parsed: Some`) or Close (`None`) of a statement name. It changes the
+/// gateway's statement map only when the server confirms it (ParseComplete, CloseComplete): a
+/// Parse or Close the server skipped after an error must not change what a name means here
+/// (issue 12, bypass 3).
+#[derive(Debug, Clone)]
+struct StatementChange {
+    name: String,
+    seq: u64,
+    parsed: Option<Classified>,
+}
+
+/// A sent, not yet confirmed [`StatementChange`].
+#[derive(Debug, Clone)]
+struct Inflight {
+    seq: u64,
+    /// The Sync segment it was sent in.
+    segment: u64,
+    parsed: Option<Classified>,
+}
+
 /// What replies one forwarded (or locally answered) message gets.
 #[derive(Debug)]
 enum Expect {
-    Parse(Role),
+    Parse(Role, Option<Box<StatementChange>>),
     Bind(Role),
     Describe,
     Execute(Role),
-    Close(Role),
+    Close(Role, Option<Box<StatementChange>>),
     Sync,
     /// A simple Query (or FunctionCall): replies until ReadyForQuery. `parts` lists, in order,
     /// the statements whose replies are told apart (empty: relay everything).
@@ -102,10 +123,82 @@ struct State {
     session_token: Option<String>,
     /// The token from the startup options: what `RESET` goes back to, as for any setting.
     startup_token: Option<String>,
+    /// Settings that change how the server lexes SQL, as last reported.
+    lexing: Lexing,
+    /// Prepared statements the server confirmed, by name.
     statements: HashMap<String, Classified>,
+    /// The latest unconfirmed Parse or Close per name.
+    inflight: HashMap<String, Inflight>,
+    /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
+    segment: u64,
+    /// Numbers statement changes.
+    next_seq: u64,
 }
 
 impl State {
+    /// Records a client's Parse or Close as sent.
+    fn change_sent(&mut self, name: String, parsed: Option<Classified>) -> Box<StatementChange> {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.inflight.insert(
+            name.clone(),
+            Inflight {
+                seq,
+                segment: self.segment,
+                parsed: parsed.clone(),
+            },
+        );
+        Box::new(StatementChange { name, seq, parsed })
+    }
+
+    /// The server confirmed `change` (`true`) or skipped it (`false`).
+    fn change_done(&mut self, change: &StatementChange, confirmed: bool) {
+        if confirmed {
+            match &change.parsed {
+                Some(parsed) => {
+                    self.statements.insert(change.name.clone(), parsed.clone());
+                }
+                None => {
+                    self.statements.remove(&change.name);
+                }
+            }
+        }
+        if self
+            .inflight
+            .get(&change.name)
+            .is_some_and(|i| i.seq == change.seq)
+        {
+            self.inflight.remove(&change.name);
+        }
+    }
+
+    /// An expected reply that will never come (the server skipped the message).
+    fn skipped(&mut self, expect: Expect) {
+        if let Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) = expect {
+            self.change_done(&change, false);
+        }
+    }
+
+    /// What a Bind of `name` sent now will bind, as far as the gateway can tell: a Parse sent in
+    /// this Sync segment either succeeds or makes the server skip this Bind too; one from an
+    /// earlier segment may have been skipped, so the more dangerous of the two counts. A name
+    /// the gateway never saw confirmed (a SQL `PREPARE`, a skipped Parse) is a write.
+    fn bound(&self, name: &str) -> Classified {
+        let confirmed = self.statements.get(name);
+        let inflight = self
+            .inflight
+            .get(name)
+            .and_then(|i| i.parsed.as_ref().map(|p| (i.segment == self.segment, p)));
+        match (inflight, confirmed) {
+            (Some((true, parsed)), _) | (Some((false, parsed)), None) => parsed.clone(),
+            (Some((false, parsed)), Some(old)) if parsed.has_write() || !old.has_write() => {
+                parsed.clone()
+            }
+            (_, Some(old)) => old.clone(),
+            (None, None) => unknown_statement(name),
+        }
+    }
+
     /// The guarded token, if it is safe to skip a guard for it now: inside an explicit
     /// transaction with every earlier message answered.
     fn guarded_now(&self) -> Option<&Token> {
@@ -253,10 +346,24 @@ async fn session(
     };
 
     // The startup token, if any, is taken out of `options` before the packet is relayed.
+    // A name given twice is read first-wins by some and last-wins by others (the server takes
+    // the last): refused, so the gateway judges the database and user the server uses
+    // (issue 12, bypass 8). A top-level `fencegate.token` is taken, never relayed.
+    let mut seen = std::collections::HashSet::new();
+    if let Some((name, _)) = params
+        .iter()
+        .find(|(n, _)| !seen.insert(n.to_ascii_lowercase()))
+    {
+        let msg = format!("fencegate: startup parameter {name:?} is given more than once");
+        fatal(client_read.get_mut(), sqlstate::PROTOCOL_VIOLATION, &msg).await;
+        return Err(PostgresError::Protocol(msg));
+    }
     let mut session_token = None;
     let mut relayed = Vec::with_capacity(params.len());
     for (name, value) in params {
-        if name == "options" {
+        if name.eq_ignore_ascii_case(carrier::SETTING) {
+            session_token = Some(value);
+        } else if name == "options" {
             let (token, rest) = carrier::startup_token(&value);
             session_token = token.or(session_token);
             if !rest.is_empty() {
@@ -287,6 +394,7 @@ async fn session(
         .map_err(PostgresError::io("sending the startup packet upstream"))?;
 
     // Authentication: relayed message by message until the server is ready (or refuses).
+    let mut lexing = Lexing::default();
     let status = loop {
         let Some(frame) = upstream_read.read_frame().await? else {
             return Ok(());
@@ -299,6 +407,7 @@ async fn session(
         match frame.tag {
             b'Z' => break frame.body().first().copied().unwrap_or(b'I'),
             b'E' => return Ok(()),
+            b'S' => lexing.observe(frame.body()),
             b'R' => {
                 let code = frame
                     .body()
@@ -334,7 +443,11 @@ async fn session(
             epoch: 0,
             startup_token: session_token.clone(),
             session_token,
+            lexing,
             statements: HashMap::new(),
+            inflight: HashMap::new(),
+            segment: 0,
+            next_seq: 0,
         }),
         wake: Notify::new(),
         peer,
@@ -360,6 +473,23 @@ async fn session(
     }
     let replies = replies.await.unwrap_or(Ok(()));
     result.and(replies)
+}
+
+/// A statement the gateway cannot see: fail closed, as a write.
+fn unknown_statement(name: &str) -> Classified {
+    Classified {
+        statements: vec![crate::classify::Statement {
+            start: 0,
+            end: 0,
+            kind: Kind::Write,
+            command: "EXECUTE".to_owned(),
+            targets: Vec::new(),
+            comment_token: None,
+        }],
+        parse_error: Some(format!(
+            "prepared statement {name:?} is not known to the gateway"
+        )),
+    }
 }
 
 fn param(params: &[(String, String)], name: &str) -> Option<String> {
@@ -452,7 +582,7 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
         b'Q' => handle_query(shared, frame).await,
         b'P' => {
             let (name, sql) = message::parse_fields(&frame).map_err(bad)?;
-            let classified = shared.gateway.classified.classify(&sql);
+            let classified = classify_now(shared, &sql);
             // `SET fencegate.token = '...'` is prepared without its value: the server answers
             // the same messages, and the token stays in the gateway (applied at Bind).
             let outgoing = match classified.statements.as_slice() {
@@ -470,8 +600,10 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
                 _ => frame.raw,
             };
             let mut state = shared.lock();
-            state.statements.insert(name, classified);
-            state.pending.push_back(Expect::Parse(Role::Client));
+            let change = state.change_sent(name, Some(classified));
+            state
+                .pending
+                .push_back(Expect::Parse(Role::Client, Some(change)));
             Ok(vec![outgoing])
         }
         b'B' => handle_bind(shared, frame).await,
@@ -489,14 +621,14 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
         b'C' => {
             let (kind, name) = message::target_fields(&frame).map_err(bad)?;
             let mut state = shared.lock();
-            if kind == b'S' {
-                state.statements.remove(&name);
-            }
-            state.pending.push_back(Expect::Close(Role::Client));
+            let change = (kind == b'S').then(|| state.change_sent(name, None));
+            state.pending.push_back(Expect::Close(Role::Client, change));
             Ok(vec![frame.raw])
         }
         b'S' => {
-            shared.lock().pending.push_back(Expect::Sync);
+            let mut state = shared.lock();
+            state.segment += 1;
+            state.pending.push_back(Expect::Sync);
             Ok(vec![frame.raw])
         }
         b'H' | b'd' | b'c' | b'f' | b'X' => Ok(vec![frame.raw]),
@@ -526,6 +658,30 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
             "unexpected message type {:?}",
             char::from(other)
         ))),
+    }
+}
+
+/// Classifies `sql`, unless the session's settings make the server lex it differently from the
+/// gateway's parser: then, on a protected database, it is one statement that is refused.
+fn classify_now(shared: &Shared, sql: &str) -> Classified {
+    let hazard = if shared.protected {
+        shared.lock().lexing.hazard()
+    } else {
+        None
+    };
+    match hazard {
+        Some(why) if !lexing::is_way_back(sql) => Classified {
+            statements: vec![crate::classify::Statement {
+                start: 0,
+                end: sql.len(),
+                kind: Kind::Unfenceable(why),
+                command: String::new(),
+                targets: Vec::new(),
+                comment_token: None,
+            }],
+            parse_error: None,
+        },
+        _ => shared.gateway.classified.classify(sql),
     }
 }
 
@@ -561,7 +717,7 @@ fn shorten(name: &str) -> String {
 
 async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
     let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = shared.gateway.classified.classify(&sql);
+    let classified = classify_now(shared, &sql);
     let summary = summary_of(&classified, frame.raw.len());
     let plan = {
         let state = shared.lock();
@@ -694,11 +850,7 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
         message::bind_fields(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let (decision, summary, token_hint) = {
         let mut state = shared.lock();
-        let Some(classified) = state.statements.get(&statement).cloned() else {
-            // Unknown statement: the server answers with its own error.
-            state.pending.push_back(Expect::Bind(Role::Client));
-            return Ok(vec![frame.raw]);
-        };
+        let classified = state.bound(&statement);
         let summary = summary_of(&classified, frame.raw.len());
         let mut decision = Decision::Pass;
         for s in &classified.statements {
@@ -755,9 +907,9 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
                 ..info.clone()
             }));
             state.pending.extend([
-                Expect::Close(swallow()),
-                Expect::Close(swallow()),
-                Expect::Parse(swallow()),
+                Expect::Close(swallow(), None),
+                Expect::Close(swallow(), None),
+                Expect::Parse(swallow(), None),
                 Expect::Bind(swallow()),
                 Expect::Execute(decides),
                 Expect::Bind(Role::Client),
@@ -769,9 +921,9 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             shared.audit(&rejection, token.as_ref(), summary).await;
             let mut state = shared.lock();
             state.pending.extend([
-                Expect::Close(Role::Refusal),
-                Expect::Close(Role::Refusal),
-                Expect::Parse(Role::Refusal),
+                Expect::Close(Role::Refusal, None),
+                Expect::Close(Role::Refusal, None),
+                Expect::Parse(Role::Refusal, None),
                 Expect::Bind(Role::Refusal),
                 Expect::Execute(Role::Refusal),
                 Expect::Bind(Role::Client),
@@ -904,7 +1056,8 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
     };
     match frame.tag {
         // Asynchronous: notices, parameter changes, notifications.
-        b'N' | b'S' | b'A' => {}
+        b'S' => state.lexing.observe(frame.body()),
+        b'N' | b'A' => {}
         b'E' => {
             let failed_role = match state.pending.front_mut() {
                 Some(Expect::Query(parts)) => {
@@ -914,13 +1067,20 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                 }
                 Some(e) if e.is_extended() => {
                     let role = match state.pending.pop_front() {
-                        Some(Expect::Parse(r) | Expect::Bind(r) | Expect::Execute(r)) => Some(r),
-                        Some(Expect::Close(r)) => Some(r),
+                        Some(Expect::Bind(r) | Expect::Execute(r)) => Some(r),
+                        Some(Expect::Parse(r, change) | Expect::Close(r, change)) => {
+                            if let Some(change) = change {
+                                state.change_done(&change, false);
+                            }
+                            Some(r)
+                        }
                         _ => None,
                     };
                     // The server skips everything up to the next Sync.
                     while state.pending.front().is_some_and(Expect::is_extended) {
-                        state.pending.pop_front();
+                        if let Some(skipped) = state.pending.pop_front() {
+                            state.skipped(skipped);
+                        }
                     }
                     role
                 }
@@ -938,7 +1098,9 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
         b'Z' => {
             // Messages the server skipped after an error get no reply of their own.
             while state.pending.front().is_some_and(Expect::is_extended) {
-                state.pending.pop_front();
+                if let Some(skipped) = state.pending.pop_front() {
+                    state.skipped(skipped);
+                }
             }
             if matches!(state.pending.front(), Some(Expect::Sync | Expect::Query(_))) {
                 state.pending.pop_front();
@@ -962,9 +1124,9 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                 }
                 Some(expect) => {
                     let (terminal, role) = match expect {
-                        Expect::Parse(r) => (tag == b'1', Some(&*r)),
+                        Expect::Parse(r, _) => (tag == b'1', Some(&*r)),
                         Expect::Bind(r) => (tag == b'2', Some(&*r)),
-                        Expect::Close(r) => (tag == b'3', Some(&*r)),
+                        Expect::Close(r, _) => (tag == b'3', Some(&*r)),
                         Expect::Describe => (matches!(tag, b'T' | b'n'), None),
                         Expect::Execute(r) => (matches!(tag, b'C' | b'I' | b's'), Some(&*r)),
                         Expect::Sync | Expect::Query(_) | Expect::Local { .. } => (false, None),
@@ -975,6 +1137,12 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                     if terminal {
                         done = match state.pending.pop_front() {
                             Some(Expect::Execute(r)) if tag == b'C' => Some(r),
+                            Some(
+                                Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)),
+                            ) => {
+                                state.change_done(&change, true);
+                                None
+                            }
                             _ => None,
                         };
                     }
@@ -1026,7 +1194,11 @@ mod tests {
             epoch: 0,
             session_token: None,
             startup_token: None,
+            lexing: Lexing::default(),
             statements: HashMap::new(),
+            inflight: HashMap::new(),
+            segment: 0,
+            next_seq: 0,
         }
     }
 
@@ -1096,9 +1268,9 @@ mod tests {
         let mut s = state();
         s.status = b'T';
         s.pending.extend([
-            Expect::Close(guard(false)),
-            Expect::Close(guard(false)),
-            Expect::Parse(guard(false)),
+            Expect::Close(guard(false), None),
+            Expect::Close(guard(false), None),
+            Expect::Parse(guard(false), None),
             Expect::Bind(guard(false)),
             Expect::Execute(guard(true)),
             Expect::Bind(Role::Client),
@@ -1125,10 +1297,10 @@ mod tests {
     fn an_error_skips_to_sync_like_the_server() {
         let mut s = state();
         s.pending.extend([
-            Expect::Parse(Role::Client),
-            Expect::Close(guard(false)),
-            Expect::Close(guard(false)),
-            Expect::Parse(guard(false)),
+            Expect::Parse(Role::Client, None),
+            Expect::Close(guard(false), None),
+            Expect::Close(guard(false), None),
+            Expect::Parse(guard(false), None),
             Expect::Bind(guard(false)),
             Expect::Execute(guard(true)),
             Expect::Bind(Role::Client),
@@ -1147,6 +1319,46 @@ mod tests {
         s.pending.push_back(Expect::Sync);
         assert_eq!(relay(&mut s, &[frame(b'Z', b"I")]).0, "Z");
         assert!(s.pending.is_empty());
+    }
+
+    /// Issue 12, bypass 3: the statement map follows the server's confirmations.
+    #[test]
+    fn statements_change_only_when_the_server_confirms() {
+        use crate::classify::classify;
+        let mut s = state();
+        // Parse("", DELETE) confirmed.
+        let change = s.change_sent(String::new(), Some(classify("DELETE FROM t")));
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        relay(&mut s, &[frame(b'1', b"")]);
+        assert!(s.bound("").has_write());
+        // An error, then Parse("", SELECT) which the server skips, then Sync.
+        s.segment += 1;
+        let change = s.change_sent(String::new(), Some(classify("SELECT 1")));
+        s.pending.push_back(Expect::Execute(Role::Client));
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        s.pending.push_back(Expect::Sync);
+        relay(&mut s, &[stale_error(), frame(b'Z', b"I")]);
+        s.segment += 1;
+        assert!(
+            s.bound("").has_write(),
+            "a skipped Parse must not replace a write"
+        );
+        // A Parse in flight from an earlier segment: the more dangerous meaning counts.
+        let change = s.change_sent(String::new(), Some(classify("SELECT 1")));
+        s.segment += 1;
+        assert!(s.bound("").has_write());
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        relay(&mut s, &[frame(b'1', b"")]);
+        assert!(!s.bound("").has_write());
+        // Never seen (a SQL PREPARE): a write.
+        assert!(s.bound("p").has_write());
+        // A Close the server skipped keeps the statement.
+        let change = s.change_sent(String::new(), None);
+        s.skipped(Expect::Close(Role::Client, Some(change)));
+        assert!(s.statements.contains_key(""));
     }
 
     #[test]
