@@ -393,3 +393,73 @@ async fn protect_without_an_installed_schema_names_the_install_command() {
     assert_ne!(c, 0, "{out}");
     assert!(err.contains("fencegate postgres install"), "{err}");
 }
+
+/// A raise behind an older holder's open transaction (or a prepared one) never waits forever:
+/// the guard's lock_timeout ends it with a retryable 55P03 that says what to do.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error() {
+    let pg = PgServer::start();
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--lock-timeout-ms",
+        "300",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("lock_timeout 300 ms"), "{out}");
+    let old = connect(&pg.dsn("postgres")).await;
+    let new = connect(&pg.dsn("postgres")).await;
+    old.batch_execute("BEGIN; SELECT fencegate.guard('fg1~5~job')")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = new
+        .batch_execute("SELECT fencegate.guard('fg1~6~job')")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "55P03", "{e:?}");
+    let text = format!("{e:?}");
+    assert!(text.contains("locked by another transaction"), "{text}");
+    assert!(
+        text.contains("idle_in_transaction_session_timeout"),
+        "{text}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    old.batch_execute("COMMIT").await.unwrap();
+    new.batch_execute("SELECT fencegate.guard('fg1~6~job')")
+        .await
+        .unwrap();
+}
+
+/// A database without the fence schema answers FG007 naming the install command.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
+    let pg = PgServer::start();
+    pg.psql_as("postgres", "CREATE TABLE t (a int)");
+    let gw = support::postgres_server::PgGateway::start_on(pg, "", &[]);
+    let dsn = format!(
+        "{} options='-c fencegate.token=fg1~5~job'",
+        gw.dsn("postgres")
+    );
+    let c = connect(&dsn).await;
+    let e = c
+        .simple_query("INSERT INTO t VALUES (1)")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    assert!(format!("{e:?}").contains("fencegate postgres install"));
+    let e = c
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    let n: i64 = connect(&gw.pg.dsn("postgres"))
+        .await
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+}

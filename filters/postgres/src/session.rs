@@ -938,6 +938,8 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
 /// What to do with one upstream message.
 struct Outcome {
     forward: bool,
+    /// Send this instead of the message (the guard's error, explained).
+    replace: Option<Bytes>,
     stale: Option<(GuardInfo, Option<u64>)>,
     applied: bool,
 }
@@ -997,7 +999,7 @@ async fn relay_replies(
         }
         if outcome.forward {
             client
-                .write_all(&frame.raw)
+                .write_all(outcome.replace.as_deref().unwrap_or(&frame.raw))
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
         }
@@ -1051,6 +1053,7 @@ async fn deliver_local(
 fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
     let mut outcome = Outcome {
         forward: true,
+        replace: None,
         stale: None,
         applied: false,
     };
@@ -1086,6 +1089,19 @@ fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                 }
                 _ => None,
             };
+            let code = message::error_code_and_detail(frame).map(|(code, _)| code);
+            if matches!(failed_role, Some(Role::Guard(_) | Role::Refusal))
+                && matches!(code.as_deref(), Some("3F000" | "42883"))
+            {
+                outcome.replace = Some(message::error_response(&ErrorFields {
+                    severity: "ERROR",
+                    code: sqlstate::NOT_INSTALLED.to_owned(),
+                    message: "fencegate: the fence schema is not installed in this database: run \
+                              `fencegate postgres install --dsn ...` against it; nothing was written"
+                        .to_owned(),
+                    detail: None,
+                }));
+            }
             if let Some(Role::Guard(info)) = failed_role {
                 if let Some((code, detail)) = message::error_code_and_detail(frame) {
                     if code == sqlstate::STALE {
