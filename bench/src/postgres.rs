@@ -170,7 +170,13 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     install_fence_sql(&pg)?;
     pg.psql("VACUUM ANALYZE")?;
     let listen = crate::process::free_port();
-    let node = Node::start(&postgres_section(listen, pg.port), &[listen])?;
+    // A protecting gateway names its resource: the bench token's.
+    let section = postgres_section(listen, pg.port).replacen(
+        "databases = [\"*\"]\n",
+        "databases = [\"*\"]\nresource = \"bench\"\n",
+        1,
+    );
+    let node = Node::start(&section, &[listen])?;
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
 
     // (workload, clients, with latency log, label, target, report tps or p50)
