@@ -257,6 +257,17 @@ fn classify_statement(
     };
     match node {
         NodeEnum::TransactionStmt(_) => (Kind::TransactionControl, Vec::new()),
+        NodeEnum::VariableSetStmt(set)
+            if set.name.eq_ignore_ascii_case(carrier::SETTING) && set.is_local =>
+        {
+            // It would have to end with the transaction; the gateway keeps session tokens only.
+            (
+                Kind::Unfenceable(
+                    "SET LOCAL fencegate.token is not supported: use SET fencegate.token, or a fencing_token comment on each statement".to_owned(),
+                ),
+                Vec::new(),
+            )
+        }
         NodeEnum::VariableSetStmt(set) if set.name.eq_ignore_ascii_case(carrier::SETTING) => {
             if set.kind == protobuf::VariableSetKind::VarSetValue as i32 {
                 (Kind::SetToken(set_value(&set.args)), Vec::new())

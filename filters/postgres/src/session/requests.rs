@@ -22,6 +22,9 @@ use crate::sqlstate;
 use crate::tls::ClientStream;
 
 /// client -> upstream.
+/// The most messages that may wait for their answers in one session.
+const MAX_PENDING: usize = 262_144;
+
 pub(super) async fn relay_requests(
     shared: Arc<Shared>,
     mut client: FrameReader<ReadHalf<ClientStream>>,
@@ -37,6 +40,16 @@ pub(super) async fn relay_requests(
                 return Err(e);
             }
         };
+        // Every message waiting for its answer holds an entry; a client that pipelines without
+        // ever reading (the gateway answers some messages itself) must not grow it forever.
+        if shared.lock().pending.len() >= MAX_PENDING {
+            let msg = format!(
+                "more than {MAX_PENDING} messages are waiting for their answers: read the replies"
+            );
+            protocol_error(&shared, &msg);
+            let _ = upstream.shutdown().await;
+            return Err(PostgresError::Protocol(msg));
+        }
         let terminate = frame.tag == b'X';
         let outgoing = match handle_request(&shared, frame).await {
             Ok(outgoing) => outgoing,
