@@ -79,9 +79,34 @@ pub enum CertsCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum PostgresCommand {
-    /// Install (or upgrade) the fence schema, table and guard function (fence.sql).
+    /// Install (or upgrade) the fence schema: fences, keys, guard and enforcement (fence.sql).
     Install {
         /// A libpq-style connection string or URL, e.g. "host=127.0.0.1 port=5432 user=postgres dbname=app".
+        /// The password may also come from PGPASSWORD or ~/.pgpass.
+        #[arg(long, env = "FENCEGATE_PG_DSN")]
+        dsn: String,
+        /// How long the guard waits for a fence row locked by an older holder, in milliseconds.
+        #[arg(long, default_value_t = 5000)]
+        lock_timeout_ms: u64,
+    },
+    /// Install the triggers that make the store refuse writes without a guard pass.
+    Protect {
+        /// As for install; run as the role that installed the schema.
+        #[arg(long, env = "FENCEGATE_PG_DSN")]
+        dsn: String,
+        /// Protect every table of this schema, and tables created there later.
+        #[arg(long, conflicts_with = "table", required_unless_present = "table")]
+        schema: Option<String>,
+        /// Protect this table (`name` or `schema.name`) and its partitions.
+        #[arg(long)]
+        table: Option<String>,
+        /// Bind the tables to this resource: writes need a token for it.
+        #[arg(long)]
+        resource: Option<String>,
+    },
+    /// List protected tables, their resources and the fences.
+    Status {
+        /// As for install.
         #[arg(long, env = "FENCEGATE_PG_DSN")]
         dsn: String,
     },

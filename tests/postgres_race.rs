@@ -29,7 +29,7 @@ async fn writer(dsn: String, who: &'static str, n: usize) -> (usize, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit() {
-    let gw = PgGateway::start("", &[]);
+    let gw = PgGateway::start("resource = \"race\"", &[]);
     gw.pg.psql_as(
         "postgres",
         "CREATE TABLE race (id bigserial PRIMARY KEY, who text NOT NULL, i int NOT NULL)",

@@ -7,6 +7,10 @@
 //! packet (`PGOPTIONS=-c fencegate.token=...`), so the gateway splices the guard in front of the
 //! transaction's first write (one guard per transaction). Every writer holds the same token on
 //! the same resource, i.e. they all take the same fence row `FOR SHARE`.
+//!
+//! The pgbench tables are protected by the store's triggers (`fencegate postgres protect`), as
+//! a deployment would be; a calibration pair measures what the triggers cost: the guarded
+//! transaction sent directly with the triggers disabled and enabled, interleaved.
 
 use std::path::Path;
 use std::process::Command;
@@ -45,6 +49,31 @@ SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
 INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
 END;
 ";
+
+/// Protects the pgbench tables with the store's triggers, bound to the bench token's resource.
+fn protect(pg: &Postgres) -> anyhow::Result<()> {
+    let out = Command::new(crate::process::fencegate_binary()?)
+        .args(["postgres", "protect", "--dsn", &pg.dsn()])
+        .args(["--schema", "public", "--resource", "bench"])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "fencegate postgres protect failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Enables (always) or disables the enforcement triggers on the pgbench tables written.
+fn set_triggers(pg: &Postgres, enabled: bool) -> anyhow::Result<()> {
+    let how = if enabled { "ENABLE ALWAYS" } else { "DISABLE" };
+    pg.psql(&format!(
+        "ALTER TABLE pgbench_accounts {how} TRIGGER fencegate_enforce; \
+         ALTER TABLE pgbench_history {how} TRIGGER fencegate_enforce"
+    ))?;
+    Ok(())
+}
 
 #[derive(Clone, Copy)]
 enum Workload {
@@ -168,9 +197,16 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         );
     }
     install_fence_sql(&pg)?;
+    protect(&pg)?;
     pg.psql("VACUUM ANALYZE")?;
     let listen = crate::process::free_port();
-    let node = Node::start(&postgres_section(listen, pg.port), &[listen])?;
+    // A protecting gateway names its resource: the bench token's.
+    let section = postgres_section(listen, pg.port).replacen(
+        "databases = [\"*\"]\n",
+        "databases = [\"*\"]\nresource = \"bench\"\n",
+        1,
+    );
+    let node = Node::start(&section, &[listen])?;
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
 
     // (workload, clients, with latency log, label, target, report tps or p50)
@@ -198,9 +234,16 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut tps = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut p50 = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut guard_direct = [Vec::new(), Vec::new()];
+    // (triggers disabled, enabled) for 1 and 8 clients.
+    let mut triggers = [(Vec::new(), Vec::new()), (Vec::new(), Vec::new())];
     for rep in 0..reps {
         for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
             let log = (*clients == 1).then(|| dir.path().join("log"));
+            let write = matches!(workload, Workload::Write);
+            // The plain baseline writes without a token: only with the triggers off.
+            if write {
+                set_triggers(&pg, false)?;
+            }
             let direct = pgbench(
                 pg.port,
                 *workload,
@@ -210,7 +253,10 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 &script,
                 log.as_deref(),
             )?;
-            let token = matches!(workload, Workload::Write).then_some(TOKEN);
+            if write {
+                set_triggers(&pg, true)?;
+            }
+            let token = write.then_some(TOKEN);
             let gateway = pgbench(
                 listen,
                 *workload,
@@ -247,10 +293,44 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             );
             guard_direct[i].push(run.tps);
         }
+        // What the store's triggers cost: the same guarded transaction, triggers off then on.
+        for (i, clients) in [1usize, 8].into_iter().enumerate() {
+            for enabled in [false, true] {
+                set_triggers(&pg, enabled)?;
+                let run = pgbench(
+                    pg.port,
+                    Workload::Write,
+                    clients,
+                    seconds,
+                    None,
+                    &guarded,
+                    None,
+                )?;
+                eprintln!(
+                    "postgres rep {rep}: guard run directly, triggers {}, {clients} clients: {:.0} tps",
+                    if enabled { "on" } else { "off" },
+                    run.tps
+                );
+                if enabled {
+                    triggers[i].1.push(run.tps);
+                } else {
+                    triggers[i].0.push(run.tps);
+                }
+            }
+        }
     }
     let applied = pg
         .psql("SELECT coalesce(max(revision), 0) FROM fencegate.fences WHERE resource = 'bench'")?;
     let (guard_1, guard_8) = (median(&mut guard_direct[0]), median(&mut guard_direct[1]));
+    let trigger_note = {
+        let [(off_1, on_1), (off_8, on_8)] = &mut triggers;
+        let (off_1, on_1, off_8, on_8) = (median(off_1), median(on_1), median(off_8), median(on_8));
+        format!(
+            "Store enforcement (triggers on `pgbench_accounts` and `pgbench_history`, each statement checks the guard's pass): the guarded write transaction sent directly, triggers disabled vs enabled, interleaved: {off_1:.0} vs {on_1:.0} tps at 1 client ({:.3}x), {off_8:.0} vs {on_8:.0} tps with 8 writers ({:.3}x); target: the triggers cost under 5 % (>= 0.95x).",
+            on_1 / off_1,
+            on_8 / off_8
+        )
+    };
     let (plain_1, plain_8) = (median(&mut tps[1].0), median(&mut tps[2].0));
     let mut rows: Vec<Row> = cases
         .iter()
@@ -278,13 +358,13 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 env!("CARGO_PKG_VERSION"),
                 machine::git_head()
             ),
-            format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database", std::env::temp_dir().display()),
+            format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database, and the store's triggers protect the pgbench tables (`fencegate postgres protect --schema public --resource bench`; disabled only for the plain direct write baseline)", std::env::temp_dir().display()),
             format!("{reps} repetitions, direct and gateway interleaved; medians. Latency rows: median of pgbench's per-transaction log (`-l`), gateway cell = p50 (+ added µs)"),
             format!("Write transaction (pgbench's simple-update, as a `-f` script): `BEGIN; UPDATE pgbench_accounts ...; SELECT abalance ...; INSERT INTO pgbench_history ...; END;`. Direct: no token. Gateway: `PGOPTIONS=\"-c fencegate.token={TOKEN}\"` (session token; the guard runs before the UPDATE in the same Query message, the INSERT is covered by it). All writers share the token and resource `bench` (fence row taken `FOR SHARE`); fence after the run: {applied}"),
         ],
         headers: ["direct".into(), "gateway".into()],
         rows,
-        notes: vec![format!(
+        notes: vec![trigger_note, format!(
             "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
             guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
         )],

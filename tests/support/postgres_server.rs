@@ -240,8 +240,14 @@ impl PgGateway {
 
     /// Starts a node in front of `pg` as it is (no install step of its own).
     pub fn start_on(pg: PgServer, extra: &str, env: &[(&str, &str)]) -> Self {
+        // A protecting gateway names its resource; the tests' tokens are for `job`.
+        let resource = if extra.contains("resource") {
+            ""
+        } else {
+            "resource = \"job\"\n"
+        };
         let section = format!(
-            "[postgres]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n",
+            "[postgres]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{resource}{extra}\n",
             pg.addr()
         );
         let mut node = GatewayNode::start(&section, env);

@@ -77,9 +77,11 @@ pub fn startup_token(options: &str) -> (Option<String>, String) {
             value.strip_prefix("--").map(|rest| (rest, 1))
         };
         if let Some((setting, used)) = setting {
+            // Setting names are case-insensitive to the server: so here (issue 12).
             if let Some(v) = setting
-                .strip_prefix(SETTING)
-                .and_then(|r| r.strip_prefix('='))
+                .get(..SETTING.len())
+                .filter(|p| p.eq_ignore_ascii_case(SETTING))
+                .and_then(|_| setting[SETTING.len()..].strip_prefix('='))
             {
                 token = Some(v.to_owned());
                 i += used;

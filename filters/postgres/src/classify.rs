@@ -22,6 +22,9 @@ pub enum Kind {
     TransactionControl,
     /// `SET fencegate.token = '...'` (`Some`) or `RESET fencegate.token` (`None`).
     SetToken(Option<String>),
+    /// A statement the gateway must not let run on a protected database, with why: a `SET` that
+    /// would make the server lex later SQL differently from the gateway's parser.
+    Unfenceable(String),
     /// `DISCARD ALL` or `RESET ALL`: relayed, and the session token is dropped with the rest of
     /// the session's settings.
     SessionReset,
@@ -254,6 +257,17 @@ fn classify_statement(
     };
     match node {
         NodeEnum::TransactionStmt(_) => (Kind::TransactionControl, Vec::new()),
+        NodeEnum::VariableSetStmt(set)
+            if set.name.eq_ignore_ascii_case(carrier::SETTING) && set.is_local =>
+        {
+            // It would have to end with the transaction; the gateway keeps session tokens only.
+            (
+                Kind::Unfenceable(
+                    "SET LOCAL fencegate.token is not supported: use SET fencegate.token, or a fencing_token comment on each statement".to_owned(),
+                ),
+                Vec::new(),
+            )
+        }
         NodeEnum::VariableSetStmt(set) if set.name.eq_ignore_ascii_case(carrier::SETTING) => {
             if set.kind == protobuf::VariableSetKind::VarSetValue as i32 {
                 (Kind::SetToken(set_value(&set.args)), Vec::new())
@@ -261,6 +275,10 @@ fn classify_statement(
                 (Kind::SetToken(None), Vec::new())
             }
         }
+        NodeEnum::VariableSetStmt(set) if lexing_hazard(set).is_some() => (
+            Kind::Unfenceable(lexing_hazard(set).unwrap_or_default()),
+            Vec::new(),
+        ),
         NodeEnum::VariableSetStmt(set)
             if set.kind == protobuf::VariableSetKind::VarResetAll as i32 =>
         {
@@ -297,28 +315,103 @@ fn read_unless(text: &str, whole: Option<&pg_query::ParseResult>) -> (Kind, Vec<
 }
 
 fn read_unless_parsed(parsed: &pg_query::ParseResult) -> (Kind, Vec<String>) {
-    let written: Vec<String> = parsed
-        .dml_tables()
-        .into_iter()
-        .chain(parsed.ddl_tables())
-        .collect();
-    let unknown_function = parsed.functions.iter().any(|(name, _)| {
+    let tree = TreeFacts::of(parsed);
+    let unknown_function = tree.functions.iter().any(|name| {
         let base = name.rsplit('.').next().unwrap_or(name);
         let in_catalog = name.starts_with("pg_catalog.") || !name.contains('.');
         !(in_catalog && READ_ONLY_FUNCTIONS.contains(&base.to_ascii_lowercase().as_str()))
     });
-    if written.is_empty() && !unknown_function {
+    if !tree.writes && !unknown_function && parsed.ddl_tables().is_empty() {
         (Kind::Read, Vec::new())
     } else {
-        (Kind::Write, written)
+        (Kind::Write, written_tables(parsed, &tree))
     }
 }
 
 fn targets(text: &str, whole: Option<&pg_query::ParseResult>) -> Vec<String> {
-    with_parse(text, whole, |p| {
-        p.dml_tables().into_iter().chain(p.ddl_tables()).collect()
-    })
-    .unwrap_or_default()
+    with_parse(text, whole, |p| written_tables(p, &TreeFacts::of(p))).unwrap_or_default()
+}
+
+/// The tables a statement writes: the targets of every INSERT/UPDATE/DELETE/MERGE node found by
+/// the full walk (a CTE of the same name never hides one: PostgreSQL never resolves a write
+/// target to a CTE), plus pg_query's DML and DDL tables (TRUNCATE, COPY, ALTER, ...).
+fn written_tables(parsed: &pg_query::ParseResult, tree: &TreeFacts) -> Vec<String> {
+    let mut out = tree.targets.clone();
+    for t in parsed.dml_tables().into_iter().chain(parsed.ddl_tables()) {
+        if !out.contains(&t) {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// What a complete walk of the parse tree finds. pg_query's own summary (`tables`,
+/// `functions`) visits only some fields and drops write targets named like a CTE; this walk
+/// visits every node of the serialized tree.
+#[derive(Debug, Default)]
+struct TreeFacts {
+    /// Any INSERT, UPDATE, DELETE or MERGE node, at any depth.
+    writes: bool,
+    /// Their target relations, `schema.name` or `name`.
+    targets: Vec<String>,
+    /// Every function called, `schema.name` or `name`.
+    functions: Vec<String>,
+}
+
+impl TreeFacts {
+    fn of(parsed: &pg_query::ParseResult) -> Self {
+        let mut facts = Self::default();
+        match serde_json::to_value(&parsed.protobuf) {
+            Ok(tree) => facts.visit(&tree),
+            // Cannot happen for these types; fail closed if it ever does.
+            Err(_) => facts.writes = true,
+        }
+        facts
+    }
+
+    fn visit(&mut self, value: &serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, child) in map {
+                    match key.as_str() {
+                        "InsertStmt" | "UpdateStmt" | "DeleteStmt" | "MergeStmt" => {
+                            self.writes = true;
+                            if let Some(target) = child.get("relation").and_then(range_var_name) {
+                                self.targets.push(target);
+                            }
+                        }
+                        "FuncCall" => {
+                            let name = child
+                                .get("funcname")
+                                .and_then(|n| n.as_array())
+                                .map(|parts| {
+                                    parts
+                                        .iter()
+                                        .filter_map(|p| p.pointer("/node/String/sval"))
+                                        .filter_map(|s| s.as_str())
+                                        .collect::<Vec<_>>()
+                                        .join(".")
+                                })
+                                .unwrap_or_default();
+                            self.functions.push(name);
+                        }
+                        _ => {}
+                    }
+                    self.visit(child);
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|i| self.visit(i)),
+            _ => {}
+        }
+    }
+}
+
+fn range_var_name(range_var: &serde_json::Value) -> Option<String> {
+    let name = range_var.get("relname")?.as_str()?;
+    match range_var.get("schemaname").and_then(|s| s.as_str()) {
+        Some(schema) if !schema.is_empty() => Some(format!("{schema}.{name}")),
+        _ => Some(name.to_owned()),
+    }
 }
 
 /// Runs `f` on `whole` if given, else on a parse of `text` (`None` if it does not parse).
@@ -331,6 +424,31 @@ fn with_parse<T>(
         Some(parsed) => Some(f(parsed)),
         None => pg_query::parse(text).ok().map(|p| f(&p)),
     }
+}
+
+/// `SET standard_conforming_strings = off` or `SET client_encoding`/`SET NAMES` to an encoding
+/// the gateway cannot lex (see [`crate::lexing`]); a value that is not a constant counts too.
+fn lexing_hazard(set: &protobuf::VariableSetStmt) -> Option<String> {
+    let name = set.name.to_ascii_lowercase();
+    if name != "standard_conforming_strings" && name != "client_encoding" {
+        return None;
+    }
+    if set.kind != protobuf::VariableSetKind::VarSetValue as i32 {
+        // RESET / DEFAULT go back to the session's start, which the server already reported.
+        return None;
+    }
+    let value = set_value(&set.args);
+    let hazardous = match (&value, name.as_str()) {
+        (Some(v), "standard_conforming_strings") => !crate::lexing::conforming(v),
+        (Some(v), _) => crate::lexing::unsafe_encoding(v),
+        (None, _) => true,
+    };
+    hazardous.then(|| {
+        format!(
+            "SET {name} to {} would make the server read SQL differently from the gateway",
+            value.as_deref().unwrap_or("a non-constant value")
+        )
+    })
 }
 
 fn explain_analyzes(options: &[protobuf::Node]) -> bool {
@@ -437,6 +555,34 @@ mod tests {
         }
     }
 
+    /// Issue 12, bypasses 1, 2 and 6: writes and function calls anywhere in the tree.
+    #[test]
+    fn the_full_tree_is_walked() {
+        for sql in [
+            "WITH t AS (DELETE FROM t RETURNING *) SELECT * FROM t",
+            "WITH items AS (UPDATE items SET v = 1 RETURNING 1) SELECT 1",
+            "DECLARE c CURSOR FOR SELECT my_writer()",
+            "PREPARE p AS INSERT INTO t VALUES (1)",
+            "PREPARE p AS WITH t AS (DELETE FROM t RETURNING 1) SELECT 1",
+            "SELECT 1 LIMIT nextval('s')",
+            "SELECT 1 OFFSET setval('s', 1)",
+            "VALUES (nextval('s'))",
+            "SELECT count(*) FILTER (WHERE lo_unlink(1) = 1) FROM t",
+            "SELECT ARRAY[my_writer()]",
+            "SELECT CASE my_writer() WHEN 1 THEN 1 END",
+            "SELECT my_writer() IN (1, 2)",
+            "SELECT * FROM t WHERE a IN (SELECT my_writer())",
+        ] {
+            assert_eq!(kinds(sql), vec![Kind::Write], "{sql}");
+        }
+        let c = classify("WITH t AS (DELETE FROM t RETURNING *) SELECT * FROM t");
+        assert_eq!(c.statements[0].targets, vec!["t".to_owned()]);
+        assert_eq!(
+            kinds("SELECT count(*) FILTER (WHERE a > 1) FROM t LIMIT 3"),
+            vec![Kind::Read]
+        );
+    }
+
     #[test]
     fn statements_split_with_offsets_and_comment_tokens() {
         let sql = "BEGIN; INSERT INTO t VALUES (1) /* fencing_token='fg1~7~job' */; SELECT 1;";
@@ -489,6 +635,20 @@ mod tests {
         assert_eq!(kinds("DISCARD ALL"), vec![Kind::SessionReset]);
         assert_eq!(kinds("RESET ALL"), vec![Kind::SessionReset]);
         assert_eq!(kinds("DISCARD PLANS"), vec![Kind::Read]);
+        // Issue 12, bypass 4: settings that change lexing are not relayed on a protected database.
+        for sql in [
+            "SET standard_conforming_strings = off",
+            "SET LOCAL standard_conforming_strings TO false",
+            "SET client_encoding = 'SJIS'",
+            "SET NAMES 'big5'",
+        ] {
+            assert!(matches!(kinds(sql)[0], Kind::Unfenceable(_)), "{sql}");
+        }
+        assert_eq!(
+            kinds("SET standard_conforming_strings = on"),
+            vec![Kind::Read]
+        );
+        assert_eq!(kinds("SET client_encoding = 'UTF8'"), vec![Kind::Read]);
         assert_eq!(
             kinds("SET SESSION fencegate.token = DEFAULT"),
             vec![Kind::SetToken(None)]

@@ -53,6 +53,22 @@ fn is_ident_byte(b: u8) -> bool {
 
 /// The shape of `sql`, or `None` where the lexer does not fully understand the text.
 fn shape(sql: &str) -> Option<Shape> {
+    // PostgreSQL ends a `--` comment at `\r` too, and `UESCAPE` changes how a `U&` identifier
+    // or string ends: texts with either are not shaped (issue 12, bypass 5).
+    // Settings that change lexing are judged on their value (a literal): never shaped.
+    let has = |word: &[u8]| {
+        sql.as_bytes()
+            .windows(word.len())
+            .any(|w| w.eq_ignore_ascii_case(word))
+    };
+    if sql.contains('\r')
+        || has(b"uescape")
+        || has(b"client_encoding")
+        || has(b"standard_conforming")
+        || (has(b"names") && has(b"set"))
+    {
+        return None;
+    }
     let b = sql.as_bytes();
     let n = b.len();
     let mut key = String::with_capacity(n.min(MAX_KEY_BYTES));
@@ -281,6 +297,33 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// Issue 12, bypass 5: a read and a DELETE must never share a shape.
+    #[test]
+    fn carriage_returns_and_uescape_are_not_shaped() {
+        assert_eq!(shape("SELECT 1 -- x\rDELETE FROM t"), None);
+        assert_eq!(shape("SELECT U&\"d!0061t\" UESCAPE '!' FROM t"), None);
+        assert_eq!(shape("SET client_encoding = 'UTF8'"), None);
+        assert_eq!(shape("set names 'x'"), None);
+        let cache = ClassifyCache::new(16);
+        let kinds = |sql: &str| -> Vec<Kind> {
+            cache
+                .classify(sql)
+                .statements
+                .into_iter()
+                .map(|s| s.kind)
+                .collect()
+        };
+        assert_eq!(
+            kinds("SELECT 1; -- x\nDELETE FROM t"),
+            vec![Kind::Read, Kind::Write]
+        );
+        assert_eq!(kinds("SELECT 1; -- x DELETE FROM t"), vec![Kind::Read]);
+        assert_eq!(
+            kinds("SELECT 1; -- x\rDELETE FROM t"),
+            vec![Kind::Read, Kind::Write]
+        );
+    }
 
     #[test]
     fn literals_are_masked_and_the_rest_kept() {

@@ -8,8 +8,10 @@
 //! unprotected_schemas = []         # writes naming only tables in these schemas pass (default:
 //!                                  # none). The `fencegate` schema is never written by clients:
 //!                                  # writes to it are refused (FG006); only the guard writes it.
-//! resource = "billing"             # optional: the only resource tokens may name here; also the
-//!                                  # resource of plain numeric tokens (with accept_plain)
+//! resource = "billing"             # required when `databases` is not empty: the only resource
+//!                                  # tokens may name here; also the resource of plain numeric
+//!                                  # tokens (with accept_plain). Bind the tables to it in the
+//!                                  # store with `fencegate postgres protect --resource billing`.
 //! accept_plain = false             # accept bare decimal revisions as tokens (needs `resource`)
 //! install_on_start = false         # run fence.sql at startup (needs install_dsn_env)
 //! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding a libpq-style DSN for the install
@@ -43,7 +45,8 @@ pub struct PostgresConfig {
     /// with one of these passes without a token. Unqualified names are always protected.
     #[serde(default = "default_unprotected_schemas")]
     pub unprotected_schemas: Vec<String>,
-    /// When set, tokens must name this resource (others are refused as out of scope).
+    /// The resource this gateway's writes belong to: tokens must name it (others are refused as
+    /// out of scope). Required when any database is protected.
     #[serde(default)]
     pub resource: Option<String>,
     /// Accept a bare decimal revision as a token for `resource`.
@@ -109,6 +112,15 @@ impl PostgresConfig {
                 self.max_message_bytes
             )));
         }
+        if !self.databases.is_empty() && self.resource.is_none() {
+            return Err(PostgresError::Config(format!(
+                "the gateway protects databases {:?} but names no `resource`: set resource = \"<name>\" to the \
+                 resource your lock holders take (tokens for any other resource are refused, FG005), and bind \
+                 the tables to it with `fencegate postgres protect --resource <name>`; or set databases = [] \
+                 to protect nothing",
+                self.databases
+            )));
+        }
         if let Some(resource) = &self.resource {
             Resource::new(resource.as_str())
                 .map_err(|e| PostgresError::Config(format!("resource {resource:?}: {e}")))?;
@@ -148,10 +160,28 @@ mod tests {
 
     #[test]
     fn defaults_protect_every_database() {
-        let c = PostgresConfig::default();
+        let c = PostgresConfig {
+            resource: Some("billing".into()),
+            ..PostgresConfig::default()
+        };
         c.validate().unwrap();
         assert!(c.protects_database("anything"));
         assert!(c.unprotected_schemas.is_empty());
+    }
+
+    #[test]
+    fn a_protecting_gateway_names_its_resource() {
+        let e = PostgresConfig::default()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("names no `resource`"), "{e}");
+        assert!(e.contains("fencegate postgres protect --resource"), "{e}");
+        let nothing = PostgresConfig {
+            databases: Vec::new(),
+            ..PostgresConfig::default()
+        };
+        nothing.validate().unwrap();
     }
 
     #[test]

@@ -87,10 +87,16 @@ impl Gateway {
     /// connection) per client.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) -> Result<(), PostgresError> {
         loop {
-            let (socket, peer) = listener
-                .accept()
-                .await
-                .map_err(PostgresError::io("accepting a PostgreSQL client"))?;
+            let (socket, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                // EMFILE, ENFILE, ECONNABORTED...: one failed accept must not stop the listener
+                // for good (issue 12, bypass 8). Back off briefly so a full fd table is not spun on.
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a PostgreSQL client failed; retrying");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
             let gateway = self.clone();
             tokio::spawn(async move { session::run(gateway, socket, peer).await });
         }

@@ -1,25 +1,107 @@
-//! Installs `fence.sql` (schema `fencegate`, table `fencegate.fences`, `fencegate.guard` and
-//! `fencegate.refuse`) with tokio-postgres. Idempotent.
+//! Installs `fence.sql` (schema `fencegate`: the fences, the token and pass keys, the guard, the
+//! enforcement trigger function) with tokio-postgres. Idempotent.
 
-use tokio_postgres::NoTls;
+use std::time::Duration;
 
+use tokio_postgres::Client;
+
+use crate::connect::connect;
 use crate::error::PostgresError;
 
 /// The store-side artifact, shipped in the crate as a real file.
 pub const FENCE_SQL: &str = include_str!("fence.sql");
 
+/// The guard's default `lock_timeout`: how long a raise waits behind an older holder's open or
+/// prepared transaction before answering a retryable error.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Options of `fencegate postgres install`.
+#[derive(Debug, Clone)]
+pub struct InstallOptions {
+    /// The guard's `lock_timeout`.
+    pub lock_timeout: Duration,
+}
+
+impl Default for InstallOptions {
+    fn default() -> Self {
+        Self {
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+        }
+    }
+}
+
+/// What the install found worth telling the operator.
+#[derive(Debug, Clone, Default)]
+pub struct InstallReport {
+    /// The role that ran the install and owns the schema.
+    pub owner: String,
+    /// Warnings (e.g. the installer role also owns application tables).
+    pub warnings: Vec<String>,
+}
+
 /// Connects to `dsn` (libpq key/value or URL form) and runs `fence.sql` in one transaction.
 pub async fn install(dsn: &str) -> Result<(), PostgresError> {
-    let (mut client, connection) = tokio_postgres::connect(dsn, NoTls).await?;
-    let task = tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "install connection ended with an error");
-        }
-    });
+    install_with(dsn, &InstallOptions::default())
+        .await
+        .map(drop)
+}
+
+/// [`install`] with options; returns the owner role and warnings.
+pub async fn install_with(
+    dsn: &str,
+    options: &InstallOptions,
+) -> Result<InstallReport, PostgresError> {
+    let (mut client, task) = connect(dsn).await?;
     let tx = client.transaction().await?;
     tx.batch_execute(FENCE_SQL).await?;
+    let millis = options.lock_timeout.as_millis().max(1);
+    for signature in ["fencegate.guard(text)", "fencegate.guard(text, bigint)"] {
+        tx.batch_execute(&format!(
+            "ALTER FUNCTION {signature} SET lock_timeout = '{millis}ms'"
+        ))
+        .await?;
+    }
     tx.commit().await?;
+    let report = InstallReport {
+        owner: current_user(&client).await?,
+        warnings: owner_warnings(&client).await?,
+    };
     drop(client);
     let _ = task.await;
-    Ok(())
+    Ok(report)
+}
+
+async fn current_user(client: &Client) -> Result<String, PostgresError> {
+    Ok(client.query_one("SELECT current_user", &[]).await?.get(0))
+}
+
+/// The installer role can drop the triggers and read the keys: it must not be the role the
+/// application connects as. It cannot know the app's role, so it says what it sees.
+pub(crate) async fn owner_warnings(client: &Client) -> Result<Vec<String>, PostgresError> {
+    let row = client
+        .query_one(
+            "SELECT current_user::text, \
+                    (SELECT rolsuper FROM pg_roles WHERE rolname = current_user), \
+                    (SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                      WHERE c.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user) \
+                        AND c.relkind IN ('r', 'p') AND n.nspname NOT IN ('fencegate', 'pg_catalog', 'information_schema') \
+                        AND n.nspname NOT LIKE 'pg_toast%')",
+            &[],
+        )
+        .await?;
+    let (role, superuser, owned): (String, bool, i64) = (row.get(0), row.get(1), row.get(2));
+    let mut warnings = Vec::new();
+    if owned > 0 {
+        warnings.push(format!(
+            "role {role} owns {owned} application table(s): if the application connects as {role}, it can drop \
+             fencegate's triggers and read its keys. Install and protect as a separate role, and let the \
+             application use another role that owns nothing in protected schemas."
+        ));
+    }
+    if superuser {
+        warnings.push(format!(
+            "role {role} is a superuser: never let the application connect as it (a superuser bypasses every fence)."
+        ));
+    }
+    Ok(warnings)
 }

@@ -8,6 +8,11 @@
 //!   statements that differ only in literal values. [`carrier`]: where tokens come from.
 //!   [`rewrite`]: the pure rewrite of a statement and token into the messages sent upstream.
 //!   `session`: the only I/O module, one client connection to one upstream connection.
+//! - The store enforces the fence, not the parser: `fence.sql`'s `fencegate.guard(token)` verifies
+//!   the token in PostgreSQL and leaves a transaction-scoped pass, and statement-level triggers
+//!   installed by [`protect()`] refuse writes to protected tables without one, even on connections
+//!   that bypass the gateway. [`install_token_keys`] gives the store the cluster's token keys;
+//!   [`status()`] lists what is protected.
 //! - Refusals are `ErrorResponse`s with the SQLSTATEs in [`sqlstate`]; each is reported to the
 //!   [`fencegate_core::AuditSink`] before the client sees it.
 //!
@@ -30,17 +35,25 @@ pub mod carrier;
 pub mod classify;
 pub mod classify_cache;
 pub mod config;
+pub mod connect;
 pub mod error;
 mod gateway;
 pub mod install;
 mod lazy_writer;
+pub mod lexing;
 pub mod message;
+pub mod protect;
 pub mod rewrite;
 mod session;
 pub mod sqlstate;
+pub mod status;
 pub mod tls;
+pub mod token_keys;
 
 pub use config::PostgresConfig;
 pub use error::PostgresError;
 pub use gateway::Gateway;
-pub use install::{install, FENCE_SQL};
+pub use install::{install, install_with, InstallOptions, InstallReport, FENCE_SQL};
+pub use protect::{protect, ProtectReport, Target};
+pub use status::{status, Status};
+pub use token_keys::install_token_keys;

@@ -69,6 +69,9 @@ impl Decision {
 
 /// Decides about one statement.
 pub fn decide(statement: &Statement, ctx: &Context<'_>) -> Decision {
+    if let (Kind::Unfenceable(why), true) = (&statement.kind, ctx.protected) {
+        return Decision::Refuse(Rejection::new(RejectReason::Unsupported, why.clone()));
+    }
     if statement.kind != Kind::Write || !ctx.protected {
         return Decision::Pass;
     }
@@ -201,25 +204,23 @@ pub fn plan_query(
     QueryPlan::Rewrite { sql: out, parts }
 }
 
-/// The guard call as one SQL statement, `;` included.
+/// The guard call as one SQL statement, `;` included. The store verifies the token itself
+/// (signature, resource, fence), so it gets the token as issued, signature included.
 pub fn guard_sql(token: &Token) -> String {
     format!(
-        "SELECT fencegate.guard({}, {});",
-        quote_literal(token.resource().as_str()),
-        token.revision()
+        "SELECT fencegate.guard({});",
+        quote_literal(&token.to_string())
     )
 }
 
-/// The guard as extended-protocol messages: Close portal, Close statement, Parse, Bind,
+/// The guard as extended-protocol messages (the token as issued, as in [`guard_sql`]): Close portal, Close statement, Parse, Bind,
 /// Execute. The server answers CloseComplete, CloseComplete, ParseComplete, BindComplete,
 /// DataRow, CommandComplete.
 pub fn guard_messages(token: &Token) -> Bytes {
-    let resource = token.resource().as_str().to_owned();
-    let revision = token.revision().to_string();
     call_messages(
         GUARD_NAME,
-        "SELECT fencegate.guard($1::text, $2::bigint)",
-        &[&resource, &revision],
+        "SELECT fencegate.guard($1::text)",
+        &[&token.to_string()],
     )
 }
 
@@ -351,7 +352,7 @@ mod tests {
         assert_eq!(
             plan,
             QueryPlan::Rewrite {
-                sql: "SELECT fencegate.guard(E'job', 7);INSERT INTO t VALUES (1)".into(),
+                sql: "SELECT fencegate.guard(E'fg1~7~job');INSERT INTO t VALUES (1)".into(),
                 parts: vec![Part::Guard(token(7)), Part::Client],
             }
         );
@@ -372,7 +373,7 @@ mod tests {
         };
         assert_eq!(
             out,
-            "BEGIN;SELECT fencegate.guard(E'job', 9); INSERT INTO t VALUES (1) /* fencing_token='fg1~9~job' */;SELECT fencegate.guard(E'job', 7); INSERT INTO t VALUES (2); COMMIT;SELECT fencegate.guard(E'job', 7); DELETE FROM t"
+            "BEGIN;SELECT fencegate.guard(E'fg1~9~job'); INSERT INTO t VALUES (1) /* fencing_token='fg1~9~job' */;SELECT fencegate.guard(E'fg1~7~job'); INSERT INTO t VALUES (2); COMMIT;SELECT fencegate.guard(E'fg1~7~job'); DELETE FROM t"
         );
         assert_eq!(
             parts,

@@ -9,6 +9,10 @@
 //! | `FG004` | forged or unsigned token (signature does not verify)        | the gateway |
 //! | `FG005` | token for another resource than the database's              | the gateway |
 //! | `FG006` | cannot be fenced: fast-path calls, writes to `fencegate.*`  | the gateway |
+//! | `FG007` | the fence schema is not installed in this database          | the gateway |
+//!
+//! The store raises FG001-FG005 itself too: `fencegate.guard(token)` (FG001, FG003, FG004) and
+//! the triggers on protected tables (FG002 no pass, FG001, FG005 table bound to another resource).
 //!
 //! Protocol violations by a client are answered with PostgreSQL's own `08P01` and the connection
 //! is closed.
@@ -27,6 +31,8 @@ pub const FORGED: &str = "FG004";
 pub const OUT_OF_SCOPE: &str = "FG005";
 /// A write that cannot run under the fence.
 pub const UNSUPPORTED: &str = "FG006";
+/// The fence schema (`fencegate.guard`) is missing: run `fencegate postgres install`.
+pub const NOT_INSTALLED: &str = "FG007";
 /// PostgreSQL's `protocol_violation`.
 pub const PROTOCOL_VIOLATION: &str = "08P01";
 
@@ -48,7 +54,15 @@ mod tests {
 
     #[test]
     fn codes_are_distinct_and_well_formed() {
-        let all = [STALE, MISSING, MALFORMED, FORGED, OUT_OF_SCOPE, UNSUPPORTED];
+        let all = [
+            STALE,
+            MISSING,
+            MALFORMED,
+            FORGED,
+            OUT_OF_SCOPE,
+            UNSUPPORTED,
+            NOT_INSTALLED,
+        ];
         for (i, a) in all.iter().enumerate() {
             assert_eq!(a.len(), 5);
             assert!(a

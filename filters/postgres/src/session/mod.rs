@@ -1,0 +1,175 @@
+//! One client connection relayed to one upstream connection (session mode). The only module of
+//! the crate that does I/O.
+//!
+//! Two tasks per session: `client -> upstream` reads the client's messages, decides (through the
+//! pure [`crate::rewrite`]) and forwards them, pushing what replies each message will get onto a
+//! shared queue; `upstream -> client` reads the server's replies and uses that queue to swallow
+//! the guard's own replies, audit stale refusals reported by the guard, and emit the gateway's
+//! local answers in order.
+//!
+//! - [`startup`]: the startup packet, TLS, cancels and the relayed authentication.
+//! - [`pending`]: PURE: the queue of replies each forwarded message will get, the statement
+//!   map, and what each upstream message means ([`pending::on_reply`]).
+//! - [`requests`]: the `client -> upstream` loop; [`replies`]: the `upstream -> client` loop.
+
+mod pending;
+mod replies;
+mod requests;
+mod startup;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Rejection, Token};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use crate::error::PostgresError;
+use crate::gateway::Gateway;
+use crate::lazy_writer::LazyWriter;
+use crate::message::FrameReader;
+
+use pending::State;
+
+/// The largest message the server may send us (PostgreSQL's own limit is 1 GiB).
+const MAX_BACKEND_MESSAGE: usize = 1 << 30;
+
+/// How long a client may take from connecting to the server's first ReadyForQuery (the
+/// server's own `authentication_timeout` defaults to the same minute).
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs one session to its end; errors are logged, never propagated.
+pub(crate) async fn run(gateway: Arc<Gateway>, client: TcpStream, peer: SocketAddr) {
+    let id = gateway.next_connection_id();
+    let _ = client.set_nodelay(true);
+    match session(gateway, client, peer, id).await {
+        Ok(()) => tracing::debug!(conn = id, %peer, "postgres session ended"),
+        Err(e) => tracing::info!(conn = id, %peer, error = %e, "postgres session closed"),
+    }
+}
+
+struct Shared {
+    pub(super) gateway: Arc<Gateway>,
+    pub(super) state: Mutex<State>,
+    pub(super) wake: Notify,
+    pub(super) peer: SocketAddr,
+    pub(super) user: String,
+    pub(super) protected: bool,
+    pub(super) conn: u64,
+    pub(super) requests: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn request_id(&self) -> String {
+        let n = self
+            .requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("pg-{}-{}", self.conn, n + 1)
+    }
+
+    async fn audit(&self, rejection: &Rejection, token: Option<&Token>, summary: OperationSummary) {
+        let fence = match rejection.reason {
+            RejectReason::Stale { fence } => Some(fence),
+            _ => None,
+        };
+        let request_id = self.request_id();
+        tracing::info!(
+            conn = self.conn,
+            request_id = %request_id,
+            reason = rejection.reason.label(),
+            resource = rejection.resource.as_ref().map(|r| r.as_str()),
+            revision = rejection.revision.map(|r| r.get()),
+            fence,
+            command = %summary.command,
+            "postgres write refused"
+        );
+        let event = AuditEvent {
+            store: "postgres".to_owned(),
+            client_addr: self.peer.to_string(),
+            client_identity: Some(self.user.clone()),
+            resource: rejection.resource.as_ref().map(|r| r.to_string()),
+            token: token.map(|t| t.unsigned_form()).or_else(|| {
+                match (&rejection.resource, &rejection.revision) {
+                    (Some(r), Some(v)) => Some(format!("fg1~{v}~{r}")),
+                    _ => None,
+                }
+            }),
+            token_signed: token.is_some_and(Token::is_signed),
+            revision: rejection.revision.map(|r| r.get()),
+            fence,
+            reason: rejection.reason.label().to_owned(),
+            detail: rejection.detail.clone(),
+            operation: summary,
+            request_id,
+        };
+        if let Err(e) = self.gateway.sink.refused(event).await {
+            tracing::error!(conn = self.conn, error = %e, "could not write the audit record of a refusal");
+        }
+    }
+}
+
+async fn session(
+    gateway: Arc<Gateway>,
+    client: TcpStream,
+    peer: SocketAddr,
+    conn: u64,
+) -> Result<(), PostgresError> {
+    let max = gateway.config.max_message_bytes;
+    let established = tokio::time::timeout(
+        STARTUP_TIMEOUT,
+        startup::establish(&gateway, client, peer, conn),
+    )
+    .await
+    .map_err(|_| {
+        PostgresError::Protocol(format!(
+            "the client did not finish its startup within {} s",
+            STARTUP_TIMEOUT.as_secs()
+        ))
+    })??;
+    let Some(established) = established else {
+        return Ok(());
+    };
+    let startup::Established {
+        client_read,
+        upstream_read,
+        upstream_write,
+        status,
+        session_token,
+        lexing,
+        user,
+        protected,
+    } = established;
+    let shared = Arc::new(Shared {
+        gateway,
+        state: Mutex::new(State::new(status, session_token, lexing)),
+        wake: Notify::new(),
+        peer,
+        user,
+        protected,
+        conn,
+        requests: std::sync::atomic::AtomicU64::new(0),
+    });
+
+    let (stream, buffered) = client_read.into_parts();
+    let (client_read, client_write) = tokio::io::split(stream);
+    let client_read = FrameReader::with_buffer(client_read, buffered, max);
+    let replies = tokio::spawn(replies::relay_replies(
+        shared.clone(),
+        upstream_read,
+        LazyWriter::new(client_write),
+    ));
+    let requests =
+        requests::relay_requests(shared.clone(), client_read, LazyWriter::new(upstream_write));
+    let result = requests.await;
+    if result.is_err() {
+        // Let the reply task deliver what is queued (a protocol error, say), then stop.
+        shared.wake.notify_one();
+    }
+    let replies = replies.await.unwrap_or(Ok(()));
+    result.and(replies)
+}

@@ -1,0 +1,567 @@
+//! PURE: what replies each message sent upstream will get, in order, and what each upstream
+//! message means for the session: relay it, swallow it (the guard's own replies), audit a stale
+//! refusal, confirm a prepared statement. No I/O here; the two relay loops share a [`State`].
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::Bytes;
+use fencegate_core::{OperationSummary, Token};
+
+use crate::classify::{Classified, Kind};
+use crate::lexing::Lexing;
+use crate::message::{self, ErrorFields, Frame};
+use crate::sqlstate;
+
+/// Who a reply belongs to.
+#[derive(Debug, Clone)]
+pub(super) enum Role {
+    /// The client's own message: relay the replies.
+    Client,
+    /// The gateway's guard: swallow the replies, audit a stale refusal.
+    Guard(Box<GuardInfo>),
+    /// A refusal raised through the server (already audited): relay its error.
+    Refusal,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct GuardInfo {
+    pub(super) token: Token,
+    pub(super) summary: OperationSummary,
+    /// The session's transaction epoch when the guard was sent.
+    pub(super) epoch: u64,
+    /// Whether a success means the open transaction is guarded for this token.
+    pub(super) remember: bool,
+    /// Only the Execute of the extended guard decides; its Parse/Bind/Close only swallow.
+    pub(super) decides: bool,
+}
+
+/// A client's Parse (`parsed: Some`) or Close (`None`) of a statement name. It changes the
+/// gateway's statement map only when the server confirms it (ParseComplete, CloseComplete): a
+/// Parse or Close the server skipped after an error must not change what a name means here
+/// (issue 12, bypass 3).
+#[derive(Debug, Clone)]
+pub(super) struct StatementChange {
+    name: String,
+    seq: u64,
+    parsed: Option<Classified>,
+}
+
+/// A sent, not yet confirmed [`StatementChange`].
+#[derive(Debug, Clone)]
+pub(super) struct Inflight {
+    seq: u64,
+    /// The Sync segment it was sent in.
+    segment: u64,
+    parsed: Option<Classified>,
+}
+
+/// What replies one forwarded (or locally answered) message gets.
+#[derive(Debug)]
+pub(super) enum Expect {
+    Parse(Role, Option<Box<StatementChange>>),
+    Bind(Role),
+    Describe,
+    Execute(Role),
+    Close(Role, Option<Box<StatementChange>>),
+    Sync,
+    /// A simple Query (or FunctionCall): replies until ReadyForQuery. `parts` lists, in order,
+    /// the statements whose replies are told apart (empty: relay everything).
+    Query(VecDeque<Role>),
+    /// A local answer, sent when it reaches the front of the queue.
+    Local {
+        bytes: Bytes,
+        close: bool,
+    },
+}
+
+impl Expect {
+    pub(super) fn is_extended(&self) -> bool {
+        !matches!(self, Self::Sync | Self::Query(_) | Self::Local { .. })
+    }
+}
+
+/// What both tasks share.
+pub(super) struct State {
+    pub(super) pending: VecDeque<Expect>,
+    /// The last ReadyForQuery status: `I`, `T` or `E`.
+    pub(super) status: u8,
+    /// The token the open transaction is known to be guarded with.
+    pub(super) guarded: Option<Token>,
+    /// Bumped by every transaction-control statement sent.
+    pub(super) epoch: u64,
+    pub(super) session_token: Option<String>,
+    /// The token from the startup options: what `RESET` goes back to, as for any setting.
+    pub(super) startup_token: Option<String>,
+    /// Settings that change how the server lexes SQL, as last reported.
+    pub(super) lexing: Lexing,
+    /// Prepared statements the server confirmed, by name.
+    pub(super) statements: HashMap<String, Classified>,
+    /// The latest unconfirmed Parse or Close per name.
+    pub(super) inflight: HashMap<String, Inflight>,
+    /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
+    pub(super) segment: u64,
+    /// Numbers statement changes.
+    pub(super) next_seq: u64,
+}
+
+impl State {
+    /// A session's state right after its startup.
+    pub(super) fn new(status: u8, session_token: Option<String>, lexing: Lexing) -> Self {
+        Self {
+            pending: VecDeque::new(),
+            status,
+            guarded: None,
+            epoch: 0,
+            startup_token: session_token.clone(),
+            session_token,
+            lexing,
+            statements: HashMap::new(),
+            inflight: HashMap::new(),
+            segment: 0,
+            next_seq: 0,
+        }
+    }
+}
+
+impl State {
+    /// Records a client's Parse or Close as sent.
+    pub(super) fn change_sent(
+        &mut self,
+        name: String,
+        parsed: Option<Classified>,
+    ) -> Box<StatementChange> {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.inflight.insert(
+            name.clone(),
+            Inflight {
+                seq,
+                segment: self.segment,
+                parsed: parsed.clone(),
+            },
+        );
+        Box::new(StatementChange { name, seq, parsed })
+    }
+
+    /// The server confirmed `change` (`true`) or skipped it (`false`).
+    pub(super) fn change_done(&mut self, change: &StatementChange, confirmed: bool) {
+        if confirmed {
+            match &change.parsed {
+                Some(parsed) => {
+                    self.statements.insert(change.name.clone(), parsed.clone());
+                }
+                None => {
+                    self.statements.remove(&change.name);
+                }
+            }
+        }
+        if self
+            .inflight
+            .get(&change.name)
+            .is_some_and(|i| i.seq == change.seq)
+        {
+            self.inflight.remove(&change.name);
+        }
+    }
+
+    /// An expected reply that will never come (the server skipped the message).
+    pub(super) fn skipped(&mut self, expect: Expect) {
+        if let Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) = expect {
+            self.change_done(&change, false);
+        }
+    }
+
+    /// What a Bind of `name` sent now will bind, as far as the gateway can tell: a Parse sent in
+    /// this Sync segment either succeeds or makes the server skip this Bind too; one from an
+    /// earlier segment may have been skipped, so the more dangerous of the two counts. A name
+    /// the gateway never saw confirmed (a SQL `PREPARE`, a skipped Parse) is a write.
+    pub(super) fn bound(&self, name: &str) -> Classified {
+        let confirmed = self.statements.get(name);
+        let inflight = self
+            .inflight
+            .get(name)
+            .and_then(|i| i.parsed.as_ref().map(|p| (i.segment == self.segment, p)));
+        match (inflight, confirmed) {
+            (Some((true, parsed)), _) | (Some((false, parsed)), None) => parsed.clone(),
+            (Some((false, parsed)), Some(old)) if parsed.has_write() || !old.has_write() => {
+                parsed.clone()
+            }
+            (_, Some(old)) => old.clone(),
+            (None, None) => unknown_statement(name),
+        }
+    }
+
+    /// The guarded token, if it is safe to skip a guard for it now: inside an explicit
+    /// transaction with every earlier message answered.
+    pub(super) fn guarded_now(&self) -> Option<&Token> {
+        if self.status == b'T' && self.pending.is_empty() {
+            self.guarded.as_ref()
+        } else {
+            None
+        }
+    }
+}
+
+/// A statement the gateway cannot see: fail closed, as a write.
+pub(super) fn unknown_statement(name: &str) -> Classified {
+    Classified {
+        statements: vec![crate::classify::Statement {
+            start: 0,
+            end: 0,
+            kind: Kind::Write,
+            command: "EXECUTE".to_owned(),
+            targets: Vec::new(),
+            comment_token: None,
+        }],
+        parse_error: Some(format!(
+            "prepared statement {name:?} is not known to the gateway"
+        )),
+    }
+}
+
+/// What to do with one upstream message.
+pub(super) struct Outcome {
+    pub(super) forward: bool,
+    /// Send this instead of the message (the guard's error, explained).
+    pub(super) replace: Option<Bytes>,
+    pub(super) stale: Option<(GuardInfo, Option<u64>)>,
+    pub(super) applied: bool,
+}
+
+/// Matches one upstream message against the queue of expected replies.
+pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
+    let mut outcome = Outcome {
+        forward: true,
+        replace: None,
+        stale: None,
+        applied: false,
+    };
+    match frame.tag {
+        // Asynchronous: notices, parameter changes, notifications.
+        b'S' => state.lexing.observe(frame.body()),
+        b'N' | b'A' => {}
+        b'E' => {
+            let failed_role = match state.pending.front_mut() {
+                Some(Expect::Query(parts)) => {
+                    let role = parts.pop_front();
+                    parts.clear();
+                    role
+                }
+                Some(e) if e.is_extended() => {
+                    let role = match state.pending.pop_front() {
+                        Some(Expect::Bind(r) | Expect::Execute(r)) => Some(r),
+                        Some(Expect::Parse(r, change) | Expect::Close(r, change)) => {
+                            if let Some(change) = change {
+                                state.change_done(&change, false);
+                            }
+                            Some(r)
+                        }
+                        _ => None,
+                    };
+                    // The server skips everything up to the next Sync.
+                    while state.pending.front().is_some_and(Expect::is_extended) {
+                        if let Some(skipped) = state.pending.pop_front() {
+                            state.skipped(skipped);
+                        }
+                    }
+                    role
+                }
+                _ => None,
+            };
+            let code = message::error_code_and_detail(frame).map(|(code, _)| code);
+            if matches!(failed_role, Some(Role::Guard(_) | Role::Refusal))
+                && matches!(code.as_deref(), Some("3F000" | "42883"))
+            {
+                outcome.replace = Some(message::error_response(&ErrorFields {
+                    severity: "ERROR",
+                    code: sqlstate::NOT_INSTALLED.to_owned(),
+                    message: "fencegate: the fence schema is not installed in this database: run \
+                              `fencegate postgres install --dsn ...` against it; nothing was written"
+                        .to_owned(),
+                    detail: None,
+                }));
+            }
+            if let Some(Role::Guard(info)) = failed_role {
+                if let Some((code, detail)) = message::error_code_and_detail(frame) {
+                    if code == sqlstate::STALE {
+                        let fence = detail.as_deref().and_then(fence_from_detail);
+                        outcome.stale = Some((*info, fence));
+                    }
+                }
+            }
+        }
+        b'Z' => {
+            // Messages the server skipped after an error get no reply of their own.
+            while state.pending.front().is_some_and(Expect::is_extended) {
+                if let Some(skipped) = state.pending.pop_front() {
+                    state.skipped(skipped);
+                }
+            }
+            if matches!(state.pending.front(), Some(Expect::Sync | Expect::Query(_))) {
+                state.pending.pop_front();
+            }
+            state.status = frame.body().first().copied().unwrap_or(b'I');
+            if state.status == b'I' {
+                state.guarded = None;
+            }
+        }
+        tag => {
+            let terminal_query = matches!(tag, b'C' | b'I');
+            let mut done = None;
+            match state.pending.front_mut() {
+                Some(Expect::Query(parts)) => {
+                    if let Some(role) = parts.front() {
+                        outcome.forward = matches!(role, Role::Client);
+                        if terminal_query {
+                            done = parts.pop_front();
+                        }
+                    }
+                }
+                Some(expect) => {
+                    let (terminal, role) = match expect {
+                        Expect::Parse(r, _) => (tag == b'1', Some(&*r)),
+                        Expect::Bind(r) => (tag == b'2', Some(&*r)),
+                        Expect::Close(r, _) => (tag == b'3', Some(&*r)),
+                        Expect::Describe => (matches!(tag, b'T' | b'n'), None),
+                        Expect::Execute(r) => (matches!(tag, b'C' | b'I' | b's'), Some(&*r)),
+                        Expect::Sync | Expect::Query(_) | Expect::Local { .. } => (false, None),
+                    };
+                    if let Some(role) = role {
+                        outcome.forward = matches!(role, Role::Client);
+                    }
+                    if terminal {
+                        done = match state.pending.pop_front() {
+                            Some(Expect::Execute(r)) if tag == b'C' => Some(r),
+                            Some(
+                                Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)),
+                            ) => {
+                                state.change_done(&change, true);
+                                None
+                            }
+                            _ => None,
+                        };
+                    }
+                }
+                None => {}
+            }
+            if let Some(Role::Guard(info)) = done {
+                if tag == b'C' && info.decides {
+                    outcome.applied = true;
+                    if info.remember && info.epoch == state.epoch {
+                        state.guarded = Some(info.token.clone());
+                    }
+                }
+            }
+        }
+    }
+    outcome
+}
+
+/// The fence from the guard's DETAIL `resource=... revision=... fence=N`.
+pub(super) fn fence_from_detail(detail: &str) -> Option<u64> {
+    detail
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("fence="))
+        .and_then(|n| n.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use fencegate_core::{Resource, Revision};
+
+    use super::*;
+
+    fn frame(tag: u8, body: &[u8]) -> Frame {
+        let mut raw = vec![tag];
+        raw.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+        raw.extend_from_slice(body);
+        Frame {
+            tag,
+            raw: Bytes::from(raw),
+        }
+    }
+
+    fn state() -> State {
+        State {
+            pending: VecDeque::new(),
+            status: b'I',
+            guarded: None,
+            epoch: 0,
+            session_token: None,
+            startup_token: None,
+            lexing: Lexing::default(),
+            statements: HashMap::new(),
+            inflight: HashMap::new(),
+            segment: 0,
+            next_seq: 0,
+        }
+    }
+
+    fn guard(decides: bool) -> Role {
+        Role::Guard(Box::new(GuardInfo {
+            token: Token::new(Resource::new("job").unwrap(), Revision::new(7).unwrap()),
+            summary: OperationSummary::default(),
+            epoch: 0,
+            remember: true,
+            decides,
+        }))
+    }
+
+    fn stale_error() -> Frame {
+        let bytes = message::error_response(&ErrorFields {
+            severity: "ERROR",
+            code: sqlstate::STALE.to_owned(),
+            message: "stale".to_owned(),
+            detail: Some("resource=job revision=7 fence=9".to_owned()),
+        });
+        frame(b'E', &bytes[5..])
+    }
+
+    /// Feeds frames; returns the tags relayed to the client.
+    fn relay(state: &mut State, frames: &[Frame]) -> (String, Vec<Option<u64>>) {
+        let mut out = String::new();
+        let mut stale = Vec::new();
+        for f in frames {
+            let o = on_reply(state, f);
+            if o.forward {
+                out.push(char::from(f.tag));
+            }
+            if let Some((_, fence)) = o.stale {
+                stale.push(fence);
+            }
+        }
+        (out, stale)
+    }
+
+    #[test]
+    fn simple_query_guard_replies_are_swallowed() {
+        let mut s = state();
+        s.pending
+            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        let frames = [
+            frame(b'T', b""),
+            frame(b'D', b""),
+            frame(b'C', b"SELECT 1\0"),
+            frame(b'C', b"INSERT 0 1\0"),
+            frame(b'Z', b"I"),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("CZ".to_owned(), vec![]));
+        assert!(s.pending.is_empty());
+    }
+
+    #[test]
+    fn a_stale_guard_is_reported_once_and_its_error_relayed() {
+        let mut s = state();
+        s.pending
+            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        let frames = [stale_error(), frame(b'Z', b"I")];
+        assert_eq!(relay(&mut s, &frames), ("EZ".to_owned(), vec![Some(9)]));
+    }
+
+    #[test]
+    fn extended_guard_is_invisible_and_sets_the_transaction_guard() {
+        let mut s = state();
+        s.status = b'T';
+        s.pending.extend([
+            Expect::Close(guard(false), None),
+            Expect::Close(guard(false), None),
+            Expect::Parse(guard(false), None),
+            Expect::Bind(guard(false)),
+            Expect::Execute(guard(true)),
+            Expect::Bind(Role::Client),
+            Expect::Execute(Role::Client),
+            Expect::Sync,
+        ]);
+        let frames = [
+            frame(b'3', b""),
+            frame(b'3', b""),
+            frame(b'1', b""),
+            frame(b'2', b""),
+            frame(b'D', b""),
+            frame(b'C', b"SELECT 1\0"),
+            frame(b'2', b""),
+            frame(b'C', b"INSERT 0 1\0"),
+            frame(b'Z', b"T"),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("2CZ".to_owned(), vec![]));
+        assert!(s.guarded.is_some());
+        assert!(s.pending.is_empty());
+    }
+
+    #[test]
+    fn an_error_skips_to_sync_like_the_server() {
+        let mut s = state();
+        s.pending.extend([
+            Expect::Parse(Role::Client, None),
+            Expect::Close(guard(false), None),
+            Expect::Close(guard(false), None),
+            Expect::Parse(guard(false), None),
+            Expect::Bind(guard(false)),
+            Expect::Execute(guard(true)),
+            Expect::Bind(Role::Client),
+            Expect::Execute(Role::Client),
+        ]);
+        // The client's Sync arrives after the error: the skipped messages get no replies.
+        let frames = [
+            frame(b'1', b""),
+            frame(b'3', b""),
+            frame(b'3', b""),
+            frame(b'1', b""),
+            frame(b'2', b""),
+            stale_error(),
+        ];
+        assert_eq!(relay(&mut s, &frames), ("1E".to_owned(), vec![Some(9)]));
+        s.pending.push_back(Expect::Sync);
+        assert_eq!(relay(&mut s, &[frame(b'Z', b"I")]).0, "Z");
+        assert!(s.pending.is_empty());
+    }
+
+    /// Issue 12, bypass 3: the statement map follows the server's confirmations.
+    #[test]
+    fn statements_change_only_when_the_server_confirms() {
+        use crate::classify::classify;
+        let mut s = state();
+        // Parse("", DELETE) confirmed.
+        let change = s.change_sent(String::new(), Some(classify("DELETE FROM t")));
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        relay(&mut s, &[frame(b'1', b"")]);
+        assert!(s.bound("").has_write());
+        // An error, then Parse("", SELECT) which the server skips, then Sync.
+        s.segment += 1;
+        let change = s.change_sent(String::new(), Some(classify("SELECT 1")));
+        s.pending.push_back(Expect::Execute(Role::Client));
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        s.pending.push_back(Expect::Sync);
+        relay(&mut s, &[stale_error(), frame(b'Z', b"I")]);
+        s.segment += 1;
+        assert!(
+            s.bound("").has_write(),
+            "a skipped Parse must not replace a write"
+        );
+        // A Parse in flight from an earlier segment: the more dangerous meaning counts.
+        let change = s.change_sent(String::new(), Some(classify("SELECT 1")));
+        s.segment += 1;
+        assert!(s.bound("").has_write());
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        relay(&mut s, &[frame(b'1', b"")]);
+        assert!(!s.bound("").has_write());
+        // Never seen (a SQL PREPARE): a write.
+        assert!(s.bound("p").has_write());
+        // A Close the server skipped keeps the statement.
+        let change = s.change_sent(String::new(), None);
+        s.skipped(Expect::Close(Role::Client, Some(change)));
+        assert!(s.statements.contains_key(""));
+    }
+
+    #[test]
+    fn fence_is_read_from_the_guard_detail() {
+        assert_eq!(
+            fence_from_detail("resource=job revision=7 fence=12"),
+            Some(12)
+        );
+        assert_eq!(fence_from_detail("nothing"), None);
+    }
+}

@@ -1,0 +1,122 @@
+//! The `upstream -> client` loop: each server message is matched against the queue
+//! ([`super::pending::on_reply`]) and relayed, swallowed or replaced; the gateway's local
+//! answers are sent when they reach the front of the queue; stale refusals are audited.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fencegate_core::{RejectReason, Rejection};
+use tokio::io::{AsyncWriteExt, WriteHalf};
+use tokio::net::tcp::OwnedReadHalf;
+
+use super::pending::{on_reply, Expect};
+use super::Shared;
+use crate::error::PostgresError;
+use crate::lazy_writer::LazyWriter;
+use crate::message::FrameReader;
+use crate::tls::ClientStream;
+
+/// upstream -> client.
+pub(super) async fn relay_replies(
+    shared: Arc<Shared>,
+    mut upstream: FrameReader<OwnedReadHalf>,
+    mut client: LazyWriter<WriteHalf<ClientStream>>,
+) -> Result<(), PostgresError> {
+    loop {
+        let frame = tokio::select! {
+            frame = upstream.read_frame() => frame?,
+            () = shared.wake.notified() => {
+                if deliver_local(&shared, &mut client).await? {
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        let Some(frame) = frame else {
+            // The server is gone (or was told to go after a client protocol error): what the
+            // gateway still owes the client (that error, say) is sent before closing.
+            let owed: Vec<Bytes> = shared
+                .lock()
+                .pending
+                .drain(..)
+                .filter_map(|e| match e {
+                    Expect::Local { bytes, .. } => Some(bytes),
+                    _ => None,
+                })
+                .collect();
+            for bytes in owed {
+                let _ = client.write_all(&bytes).await;
+            }
+            let _ = client.flush().await;
+            let _ = client.shutdown().await;
+            return Ok(());
+        };
+        let outcome = on_reply(&mut shared.lock(), &frame);
+        if outcome.applied {
+            shared.gateway.sink.applied("postgres");
+        }
+        if let Some((info, fence)) = outcome.stale {
+            let fence = fence.unwrap_or(0);
+            let rejection = Rejection::new(
+                RejectReason::Stale { fence },
+                format!(
+                    "token revision {} is below the fence {fence}",
+                    info.token.revision()
+                ),
+            )
+            .with_token(info.token.resource().clone(), info.token.revision());
+            shared
+                .audit(&rejection, Some(&info.token), info.summary)
+                .await;
+        }
+        if outcome.forward {
+            client
+                .write_all(outcome.replace.as_deref().unwrap_or(&frame.raw))
+                .await
+                .map_err(PostgresError::io("writing to the client"))?;
+        }
+        if deliver_local(&shared, &mut client).await? {
+            return Ok(());
+        }
+        if !upstream.has_complete_frame() {
+            client
+                .flush()
+                .await
+                .map_err(PostgresError::io("writing to the client"))?;
+        }
+    }
+}
+
+/// Sends the local answers at the front of the queue. `true`: the session must end.
+async fn deliver_local(
+    shared: &Shared,
+    client: &mut LazyWriter<WriteHalf<ClientStream>>,
+) -> Result<bool, PostgresError> {
+    let mut out = Vec::new();
+    let mut close = false;
+    {
+        let mut state = shared.lock();
+        while let Some(Expect::Local { .. }) = state.pending.front() {
+            if let Some(Expect::Local { bytes, close: c }) = state.pending.pop_front() {
+                out.push(bytes);
+                close |= c;
+            }
+        }
+    }
+    for bytes in &out {
+        client
+            .write_all(bytes)
+            .await
+            .map_err(PostgresError::io("writing to the client"))?;
+    }
+    if !out.is_empty() {
+        client
+            .flush()
+            .await
+            .map_err(PostgresError::io("writing to the client"))?;
+    }
+    if close {
+        let _ = client.shutdown().await;
+    }
+    Ok(close)
+}

@@ -1,0 +1,459 @@
+//! The `client -> upstream` loop: each client message is decided (through the pure
+//! [`crate::rewrite`]) and forwarded, and what replies it will get is queued for the other loop.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use fencegate_core::{OperationSummary, RejectReason, Rejection, Token};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncWriteExt, ReadHalf};
+use tokio::net::tcp::OwnedWriteHalf;
+
+use super::pending::{Expect, GuardInfo, Role};
+use super::Shared;
+use crate::classify::{Classified, Kind};
+use crate::error::PostgresError;
+use crate::lazy_writer::LazyWriter;
+use crate::lexing;
+use crate::message::{self, ErrorFields, Frame, FrameReader};
+use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
+use crate::sqlstate;
+use crate::tls::ClientStream;
+
+/// client -> upstream.
+/// The most messages that may wait for their answers in one session.
+const MAX_PENDING: usize = 262_144;
+
+pub(super) async fn relay_requests(
+    shared: Arc<Shared>,
+    mut client: FrameReader<ReadHalf<ClientStream>>,
+    mut upstream: LazyWriter<OwnedWriteHalf>,
+) -> Result<(), PostgresError> {
+    loop {
+        let frame = match client.read_frame().await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(e) => {
+                protocol_error(&shared, &e.to_string());
+                let _ = upstream.shutdown().await;
+                return Err(e);
+            }
+        };
+        // Every message waiting for its answer holds an entry; a client that pipelines without
+        // ever reading (the gateway answers some messages itself) must not grow it forever.
+        if shared.lock().pending.len() >= MAX_PENDING {
+            let msg = format!(
+                "more than {MAX_PENDING} messages are waiting for their answers: read the replies"
+            );
+            protocol_error(&shared, &msg);
+            let _ = upstream.shutdown().await;
+            return Err(PostgresError::Protocol(msg));
+        }
+        let terminate = frame.tag == b'X';
+        let outgoing = match handle_request(&shared, frame).await {
+            Ok(outgoing) => outgoing,
+            Err(e) => {
+                protocol_error(&shared, &e.to_string());
+                let _ = upstream.shutdown().await;
+                return Err(e);
+            }
+        };
+        for bytes in outgoing {
+            upstream
+                .write_all(&bytes)
+                .await
+                .map_err(PostgresError::io("writing upstream"))?;
+        }
+        if terminate {
+            break;
+        }
+        if !client.has_complete_frame() {
+            upstream
+                .flush()
+                .await
+                .map_err(PostgresError::io("writing upstream"))?;
+        }
+    }
+    upstream
+        .flush()
+        .await
+        .map_err(PostgresError::io("writing upstream"))?;
+    let _ = upstream.shutdown().await;
+    Ok(())
+}
+
+/// Queues a FATAL 08P01 for the client and the end of the session.
+fn protocol_error(shared: &Shared, message: &str) {
+    let bytes = message::error_response(&ErrorFields {
+        severity: "FATAL",
+        code: sqlstate::PROTOCOL_VIOLATION.to_owned(),
+        message: format!("fencegate: {message}"),
+        detail: None,
+    });
+    shared
+        .lock()
+        .pending
+        .push_back(Expect::Local { bytes, close: true });
+    shared.wake.notify_one();
+}
+
+/// Decides about one client message; returns the bytes to send upstream, in order.
+async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+    let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
+    match frame.tag {
+        b'Q' => handle_query(shared, frame).await,
+        b'P' => {
+            let (name, sql) = message::parse_fields(&frame).map_err(bad)?;
+            let classified = classify_now(shared, &sql);
+            // `SET fencegate.token = '...'` is prepared without its value: the server answers
+            // the same messages, and the token stays in the gateway (applied at Bind).
+            let outgoing = match classified.statements.as_slice() {
+                [only] if matches!(only.kind, Kind::SetToken(Some(_))) => {
+                    let mut buf = BytesMut::new();
+                    frontend::parse(
+                        &name,
+                        rewrite::SET_TOKEN_PLACEHOLDER,
+                        std::iter::empty(),
+                        &mut buf,
+                    )
+                    .map_err(|e| PostgresError::Protocol(format!("statement name: {e}")))?;
+                    buf.freeze()
+                }
+                _ => frame.raw,
+            };
+            let mut state = shared.lock();
+            let change = state.change_sent(name, Some(classified));
+            state
+                .pending
+                .push_back(Expect::Parse(Role::Client, Some(change)));
+            Ok(vec![outgoing])
+        }
+        b'B' => handle_bind(shared, frame).await,
+        b'D' => {
+            shared.lock().pending.push_back(Expect::Describe);
+            Ok(vec![frame.raw])
+        }
+        b'E' => {
+            shared
+                .lock()
+                .pending
+                .push_back(Expect::Execute(Role::Client));
+            Ok(vec![frame.raw])
+        }
+        b'C' => {
+            let (kind, name) = message::target_fields(&frame).map_err(bad)?;
+            let mut state = shared.lock();
+            let change = (kind == b'S').then(|| state.change_sent(name, None));
+            state.pending.push_back(Expect::Close(Role::Client, change));
+            Ok(vec![frame.raw])
+        }
+        b'S' => {
+            let mut state = shared.lock();
+            state.segment += 1;
+            state.pending.push_back(Expect::Sync);
+            Ok(vec![frame.raw])
+        }
+        b'H' | b'd' | b'c' | b'f' | b'X' => Ok(vec![frame.raw]),
+        b'F' => {
+            // Fast-path function calls name no statement the parser could prove read-only.
+            if !shared.protected {
+                shared
+                    .lock()
+                    .pending
+                    .push_back(Expect::Query(VecDeque::new()));
+                return Ok(vec![frame.raw]);
+            }
+            let rejection = Rejection::new(
+                RejectReason::Unsupported,
+                "fast-path function calls cannot be fenced",
+            );
+            let summary = OperationSummary {
+                command: "FUNCTION CALL".to_owned(),
+                objects: Vec::new(),
+                args: 1,
+                bytes: frame.raw.len(),
+            };
+            shared.audit(&rejection, None, summary).await;
+            Ok(refuse_simple(shared, &rejection))
+        }
+        other => Err(PostgresError::Protocol(format!(
+            "unexpected message type {:?}",
+            char::from(other)
+        ))),
+    }
+}
+
+/// Classifies `sql`, unless the session's settings make the server lex it differently from the
+/// gateway's parser: then, on a protected database, it is one statement that is refused.
+fn classify_now(shared: &Shared, sql: &str) -> Classified {
+    let hazard = if shared.protected {
+        shared.lock().lexing.hazard()
+    } else {
+        None
+    };
+    match hazard {
+        Some(why) if !lexing::is_way_back(sql) => Classified {
+            statements: vec![crate::classify::Statement {
+                start: 0,
+                end: sql.len(),
+                kind: Kind::Unfenceable(why),
+                command: String::new(),
+                targets: Vec::new(),
+                comment_token: None,
+            }],
+            parse_error: None,
+        },
+        _ => shared.gateway.classified.classify(sql),
+    }
+}
+
+fn context<'a>(shared: &'a Shared, session_token: Option<&'a str>) -> Context<'a> {
+    Context {
+        protected: shared.protected,
+        unprotected_schemas: &shared.gateway.config.unprotected_schemas,
+        route: shared.gateway.route.as_ref(),
+        policy: &shared.gateway.policy,
+        session_token,
+    }
+}
+
+fn summary_of(classified: &Classified, bytes: usize) -> OperationSummary {
+    let first_write = classified
+        .statements
+        .iter()
+        .find(|s| s.kind == Kind::Write)
+        .or(classified.statements.first());
+    OperationSummary {
+        command: first_write.map_or_else(String::new, |s| s.command.clone()),
+        objects: first_write
+            .map(|s| s.targets.iter().take(4).map(|t| shorten(t)).collect())
+            .unwrap_or_default(),
+        args: classified.statements.len(),
+        bytes,
+    }
+}
+
+fn shorten(name: &str) -> String {
+    name.chars().take(64).collect()
+}
+
+async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+    let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
+    let classified = classify_now(shared, &sql);
+    let summary = summary_of(&classified, frame.raw.len());
+    let plan = {
+        let state = shared.lock();
+        let ctx = context(shared, state.session_token.as_deref());
+        rewrite::plan_query(&sql, &classified, &ctx, state.guarded_now())
+    };
+    if let QueryPlan::Refuse(rejection) = &plan {
+        let session_token = shared.lock().session_token.clone();
+        let token = classified
+            .statements
+            .iter()
+            .find_map(|s| s.comment_token.clone())
+            .or(session_token)
+            .and_then(|t| Token::parse(&t).ok());
+        shared.audit(rejection, token.as_ref(), summary).await;
+        return Ok(refuse_simple(shared, rejection));
+    }
+    let has_control = classified
+        .statements
+        .iter()
+        .any(|s| s.kind == Kind::TransactionControl);
+    let mut state = shared.lock();
+    if has_control {
+        state.epoch += 1;
+        state.guarded = None;
+    }
+    if classified
+        .statements
+        .iter()
+        .any(|s| s.kind == Kind::SessionReset)
+        && !matches!(plan, QueryPlan::Refuse(_))
+    {
+        state.session_token = state.startup_token.clone();
+        state.guarded = None;
+    }
+    match plan {
+        QueryPlan::Forward => {
+            state.pending.push_back(Expect::Query(VecDeque::new()));
+            Ok(vec![frame.raw])
+        }
+        QueryPlan::Rewrite { sql: out, parts } => {
+            let epoch = state.epoch;
+            let mut roles = VecDeque::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                roles.push_back(match part {
+                    Part::Client => Role::Client,
+                    Part::Guard(token) => {
+                        // A transaction-control statement after the guard ends what it guarded.
+                        let next = statement_index(&parts, i);
+                        let remember = !classified.statements[next..]
+                            .iter()
+                            .any(|s| s.kind == Kind::TransactionControl);
+                        Role::Guard(Box::new(GuardInfo {
+                            token: token.clone(),
+                            summary: summary.clone(),
+                            epoch,
+                            remember,
+                            decides: true,
+                        }))
+                    }
+                });
+            }
+            state.pending.push_back(Expect::Query(roles));
+            let mut buf = BytesMut::new();
+            frontend::query(&out, &mut buf)
+                .map_err(|e| PostgresError::Protocol(format!("query text: {e}")))?;
+            Ok(vec![buf.freeze()])
+        }
+        QueryPlan::SetToken(value) => {
+            let tag = if value.is_some() { "SET" } else { "RESET" };
+            state.session_token = value.or_else(|| state.startup_token.clone());
+            state.guarded = None;
+            let mut bytes = BytesMut::from(&message::command_complete(tag)[..]);
+            bytes.extend_from_slice(&message::ready_for_query(state.status));
+            state.pending.push_back(Expect::Local {
+                bytes: bytes.freeze(),
+                close: false,
+            });
+            drop(state);
+            shared.wake.notify_one();
+            Ok(Vec::new())
+        }
+        // Audited and answered above; refusing again here keeps this arm fail-closed.
+        QueryPlan::Refuse(rejection) => {
+            drop(state);
+            Ok(refuse_simple(shared, &rejection))
+        }
+    }
+}
+
+/// The index among the message's statements of the statement right after `parts[i]`.
+fn statement_index(parts: &[Part], i: usize) -> usize {
+    parts[..i]
+        .iter()
+        .filter(|p| matches!(p, Part::Client))
+        .count()
+}
+
+/// A simple-protocol refusal: answered locally when no transaction is open and nothing is in
+/// flight (nothing reaches the server), else raised through the server so that the open
+/// transaction is aborted as by any error.
+fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Vec<Bytes> {
+    let mut state = shared.lock();
+    if state.status == b'I' && state.pending.is_empty() {
+        let mut bytes = BytesMut::from(
+            &message::error_response(&ErrorFields {
+                severity: "ERROR",
+                code: sqlstate::for_reason(&rejection.reason).to_owned(),
+                message: rewrite::refusal_message(rejection),
+                detail: None,
+            })[..],
+        );
+        bytes.extend_from_slice(&message::ready_for_query(b'I'));
+        state.pending.push_back(Expect::Local {
+            bytes: bytes.freeze(),
+            close: false,
+        });
+        drop(state);
+        shared.wake.notify_one();
+        return Vec::new();
+    }
+    state
+        .pending
+        .push_back(Expect::Query(VecDeque::from([Role::Refusal])));
+    vec![rewrite::refusal_query(rejection)]
+}
+
+async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+    let (_portal, statement) =
+        message::bind_fields(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
+    let (decision, summary, token_hint) = {
+        let mut state = shared.lock();
+        let classified = state.bound(&statement);
+        let summary = summary_of(&classified, frame.raw.len());
+        let mut decision = Decision::Pass;
+        for s in &classified.statements {
+            match &s.kind {
+                Kind::SetToken(value) => {
+                    state.session_token = value.clone().or_else(|| state.startup_token.clone());
+                    state.guarded = None;
+                }
+                Kind::TransactionControl => {
+                    state.epoch += 1;
+                    state.guarded = None;
+                }
+                Kind::SessionReset => {
+                    state.session_token = state.startup_token.clone();
+                    state.guarded = None;
+                }
+                _ => {}
+            }
+            let ctx = context(shared, state.session_token.as_deref());
+            let d = rewrite::decide(s, &ctx);
+            if !matches!(d, Decision::Pass) {
+                decision = d;
+                break;
+            }
+        }
+        let hint = classified
+            .statements
+            .iter()
+            .find_map(|s| s.comment_token.clone())
+            .or_else(|| state.session_token.clone());
+        (decision, summary, hint)
+    };
+    match decision {
+        Decision::Pass => {
+            shared.lock().pending.push_back(Expect::Bind(Role::Client));
+            Ok(vec![frame.raw])
+        }
+        Decision::Guard(token) => {
+            let mut state = shared.lock();
+            if state.guarded_now() == Some(&token) {
+                state.pending.push_back(Expect::Bind(Role::Client));
+                return Ok(vec![frame.raw]);
+            }
+            let info = GuardInfo {
+                token: token.clone(),
+                summary,
+                epoch: state.epoch,
+                remember: true,
+                decides: false,
+            };
+            let swallow = || Role::Guard(Box::new(info.clone()));
+            let decides = Role::Guard(Box::new(GuardInfo {
+                decides: true,
+                ..info.clone()
+            }));
+            state.pending.extend([
+                Expect::Close(swallow(), None),
+                Expect::Close(swallow(), None),
+                Expect::Parse(swallow(), None),
+                Expect::Bind(swallow()),
+                Expect::Execute(decides),
+                Expect::Bind(Role::Client),
+            ]);
+            Ok(vec![rewrite::guard_messages(&token), frame.raw])
+        }
+        Decision::Refuse(rejection) => {
+            let token = token_hint.and_then(|t| Token::parse(&t).ok());
+            shared.audit(&rejection, token.as_ref(), summary).await;
+            let mut state = shared.lock();
+            state.pending.extend([
+                Expect::Close(Role::Refusal, None),
+                Expect::Close(Role::Refusal, None),
+                Expect::Parse(Role::Refusal, None),
+                Expect::Bind(Role::Refusal),
+                Expect::Execute(Role::Refusal),
+                Expect::Bind(Role::Client),
+            ]);
+            // The server raises the refusal and then skips everything up to the client's Sync,
+            // the client's Bind included.
+            Ok(vec![rewrite::refusal_messages(&rejection), frame.raw])
+        }
+    }
+}

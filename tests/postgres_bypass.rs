@@ -1,0 +1,369 @@
+//! Issue 12's numbered bypasses of the PostgreSQL gateway, each against a real PostgreSQL
+//! through the real `fencegate serve`. Unless a case says otherwise the tables are *not*
+//! protected by the store's triggers, so what is tested is the gateway itself; each write must be
+//! refused and the data left unchanged.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use support::postgres_server::{cli, PgGateway};
+use tokio_postgres::{Client, NoTls};
+
+async fn connect(dsn: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+fn code(e: &tokio_postgres::Error) -> String {
+    e.code()
+        .map(|c| c.code().to_owned())
+        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
+}
+
+/// Items 1..=3, a sequence at 1, a function that deletes.
+fn setup(gw: &PgGateway) {
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL);\
+         INSERT INTO items VALUES (1, 1), (2, 2), (3, 3);\
+         CREATE SEQUENCE s;\
+         CREATE FUNCTION del_items() RETURNS int LANGUAGE sql AS $$ DELETE FROM items RETURNING 1 $$;",
+    );
+}
+
+async fn items(direct: &Client) -> i64 {
+    direct
+        .query_one("SELECT count(*) FROM items", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A bare v3 protocol client, for message sequences no driver sends.
+struct Raw {
+    stream: TcpStream,
+}
+
+impl Raw {
+    /// Starts up with `params` (name, value pairs, in order, repeats allowed); returns the
+    /// SQLSTATE of an error during startup, if any.
+    fn start(port: u16, params: &[(&str, &str)]) -> (Self, Option<String>) {
+        let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut body = 196608u32.to_be_bytes().to_vec();
+        for (n, v) in params {
+            body.extend_from_slice(n.as_bytes());
+            body.push(0);
+            body.extend_from_slice(v.as_bytes());
+            body.push(0);
+        }
+        body.push(0);
+        let mut msg = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+        msg.extend_from_slice(&body);
+        let mut raw = Self { stream };
+        raw.stream.write_all(&msg).unwrap();
+        let error = raw.until_ready();
+        (raw, error)
+    }
+
+    fn send(&mut self, tag: u8, body: &[u8]) {
+        let mut msg = vec![tag];
+        msg.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+        msg.extend_from_slice(body);
+        self.stream.write_all(&msg).unwrap();
+    }
+
+    fn parse(&mut self, name: &str, sql: &str) {
+        let mut b = Vec::new();
+        for s in [name, sql] {
+            b.extend_from_slice(s.as_bytes());
+            b.push(0);
+        }
+        b.extend_from_slice(&0i16.to_be_bytes());
+        self.send(b'P', &b);
+    }
+
+    fn bind_execute(&mut self, portal: &str, statement: &str) {
+        let mut b = Vec::new();
+        for s in [portal, statement] {
+            b.extend_from_slice(s.as_bytes());
+            b.push(0);
+        }
+        b.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+        self.send(b'B', &b);
+        self.execute(portal);
+    }
+
+    fn execute(&mut self, portal: &str) {
+        let mut b = portal.as_bytes().to_vec();
+        b.push(0);
+        b.extend_from_slice(&0i32.to_be_bytes());
+        self.send(b'E', &b);
+    }
+
+    fn sync(&mut self) {
+        self.send(b'S', &[]);
+    }
+
+    /// Reads until ReadyForQuery (or the end); returns the first error's SQLSTATE.
+    fn until_ready(&mut self) -> Option<String> {
+        let mut first_error = None;
+        loop {
+            let mut head = [0u8; 5];
+            if self.stream.read_exact(&mut head).is_err() {
+                return first_error.or(Some("closed".to_owned()));
+            }
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
+            let mut body = vec![0u8; len];
+            self.stream.read_exact(&mut body).unwrap();
+            match head[0] {
+                b'Z' => return first_error,
+                b'E' if first_error.is_none() => {
+                    first_error = body
+                        .split(|b| *b == 0)
+                        .find(|f| f.first() == Some(&b'C'))
+                        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned());
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Bypasses 1 and 6: writes hidden behind a CTE of the same name, and function calls where
+/// pg_query's summary does not look (LIMIT, OFFSET, VALUES, FILTER, ARRAY[], CASE, IN).
+#[tokio::test(flavor = "multi_thread")]
+async fn writes_and_function_calls_anywhere_in_the_tree_need_a_token() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let c = connect(&gw.dsn("postgres")).await;
+    for sql in [
+        "WITH items AS (DELETE FROM items RETURNING *) SELECT count(*) FROM items",
+        "SELECT 1 LIMIT del_items()",
+        "SELECT 1 OFFSET del_items()",
+        "VALUES (del_items())",
+        "SELECT count(*) FILTER (WHERE del_items() = 1) FROM (VALUES (1)) v(x)",
+        "SELECT ARRAY[del_items()]",
+        "SELECT CASE del_items() WHEN 1 THEN 1 END",
+        "SELECT del_items() IN (1, 2)",
+        "SELECT 1 LIMIT nextval('s')",
+        "VALUES (setval('s', 100))",
+    ] {
+        let e = c.simple_query(sql).await.unwrap_err();
+        assert_eq!(code(&e), "FG002", "{sql}: {e}");
+        assert_eq!(items(&direct).await, 3, "{sql} wrote");
+    }
+    let seq: i64 = direct
+        .query_one("SELECT last_value FROM s", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(seq, 1, "the sequence moved");
+    // Tokenless refusals from one client may be aggregated per second; all ten are counted.
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 10)]);
+}
+
+/// Bypass 2: DECLARE CURSOR over a writing function, and a SQL-level PREPARE bound with the
+/// protocol after the token was reset.
+#[tokio::test(flavor = "multi_thread")]
+async fn cursors_and_prepared_statements_are_inspected() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let c = connect(&gw.dsn("postgres")).await;
+    let e = c
+        .batch_execute("BEGIN; DECLARE c CURSOR FOR SELECT del_items(); FETCH ALL FROM c; COMMIT")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    let _ = c.batch_execute("ROLLBACK").await;
+    assert_eq!(items(&direct).await, 3);
+
+    let (mut raw, err) = Raw::start(gw.port, &[("user", "postgres"), ("database", "postgres")]);
+    assert_eq!(err, None);
+    raw.send(b'Q', b"SET fencegate.token = 'fg1~5~job'\0");
+    assert_eq!(raw.until_ready(), None);
+    raw.send(b'Q', b"PREPARE p AS DELETE FROM items\0");
+    assert_eq!(raw.until_ready(), None);
+    raw.send(b'Q', b"RESET fencegate.token\0");
+    assert_eq!(raw.until_ready(), None);
+    raw.bind_execute("", "p");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
+    assert_eq!(items(&direct).await, 3);
+}
+
+/// Bypass 3: a Parse the server skipped after an error must not change what the unnamed
+/// statement means to the gateway.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parse_the_server_skipped_does_not_hide_a_write() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let (mut raw, err) = Raw::start(gw.port, &[("user", "postgres"), ("database", "postgres")]);
+    assert_eq!(err, None);
+    raw.parse("", "DELETE FROM items");
+    raw.sync();
+    assert_eq!(raw.until_ready(), None);
+    // An error (no such portal), then a Parse the server skips up to the Sync.
+    raw.execute("no_such_portal");
+    raw.parse("", "SELECT 1");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("34000"));
+    raw.bind_execute("", "");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
+    assert_eq!(items(&direct).await, 3);
+    // A duplicate named Parse the server refused keeps the first meaning.
+    raw.parse("d", "DELETE FROM items");
+    raw.sync();
+    assert_eq!(raw.until_ready(), None);
+    raw.parse("d", "SELECT 1");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("42P05"));
+    raw.bind_execute("", "d");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
+    assert_eq!(items(&direct).await, 3);
+}
+
+/// Bypass 4: with standard_conforming_strings off the server splits `'a\' , '` differently.
+#[tokio::test(flavor = "multi_thread")]
+async fn settings_that_change_lexing_are_refused() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let trick = r"SELECT 'a\' , ' ; DELETE FROM items; -- '";
+    let c = connect(&gw.dsn("postgres")).await;
+    let set = c
+        .simple_query("SET standard_conforming_strings = off")
+        .await;
+    let after = c.simple_query(trick).await;
+    assert!(set.is_err() || after.is_err(), "both relayed");
+    assert_eq!(items(&direct).await, 3);
+    // The same as a startup option (the server reports it in ParameterStatus).
+    let c = connect(&format!(
+        "{} options='-c standard_conforming_strings=off'",
+        gw.dsn("postgres")
+    ))
+    .await;
+    let e = c.simple_query(trick).await.unwrap_err();
+    assert_eq!(code(&e), "FG006", "{e}");
+    assert_eq!(items(&direct).await, 3);
+    // The way back is accepted, and then reads work again.
+    c.simple_query("SET standard_conforming_strings = on")
+        .await
+        .unwrap();
+    c.simple_query("SELECT 1").await.unwrap();
+    // SJIS as a role default (a raw client: drivers send client_encoding=UTF8 themselves).
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE ROLE sjis_user LOGIN SUPERUSER; ALTER ROLE sjis_user SET client_encoding = 'SJIS'",
+    );
+    let (mut raw, err) = Raw::start(gw.port, &[("user", "sjis_user"), ("database", "postgres")]);
+    assert_eq!(err, None);
+    raw.send(b'Q', b"SELECT 1\0");
+    assert_eq!(raw.until_ready().as_deref(), Some("FG006"));
+}
+
+/// Bypass 7: a procedure that COMMITs, called with the extended protocol under a guard, writes
+/// after its first COMMIT without a pass: the store's trigger refuses that write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_procedure_that_commits_is_refused_after_its_first_commit() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE TABLE log (id int);\
+         CREATE PROCEDURE two_batches() LANGUAGE plpgsql AS $$ \
+           BEGIN INSERT INTO items VALUES (10, 0); COMMIT; INSERT INTO items VALUES (11, 0); END $$;",
+    );
+    let (c, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &gw.pg.dsn("postgres"),
+        "--table",
+        "items",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let holder = connect(&format!(
+        "{} options='-c fencegate.token=fg1~5~job'",
+        gw.dsn("postgres")
+    ))
+    .await;
+    let e = holder.execute("CALL two_batches()", &[]).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    let ids: Vec<i32> = direct
+        .query("SELECT id FROM items WHERE id >= 10 ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, vec![10], "only the batch before the COMMIT may land");
+}
+
+/// Bypass 8: repeated startup parameters, and unprotected_schemas reaching a protected table
+/// through a view (the store's trigger refuses it).
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_startup_parameters_and_views_into_protected_tables() {
+    let gw = PgGateway::start(
+        "databases = [\"postgres\"]\nunprotected_schemas = [\"scratch\"]",
+        &[],
+    );
+    setup(&gw);
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE SCHEMA scratch; CREATE VIEW scratch.items_v AS SELECT * FROM public.items;",
+    );
+    gw.pg.psql_as("postgres", "CREATE DATABASE other");
+    let (_raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "other"),
+            ("database", "postgres"),
+        ],
+    );
+    assert_eq!(err.as_deref(), Some("08P01"));
+    let (_raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("fencegate.token", "fg1~5~job"),
+        ],
+    );
+    assert_eq!(err, None, "a top-level token is taken, not relayed");
+
+    let (c, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &gw.pg.dsn("postgres"),
+        "--schema",
+        "public",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let c = connect(&gw.dsn("postgres")).await;
+    let e = c
+        .simple_query("DELETE FROM scratch.items_v")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(items(&direct).await, 3);
+}

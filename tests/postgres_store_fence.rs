@@ -1,0 +1,465 @@
+//! The store enforces the fence (issue 12), on direct connections to a real PostgreSQL (no
+//! gateway): protected tables refuse every write in a transaction that did not call
+//! `fencegate.guard(token)` with a current signed token, whatever path the write takes.
+
+mod support;
+
+use support::postgres_server::{cli, PgServer};
+use tokio_postgres::{Client, NoTls};
+
+const APP: &str = "app_user";
+const KID: u32 = 3;
+const SECRET: [u8; 32] = [0xab; 32];
+
+async fn connect(dsn: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+fn code(e: &tokio_postgres::Error) -> String {
+    e.code()
+        .map(|c| c.code().to_owned())
+        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
+}
+
+/// A PostgreSQL with fence.sql, an application role that owns nothing, schema `app` protected
+/// for resource `job`, and the cluster key `KID` installed.
+struct Store {
+    pg: PgServer,
+    admin: Client,
+}
+
+impl Store {
+    async fn start() -> Self {
+        let pg = PgServer::start();
+        let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+        assert_eq!(c, 0, "install: {out}{err}");
+        assert!(
+            err.contains("warning: role postgres is a superuser"),
+            "install must warn about its role: {err}"
+        );
+        pg.psql_as(
+            "postgres",
+            &format!(
+                "CREATE EXTENSION pgcrypto;\
+                 CREATE ROLE {APP} LOGIN;\
+                 CREATE SCHEMA app; CREATE SCHEMA scratch;\
+                 CREATE TABLE app.items (id int PRIMARY KEY, v int NOT NULL);\
+                 INSERT INTO app.items VALUES (1, 1), (2, 2);\
+                 CREATE TABLE app.parted (id int, v int) PARTITION BY RANGE (id);\
+                 CREATE TABLE app.parted_1 PARTITION OF app.parted FOR VALUES FROM (0) TO (1000);\
+                 CREATE VIEW scratch.items_v AS SELECT * FROM app.items;\
+                 CREATE TABLE scratch.notes (id int);\
+                 CREATE RULE notes_copy AS ON INSERT TO scratch.notes DO ALSO INSERT INTO app.items VALUES (NEW.id, 0);\
+                 CREATE FUNCTION scratch.write_items(i int) RETURNS void LANGUAGE sql AS $$ INSERT INTO app.items VALUES (i, 0) $$;\
+                 CREATE PROCEDURE scratch.commit_then_write(i int) LANGUAGE plpgsql AS $$ \
+                   BEGIN INSERT INTO scratch.notes_plain VALUES (i); COMMIT; INSERT INTO app.items VALUES (i, 0); END $$;\
+                 CREATE TABLE scratch.notes_plain (id int);\
+                 GRANT USAGE ON SCHEMA app, scratch TO {APP};\
+                 GRANT ALL ON ALL TABLES IN SCHEMA app, scratch TO {APP};"
+            ),
+        );
+        let (c, out, err) = cli(&[
+            "postgres",
+            "protect",
+            "--dsn",
+            &pg.dsn("postgres"),
+            "--schema",
+            "app",
+            "--resource",
+            "job",
+        ]);
+        assert_eq!(c, 0, "protect: {out}{err}");
+        assert!(out.contains("protected 3 table(s), resource job"), "{out}");
+        assert!(out.contains("event trigger"), "{out}");
+        let mut admin = connect(&pg.dsn("postgres")).await;
+        fencegate_postgres::install_token_keys(&mut admin, &[(KID, SECRET.to_vec(), false)])
+            .await
+            .unwrap();
+        Self { pg, admin }
+    }
+
+    /// A token signed with `kid`'s secret by pgcrypto's HMAC (independent of fence.sql's own).
+    async fn sign(&self, kid: u32, secret: &[u8], revision: u64, resource: &str) -> String {
+        let unsigned = format!("fg1~{revision}~{resource}");
+        let sig: String = self
+            .admin
+            .query_one(
+                "SELECT translate(rtrim(encode(hmac($1::text::bytea, $2, 'sha256'), 'base64'), '='), '+/', '-_')",
+                &[&unsigned, &secret],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        format!("{unsigned}~{kid}.{sig}")
+    }
+
+    async fn token(&self, revision: u64) -> String {
+        self.sign(KID, &SECRET, revision, "job").await
+    }
+
+    async fn app(&self) -> Client {
+        connect(&self.pg.dsn(APP)).await
+    }
+
+    async fn items(&self) -> Vec<(i32, i32)> {
+        self.admin
+            .query("SELECT id, v FROM app.items ORDER BY id", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect()
+    }
+}
+
+const INITIAL: [(i32, i32); 2] = [(1, 1), (2, 2)];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tokenless_writes_are_refused_by_the_store_whatever_their_path() {
+    use futures_util::SinkExt;
+    let store = Store::start().await;
+    let app = store.app().await;
+    for sql in [
+        "INSERT INTO app.items VALUES (10, 0)",
+        "UPDATE app.items SET v = v + 1",
+        "DELETE FROM app.items",
+        "TRUNCATE app.items",
+        "MERGE INTO app.items t USING (SELECT 1 AS id) s ON t.id = s.id WHEN MATCHED THEN DELETE",
+        "WITH d AS (DELETE FROM app.items RETURNING *) SELECT count(*) FROM d",
+        "INSERT INTO scratch.items_v VALUES (11, 0)",
+        "UPDATE scratch.items_v SET v = 9",
+        "INSERT INTO scratch.notes VALUES (12)",
+        "SELECT scratch.write_items(13)",
+        "DO $$ BEGIN INSERT INTO app.items VALUES (14, 0); END $$",
+        "CALL scratch.commit_then_write(15)",
+        "INSERT INTO app.parted VALUES (1, 1)",
+        "INSERT INTO app.parted_1 VALUES (2, 2)",
+        // A guard in an earlier transaction does not carry over.
+        "BEGIN; SELECT 1; COMMIT; INSERT INTO app.items VALUES (16, 0)",
+    ] {
+        let e = app.batch_execute(sql).await.unwrap_err();
+        assert_eq!(code(&e), "FG002", "{sql}: {e:?}");
+        assert_eq!(store.items().await, INITIAL, "{sql} changed the data");
+    }
+    // The procedure's first transaction committed, its write after COMMIT was refused.
+    let notes: i64 = store
+        .admin
+        .query_one("SELECT count(*) FROM scratch.notes_plain", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(notes, 1);
+    // A guarded transaction, then a procedure that commits: refused after its first COMMIT.
+    let token = store.token(5).await;
+    let e = app
+        .batch_execute(&format!(
+            "SELECT fencegate.guard('{token}'); CALL scratch.commit_then_write(17)"
+        ))
+        .await
+        .unwrap_err();
+    assert!(["FG002", "2D000"].contains(&code(&e).as_str()), "{e:?}");
+    // COPY FROM STDIN.
+    let refused = match app
+        .copy_in::<_, bytes::Bytes>("COPY app.items FROM STDIN")
+        .await
+    {
+        Err(e) => e,
+        Ok(sink) => {
+            let mut sink = Box::pin(sink);
+            let _ = sink.send(bytes::Bytes::from_static(b"20\t0\n")).await;
+            sink.as_mut().finish().await.unwrap_err()
+        }
+    };
+    assert_eq!(code(&refused), "FG002");
+    assert_eq!(store.items().await, INITIAL);
+    let parted: i64 = store
+        .admin
+        .query_one("SELECT count(*) FROM app.parted", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(parted, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_current_signed_token_lets_writes_commit_and_the_guard_refuses_the_rest() {
+    use futures_util::SinkExt;
+    let store = Store::start().await;
+    let app = store.app().await;
+    let t5 = store.token(5).await;
+    // Simple query: guard and write in one implicit transaction.
+    app.batch_execute(&format!(
+        "SELECT fencegate.guard('{t5}'); INSERT INTO app.items VALUES (3, 3)"
+    ))
+    .await
+    .unwrap();
+    // Explicit transaction, extended protocol, through a view, a function and COPY.
+    let mut app = app;
+    let tx = app.transaction().await.unwrap();
+    tx.execute("SELECT fencegate.guard($1)", &[&t5])
+        .await
+        .unwrap();
+    tx.execute("UPDATE scratch.items_v SET v = 30 WHERE id = 3", &[])
+        .await
+        .unwrap();
+    tx.execute("SELECT scratch.write_items(4)", &[])
+        .await
+        .unwrap();
+    let sink = tx.copy_in("COPY app.items FROM STDIN").await.unwrap();
+    let mut sink = Box::pin(sink);
+    sink.send(bytes::Bytes::from_static(b"5\t5\n"))
+        .await
+        .unwrap();
+    assert_eq!(sink.as_mut().finish().await.unwrap(), 1);
+    tx.commit().await.unwrap();
+    let expected = vec![(1, 1), (2, 2), (3, 30), (4, 0), (5, 5)];
+    assert_eq!(store.items().await, expected);
+
+    let t4 = store.token(4).await;
+    let other = store.sign(KID, &SECRET, 9, "other").await;
+    let unknown_key = store.sign(KID + 1, &SECRET, 9, "job").await;
+    let forged = format!("{}A", &t5[..t5.len() - 1]);
+    let forged = if forged == t5 {
+        format!("{}B", &t5[..t5.len() - 1])
+    } else {
+        forged
+    };
+    for (token, want, why) in [
+        ("fg1~9~job".to_owned(), "FG004", "unsigned"),
+        (forged, "FG004", "forged signature"),
+        (unknown_key, "FG004", "unknown key"),
+        (t4, "FG001", "stale"),
+        ("fg1~x~job".to_owned(), "FG003", "malformed"),
+        (
+            other,
+            "FG005",
+            "another resource: the guard passes, the table is bound to job",
+        ),
+    ] {
+        let e = app
+            .batch_execute(&format!(
+                "SELECT fencegate.guard('{token}'); DELETE FROM app.items"
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), want, "{why}: {e:?}");
+        assert_eq!(store.items().await, expected, "{why}");
+    }
+    // The unsigned legacy form is refused once keys are installed, unless the transaction
+    // already holds a pass for the same resource and revision.
+    let e = app
+        .batch_execute("SELECT fencegate.guard('job', 5); DELETE FROM app.items")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG004");
+    app.batch_execute(&format!(
+        "SELECT fencegate.guard('{t5}'); SELECT fencegate.guard('job', 5); DELETE FROM app.items WHERE id = 5"
+    ))
+    .await
+    .unwrap();
+    // A retired key verifies nothing.
+    fencegate_postgres::install_token_keys(
+        &mut store_admin(&store).await,
+        &[(KID, SECRET.to_vec(), true)],
+    )
+    .await
+    .unwrap();
+    let e = app
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG004");
+    assert!(e.to_string().contains("retired") || format!("{e:?}").contains("retired"));
+    assert_eq!(store.items().await.len(), 4);
+}
+
+async fn store_admin(store: &Store) -> Client {
+    connect(&store.pg.dsn("postgres")).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass() {
+    let store = Store::start().await;
+    let app = store.app().await;
+    for sql in [
+        "SELECT * FROM fencegate.pass_key",
+        "SELECT * FROM fencegate.token_keys",
+        "SELECT fencegate.set_pass('job', 99)",
+        "SELECT fencegate.check_fence('job', 99)",
+        "UPDATE fencegate.fences SET revision = 1",
+        "DROP TRIGGER fencegate_enforce ON app.items",
+        "ALTER TABLE app.items DISABLE TRIGGER fencegate_enforce",
+        "INSERT INTO fencegate.token_keys (kid, secret) VALUES (9, '\\x00')",
+    ] {
+        let e = app.batch_execute(sql).await.unwrap_err();
+        assert!(["42501"].contains(&code(&e).as_str()), "{sql}: {e:?}");
+    }
+    // A pass copied from an earlier transaction, replayed at session level.
+    let t5 = store.token(5).await;
+    let row = app
+        .query_one(
+            &format!("SELECT fencegate.guard('{t5}')::text, current_setting('fencegate.pass')"),
+            &[],
+        )
+        .await
+        .unwrap();
+    let old: String = row.get(1);
+    app.batch_execute(&format!("SET fencegate.pass = '{old}'"))
+        .await
+        .unwrap();
+    let e = app
+        .batch_execute("DELETE FROM app.items")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002");
+    // A pass for this very transaction with a made-up MAC.
+    let e = app
+        .batch_execute(
+            "BEGIN; \
+             SELECT set_config('fencegate.pass', format('%s:%s:job:99:%s', pg_backend_pid(), pg_current_xact_id(), repeat('A', 43)), true); \
+             DELETE FROM app.items; COMMIT",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002");
+    let _ = app.batch_execute("ROLLBACK").await;
+    assert_eq!(store.items().await, INITIAL);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tables_created_later_are_protected_and_status_lists_them() {
+    let store = Store::start().await;
+    store.pg.psql_as(
+        "postgres",
+        &format!("CREATE TABLE app.later (id int); GRANT ALL ON app.later TO {APP}"),
+    );
+    let app = store.app().await;
+    let e = app
+        .batch_execute("INSERT INTO app.later VALUES (1)")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002");
+    let (c, out, err) = cli(&["postgres", "status", "--dsn", &store.pg.dsn("postgres")]);
+    assert_eq!(c, 0, "{out}{err}");
+    for line in [
+        "app.items",
+        "app.later",
+        "app.parted_1",
+        "schema app (resource job): new tables protected by the event trigger",
+        "token keys: 3",
+    ] {
+        assert!(out.contains(line), "{line} missing from:\n{out}");
+    }
+    assert!(out.contains("trigger enforced"), "{out}");
+    // protect --table on an unprotected table, bound to another resource.
+    let (c, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &store.pg.dsn("postgres"),
+        "--table",
+        "scratch.notes_plain",
+        "--resource",
+        "other",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let t = store.token(5).await;
+    let e = app
+        .batch_execute(&format!(
+            "SELECT fencegate.guard('{t}'); INSERT INTO scratch.notes_plain VALUES (1)"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG005");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn protect_without_an_installed_schema_names_the_install_command() {
+    let pg = PgServer::start();
+    let (c, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--schema",
+        "public",
+    ]);
+    assert_ne!(c, 0, "{out}");
+    assert!(err.contains("fencegate postgres install"), "{err}");
+}
+
+/// A raise behind an older holder's open transaction (or a prepared one) never waits forever:
+/// the guard's lock_timeout ends it with a retryable 55P03 that says what to do.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error() {
+    let pg = PgServer::start();
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--lock-timeout-ms",
+        "300",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("lock_timeout 300 ms"), "{out}");
+    let old = connect(&pg.dsn("postgres")).await;
+    let new = connect(&pg.dsn("postgres")).await;
+    old.batch_execute("BEGIN; SELECT fencegate.guard('fg1~5~job')")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = new
+        .batch_execute("SELECT fencegate.guard('fg1~6~job')")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "55P03", "{e:?}");
+    let text = format!("{e:?}");
+    assert!(text.contains("locked by another transaction"), "{text}");
+    assert!(
+        text.contains("idle_in_transaction_session_timeout"),
+        "{text}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    old.batch_execute("COMMIT").await.unwrap();
+    new.batch_execute("SELECT fencegate.guard('fg1~6~job')")
+        .await
+        .unwrap();
+}
+
+/// A database without the fence schema answers FG007 naming the install command.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
+    let pg = PgServer::start();
+    pg.psql_as("postgres", "CREATE TABLE t (a int)");
+    let gw = support::postgres_server::PgGateway::start_on(pg, "", &[]);
+    let dsn = format!(
+        "{} options='-c fencegate.token=fg1~5~job'",
+        gw.dsn("postgres")
+    );
+    let c = connect(&dsn).await;
+    let e = c
+        .simple_query("INSERT INTO t VALUES (1)")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    assert!(format!("{e:?}").contains("fencegate postgres install"));
+    let e = c
+        .execute("INSERT INTO t VALUES (1)", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    let n: i64 = connect(&gw.pg.dsn("postgres"))
+        .await
+        .query_one("SELECT count(*) FROM t", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+}
