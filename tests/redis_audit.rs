@@ -146,3 +146,138 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
     );
     println!("$ fencegate audit verify   (after editing line 2)\n{err}exit code {code}");
 }
+
+/// Fenced SETs one at a time on one connection for `run`; their latencies.
+fn fenced_latencies(
+    addr: std::net::SocketAddr,
+    run: std::time::Duration,
+) -> Vec<std::time::Duration> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_nodelay(true).unwrap();
+    let mut buf = [0u8; 256];
+    c.write_all(b"*2\r\n$5\r\nFENCE\r\n$11\r\nfg1~1~flood\r\n")
+        .unwrap();
+    let n = c.read(&mut buf).unwrap();
+    assert_eq!(&buf[..n], b"+OK\r\n");
+    let mut out = Vec::new();
+    let end = std::time::Instant::now() + run;
+    while std::time::Instant::now() < end {
+        let t = std::time::Instant::now();
+        c.write_all(b"*3\r\n$3\r\nSET\r\n$2\r\nok\r\n$1\r\nv\r\n")
+            .unwrap();
+        let n = c.read(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"+OK\r\n");
+        out.push(t.elapsed());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenless_flood_is_aggregated_in_the_audit_log() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let secs: u64 = std::env::var("FENCEGATE_FLOOD_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let gw = RedisGateway::start("", &[]);
+    let addr = gw.addr;
+    let (before, during, refused) = tokio::task::spawn_blocking(move || {
+        let before = fenced_latencies(addr, Duration::from_secs(secs.min(5)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let refused = Arc::new(AtomicU64::new(0));
+        let flooders: Vec<_> = (0..2)
+            .map(|_| {
+                let (stop, refused) = (stop.clone(), refused.clone());
+                std::thread::spawn(move || {
+                    let mut c = std::net::TcpStream::connect(addr).unwrap();
+                    let batch = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n".repeat(200);
+                    let mut buf = vec![0u8; 1 << 16];
+                    while !stop.load(Ordering::Relaxed) {
+                        c.write_all(&batch).unwrap();
+                        let mut lines = 0;
+                        while lines < 200 {
+                            let n = c.read(&mut buf).unwrap();
+                            assert!(n > 0);
+                            lines += buf[..n].iter().filter(|b| **b == b'\n').count();
+                        }
+                        refused.fetch_add(200, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        let during = fenced_latencies(addr, Duration::from_secs(secs));
+        stop.store(true, Ordering::Relaxed);
+        for f in flooders {
+            f.join().unwrap();
+        }
+        (before, during, refused.load(Ordering::Relaxed))
+    })
+    .await
+    .unwrap();
+    // The last second's aggregates are written once that second is over.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let count = |records: &[serde_json::Value]| -> u64 {
+        records
+            .iter()
+            .filter(|r| r["reason"] == "missing")
+            .map(|r| {
+                let detail = r["detail"].as_str().unwrap_or_default();
+                match detail.strip_prefix("aggregate: ") {
+                    Some(rest) => rest.split(' ').next().unwrap().parse().unwrap(),
+                    None => 1,
+                }
+            })
+            .sum()
+    };
+    let records = loop {
+        let records = gw.audit_records();
+        if count(&records) >= refused || std::time::Instant::now() > deadline {
+            break records;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let bytes: u64 = std::fs::read_dir(&gw.node.audit_dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let p = |v: &[Duration], q: f64| v[((v.len() - 1) as f64 * q) as usize];
+    println!(
+        "tokenless flood {secs}s, 2 connections: {refused} refusals -> {} audit records, {bytes} bytes on disk; fenced SET p50/p99 before {:?}/{:?}, during {:?}/{:?}",
+        records.len(),
+        p(&before, 0.5),
+        p(&before, 0.99),
+        p(&during, 0.5),
+        p(&during, 0.99)
+    );
+    assert!(refused > 1000, "the flood sent only {refused}");
+    // Flooding connections are slowed (tarpit), not the others.
+    let limit = (p(&before, 0.99) * 5).max(Duration::from_millis(100));
+    assert!(
+        p(&during, 0.99) < limit,
+        "fenced SET p99 during the flood is above {limit:?}"
+    );
+    assert_eq!(
+        count(&records),
+        refused,
+        "every refusal is in a record or an aggregate"
+    );
+    assert!(
+        records.len() as u64 <= 2 * 11 * (secs + 2),
+        "{} records for {secs}s",
+        records.len()
+    );
+    let (code, out, err) = gw.cli(&[
+        "audit",
+        "verify",
+        "--dir",
+        gw.node.audit_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+}

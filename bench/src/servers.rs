@@ -320,10 +320,12 @@ pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
         .context("no VmRSS in /proc/PID/status")
 }
 
-/// `section` for a Redis gateway protecting every key.
+/// `section` for a Redis gateway protecting every key (a token of any resource). The bench's
+/// redis-server runs without persistence, so the gateway is told to accept unpersisted fences
+/// (it refuses protected writes otherwise).
 pub fn redis_section(listen: u16, upstream: u16) -> String {
     format!(
-        "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\n\n[[redis.protect]]\npattern = \"*\"\nmode = \"enforce\"\n\n"
+        "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\naccept_unpersisted_fences = true\n\n[[redis.protect]]\npattern = \"*\"\nmode = \"enforce\"\nresource = \"*\"\n\n"
     )
 }
 

@@ -1,7 +1,7 @@
 //! Floods of tokenless or malformed requests become one record per client, kind and second
-//! (DESIGN rule 7 allows it): the first refusal of a second is written as it is, the identical
-//! ones after it in that second are counted and written as one aggregate record when the
-//! second is over. Stale, forged and out-of-scope refusals are always written one by one: they
+//! (DESIGN rule 7 allows it): the first [`WRITTEN_PER_SECOND`] refusals of a second are written
+//! as they are (a few mistakes stay fully visible), the identical ones after them in that
+//! second are counted and written as one aggregate record when the second is over. Stale, forged and out-of-scope refusals are always written one by one: they
 //! come from a client that holds (or forged) a token, and each is evidence.
 
 use std::collections::HashMap;
@@ -10,6 +10,9 @@ use fencegate_core::AuditEvent;
 
 /// Refusal reasons that are aggregated.
 const AGGREGATED: &[&str] = &["missing", "malformed"];
+
+/// Refusals of one client and kind written one by one per second before counting starts.
+pub const WRITTEN_PER_SECOND: u32 = 10;
 
 /// At most this many (client, kind) windows are tracked; beyond that every refusal is written
 /// on its own (the size budget still bounds the disk).
@@ -25,6 +28,8 @@ struct Key {
 
 struct Window {
     second: u64,
+    /// Refusals written one by one in this second.
+    written: u32,
     /// Refusals counted but not written in this second.
     suppressed: u64,
     /// The first refusal of the second (the aggregate record repeats its shape).
@@ -69,6 +74,10 @@ impl Aggregator {
             command: event.operation.command.clone(),
         };
         match self.windows.get_mut(&key) {
+            Some(w) if w.second == second && w.written < WRITTEN_PER_SECOND => {
+                w.written += 1;
+                (Admit::Write, due)
+            }
             Some(w) if w.second == second => {
                 w.suppressed += 1;
                 (Admit::Counted, due)
@@ -77,6 +86,7 @@ impl Aggregator {
                 due.extend(aggregate(&key, w));
                 *w = Window {
                     second,
+                    written: 1,
                     suppressed: 0,
                     first: event.clone(),
                 };
@@ -88,6 +98,7 @@ impl Aggregator {
                         key,
                         Window {
                             second,
+                            written: 1,
                             suppressed: 0,
                             first: event.clone(),
                         },
@@ -119,8 +130,8 @@ fn aggregate(key: &Key, w: &Window) -> Option<AuditEvent> {
     let mut event = w.first.clone();
     event.client_addr = key.client.clone();
     event.detail = format!(
-        "aggregate: {} more refusals like the one before (reason {}, command {}) from {} in the second starting at unix time {}; recorded as one",
-        w.suppressed, key.reason, key.command, key.client, w.second
+        "aggregate: {} more refusals like the {} before (reason {}, command {}) from {} in the second starting at unix time {}; recorded as one",
+        w.suppressed, w.written, key.reason, key.command, key.client, w.second
     );
     event.request_id = format!("aggregate-{}-{}", w.second, w.first.request_id);
     Some(event)
@@ -155,11 +166,11 @@ mod tests {
     #[test]
     fn one_record_plus_one_aggregate_per_client_and_second() {
         let mut a = Aggregator::default();
-        assert_eq!(
-            a.admit(&event("missing", "10.0.0.1:5000"), 100).0,
-            Admit::Write
-        );
-        for port in 5001..6000 {
+        for port in 4990..5000 {
+            let addr = format!("10.0.0.1:{port}");
+            assert_eq!(a.admit(&event("missing", &addr), 100).0, Admit::Write);
+        }
+        for port in 5000..5999 {
             let (admit, due) = a.admit(&event("missing", &format!("10.0.0.1:{port}")), 100);
             assert_eq!(admit, Admit::Counted);
             assert!(due.is_empty());

@@ -26,15 +26,9 @@ pub fn matches(pattern: &[u8], key: &[u8]) -> bool {
                     continue;
                 }
                 b'[' => {
-                    if let Some((hit, next)) = class(pattern, p, key[k]) {
-                        if hit {
-                            p = next;
-                            k += 1;
-                            continue;
-                        }
-                    } else if key[k] == b'[' {
-                        // An unterminated class matches a literal '['.
-                        p += 1;
+                    let (hit, next) = class(pattern, p, key[k]);
+                    if hit {
+                        p = next;
                         k += 1;
                         continue;
                     }
@@ -67,36 +61,34 @@ pub fn matches(pattern: &[u8], key: &[u8]) -> bool {
     pattern[p..].iter().all(|&c| c == b'*')
 }
 
-/// Matches `c` against the class starting at `pattern[start] == b'['`. Returns whether it hit
-/// and the index after the closing `]`, or `None` when the class is not terminated.
-fn class(pattern: &[u8], start: usize, c: u8) -> Option<(bool, usize)> {
+/// Matches `c` against the class starting at `pattern[start] == b'['`, exactly as Redis's
+/// `stringmatchlen` does (util.c): `]` right after `[` or `[^` closes an empty class, `a-]` is
+/// a range ending at `]`, a range may be reversed, and an unterminated class is the class of
+/// what it lists so far. Returns whether it hit and the index after the class.
+fn class(pattern: &[u8], start: usize, c: u8) -> (bool, usize) {
     let mut i = start + 1;
     let negate = pattern.get(i) == Some(&b'^');
     if negate {
         i += 1;
     }
     let mut hit = false;
-    let mut first = true;
     loop {
-        let &b = pattern.get(i)?;
-        if b == b']' && !first {
-            return Some((hit != negate, i + 1));
-        }
-        first = false;
-        if b == b'\\' {
-            let &e = pattern.get(i + 1)?;
-            hit |= e == c;
-            i += 2;
-        } else if pattern.get(i + 1) == Some(&b'-')
-            && pattern.get(i + 2).is_some_and(|&e| e != b']')
-        {
+        let Some(&b) = pattern.get(i) else {
+            return (hit != negate, pattern.len());
+        };
+        if b == b'\\' && pattern.len() - i >= 2 {
+            i += 1;
+            hit |= pattern[i] == c;
+        } else if b == b']' {
+            return (hit != negate, i + 1);
+        } else if pattern.len() - i >= 3 && pattern[i + 1] == b'-' {
             let (lo, hi) = (b.min(pattern[i + 2]), b.max(pattern[i + 2]));
             hit |= (lo..=hi).contains(&c);
-            i += 3;
+            i += 2;
         } else {
             hit |= b == c;
-            i += 1;
         }
+        i += 1;
     }
 }
 
@@ -164,7 +156,12 @@ mod tests {
             ("*:*:x", "a:b:c:x", true),
             ("*:*:x", "a:b:c:y", false),
             ("a*b*c", "aXbYbZc", true),
-            ("[", "[", true),
+            // As redis-server 7.0 answers KEYS: an unterminated class is a class.
+            ("[", "[", false),
+            ("[a", "a", true),
+            ("[]a]", "a]", false),
+            ("[^]", "x", true),
+            ("[a-]", "]", true),
             ("", "", true),
             ("", "a", false),
         ];

@@ -37,6 +37,11 @@ use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
 const SLOT_QUEUE: usize = 4096;
+/// Tokenless or malformed refusals one connection may cause per second before the gateway
+/// slows it down (each further batch waits [`TARPIT`]): a flood then costs the flooder, not
+/// the other clients' latency.
+const REFUSALS_PER_SECOND: u32 = 100;
+const TARPIT: Duration = Duration::from_millis(100);
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
 
@@ -86,6 +91,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
         requests: 0,
         parser: RequestParser::default(),
         held: 0,
+        refusals: (tokio::time::Instant::now(), 0),
     };
     let writer = Writer {
         gateway,
@@ -195,6 +201,8 @@ struct Reader {
     parser: RequestParser,
     /// Bytes this connection counts in the gateway's `buffered` total.
     held: usize,
+    /// Tokenless/malformed refusals in the current second, and when that second began.
+    refusals: (tokio::time::Instant, u32),
 }
 
 type Identity = Arc<std::sync::Mutex<Option<String>>>;
@@ -293,6 +301,10 @@ impl Reader {
                     return Ok(());
                 }
             }
+            if self.refusals.1 > REFUSALS_PER_SECOND {
+                // Flooding without a token: slow this connection down, nobody else.
+                tokio::time::sleep(TARPIT).await;
+            }
             if fatal.is_none() && !self.account_buffered() {
                 let text = format!(
                     "ERR fencegate: the gateway's budget for partial requests (max_buffered_bytes = {}) is used up; closing this connection, which holds {} bytes of an incomplete request",
@@ -332,6 +344,18 @@ impl Reader {
         };
         self.held = now;
         now == 0 || total <= self.gateway.config.max_buffered_bytes
+    }
+
+    /// Counts a tokenless or malformed refusal for the tarpit.
+    fn count_refusal(&mut self, reason: &RejectReason) {
+        if !matches!(reason, RejectReason::Missing | RejectReason::Malformed) {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if now.duration_since(self.refusals.0) >= Duration::from_secs(1) {
+            self.refusals = (now, 0);
+        }
+        self.refusals.1 += 1;
     }
 
     fn handle(&mut self, request: Request, batch: &mut Batch) {
@@ -574,6 +598,7 @@ impl Reader {
                 }
                 Err(e) => {
                     let reason = RejectReason::from_token_error(&e);
+                    self.count_refusal(&reason);
                     let mut event = self.event(request, &[], None);
                     if let Ok(parsed) = Token::parse(&text) {
                         fill_token(&mut event, &parsed);
@@ -619,6 +644,7 @@ impl Reader {
         if let Some(multi) = &mut self.multi {
             multi.dirty = true;
         }
+        self.count_refusal(&reason);
         let keys = self
             .info
             .table

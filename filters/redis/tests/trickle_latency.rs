@@ -1,5 +1,5 @@
-//! Two connections trickle a huge request a few bytes at a time (reconnecting whenever the
-//! partial-request deadline closes them); fenced `SET` and `PING` latency of another client
+//! Two connections send 2 MB of a huge request, then trickle the rest a few bytes at a time
+//! (reconnecting whenever the partial-request deadline closes them); fenced `SET` and `PING` latency of another client
 //! must not change. Prints p50/p99 before and during. `FENCEGATE_TRICKLE_SECS` sets how long
 //! the trickle runs (default 10; the measurement uses 60).
 
@@ -54,17 +54,21 @@ fn trickle(addr: SocketAddr, stop: Arc<AtomicBool>, sent: Arc<AtomicU64>) {
         let Ok(mut c) = TcpStream::connect(addr) else {
             continue;
         };
-        if c.write_all(b"*1000001\r\n$3\r\nDEL\r\n").is_err() {
+        // A large partial request first (2 MB of one-byte arguments): a gateway that re-parses
+        // the buffered prefix on every read does 2 MB of work per trickled chunk.
+        let mut prefix = b"*1000001\r\n$3\r\nDEL\r\n".to_vec();
+        prefix.extend(b"$1\r\nk\r\n".repeat(300_000));
+        if c.write_all(&prefix).is_err() {
             continue;
         }
-        // About 1 KB/s: 14 tiny arguments every 100 ms, until the deadline closes us.
+        // Then a trickle: 14 tiny arguments every 20 ms, until the deadline closes us.
         let chunk = b"$1\r\nk\r\n".repeat(14);
         while !stop.load(Ordering::Relaxed) {
             if c.write_all(&chunk).is_err() {
                 break;
             }
             sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(20));
             c.set_nonblocking(true).unwrap();
             let mut b = [0u8; 512];
             let closed = c.read(&mut b).is_ok();
