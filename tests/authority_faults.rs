@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
-use support::cluster::{Cluster, BIN};
+use support::cluster::{Cluster, Security, BIN};
 
 /// Starts `fencegate lock run` against `endpoints` (in that order), stdin/stdout/stderr piped.
 fn lock_run(endpoints: &str, args: &[&str]) -> Child {
@@ -251,7 +251,18 @@ async fn steady_round(cluster: &Cluster, via: &[u64], last: &mut u64, count: &mu
 /// period for seconds, with Raft still running and no heartbeats reaching it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_restarted_gracefully_causes_no_election() {
-    let mut cluster = Cluster::start(3, "").await;
+    follower_restart(Security::Insecure).await;
+}
+
+/// The same with Raft on its own mutual-TLS peer port, which the draining node keeps serving
+/// until Raft has stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_restarted_gracefully_causes_no_election_with_a_peer_port() {
+    follower_restart(Security::Tls).await;
+}
+
+async fn follower_restart(security: Security) {
+    let mut cluster = Cluster::start_secured(security, 3, "", |_| String::new(), &[]).await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
     let followers: Vec<u64> = cluster
         .ids()
