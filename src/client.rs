@@ -1,6 +1,8 @@
 //! The CLI's client for the lock API: tries each endpoint in turn and retries briefly while
 //! the cluster elects a leader.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reqwest::{Method, StatusCode};
@@ -27,6 +29,8 @@ pub enum ClientError {
 pub struct Answer {
     pub status: StatusCode,
     pub body: serde_json::Value,
+    /// When the attempt that got this answer was sent, on this process's monotonic clock.
+    pub sent: tokio::time::Instant,
 }
 
 pub struct Client {
@@ -35,10 +39,25 @@ pub struct Client {
     patience: Duration,
     /// The bearer credential, if the user gave one.
     credential: Option<String>,
+    /// The endpoint that answered last, tried first next time: a renewal does not start again
+    /// at a node it already waited on in vain. Shared by `with_patience` copies.
+    preferred: Arc<AtomicUsize>,
 }
 
 /// Pause between rounds over the endpoint list.
 const ROUND_PAUSE: Duration = Duration::from_millis(200);
+
+/// Tells the node how long this client waits for the answer, so a follower forwarding the
+/// request gives up on an unresponsive leader (and answers 503) while the client still has time
+/// to try another endpoint.
+pub const TIMEOUT_HEADER: &str = "fencegate-timeout-ms";
+
+/// The longest one attempt at one endpoint may take when time is short (`call_within`): a
+/// frozen node answers nothing, and a healthy one answers a keepalive in milliseconds.
+pub const MAX_ATTEMPT: Duration = Duration::from_secs(2);
+
+/// The shortest attempt worth making.
+const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 
 impl Client {
     /// A client for `arg`'s endpoints, with its credential and CA, if any.
@@ -85,6 +104,7 @@ impl Client {
             http,
             patience,
             credential,
+            preferred: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -95,6 +115,7 @@ impl Client {
             http: self.http.clone(),
             patience,
             credential: self.credential.clone(),
+            preferred: self.preferred.clone(),
         }
     }
 
@@ -107,19 +128,60 @@ impl Client {
         body: Option<&serde_json::Value>,
         timeout: Duration,
     ) -> Result<Answer, ClientError> {
-        let started = Instant::now();
+        self.call_with(method, path, |_| body.cloned(), |_| timeout)
+            .await
+    }
+
+    /// Like `call`, for a request that must be decided within `patience`: each attempt gets a
+    /// third of the time left (at most `MAX_ATTEMPT`), so one node that does not answer leaves
+    /// time for the others, and nothing runs past `patience`.
+    pub async fn call_within(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<Answer, ClientError> {
+        self.call_with(
+            method,
+            path,
+            |_| body.cloned(),
+            |left| (left / 3).clamp(MIN_ATTEMPT, MAX_ATTEMPT).min(left),
+        )
+        .await
+    }
+
+    /// The general form: `body(left)` and `timeout(left)` make each attempt from the time
+    /// left of `patience` (a waiting acquire asks the node to wait only for what is left).
+    pub async fn call_with(
+        &self,
+        method: Method,
+        path: &str,
+        body: impl Fn(Duration) -> Option<serde_json::Value>,
+        timeout: impl Fn(Duration) -> Duration,
+    ) -> Result<Answer, ClientError> {
+        let deadline = Instant::now() + self.patience;
+        let n = self.endpoints.len();
         loop {
-            for endpoint in &self.endpoints {
+            let first = self.preferred.load(Ordering::Relaxed);
+            for i in (0..n).map(|k| (first + k) % n) {
+                let endpoint = &self.endpoints[i];
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let timeout = timeout(left).max(MIN_ATTEMPT);
                 let mut req = self
                     .http
                     .request(method.clone(), format!("{endpoint}{path}"))
-                    .timeout(timeout);
-                if let Some(body) = body {
-                    req = req.json(body);
+                    .timeout(timeout)
+                    .header(TIMEOUT_HEADER, timeout.as_millis().to_string());
+                if let Some(body) = body(left) {
+                    req = req.json(&body);
                 }
                 if let Some(credential) = &self.credential {
                     req = req.bearer_auth(credential);
                 }
+                let sent = tokio::time::Instant::now();
                 let Ok(answer) = req.send().await else {
                     continue;
                 };
@@ -127,18 +189,22 @@ impl Client {
                 if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::BAD_GATEWAY {
                     continue;
                 }
-                let text = answer.text().await.unwrap_or_default();
+                let Ok(text) = answer.text().await else {
+                    continue;
+                };
+                self.preferred.store(i, Ordering::Relaxed);
                 let body = serde_json::from_str(&text)
                     .map_err(|_| ClientError::NotJson(endpoint.clone(), text))?;
-                return Ok(Answer { status, body });
+                return Ok(Answer { status, body, sent });
             }
-            if started.elapsed() >= self.patience {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || n == 0 {
                 return Err(ClientError::Unreachable(
                     self.patience,
                     self.endpoints.join(","),
                 ));
             }
-            tokio::time::sleep(ROUND_PAUSE).await;
+            tokio::time::sleep(ROUND_PAUSE.min(left)).await;
         }
     }
 }

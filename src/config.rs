@@ -230,14 +230,18 @@ fn default_api() -> SocketAddr {
 fn default_data_dir() -> PathBuf {
     PathBuf::from("./data")
 }
+// Fast failover (see README, "Failover time"): a follower campaigns after openraft's leader
+// lease (= max) plus its own timeout in [min, max), i.e. 750-900 ms without a heartbeat. The
+// heartbeat is also openraft's AppendEntries timeout, so it stays at 100 ms: at 50 ms a slow
+// first append to a restarted node timed out and the node campaigned.
 fn default_heartbeat_ms() -> u64 {
     100
 }
 fn default_election_min_ms() -> u64 {
-    500
+    300
 }
 fn default_election_max_ms() -> u64 {
-    1000
+    450
 }
 fn default_max_ttl_ms() -> u64 {
     300_000

@@ -70,6 +70,10 @@ enum End {
 }
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the runner keeps trying beyond `--wait` to get its acquire answered (a failover
+/// during the wait, say): patience is `wait + PATIENCE_MARGIN`, so the legitimate wait never
+/// eats into the time for retries.
+const PATIENCE_MARGIN: Duration = Duration::from_secs(10);
 /// Pause between failed renewals.
 const RETRY_AFTER: Duration = Duration::from_millis(200);
 
@@ -81,21 +85,26 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         });
     }
     let (program, args) = opts.command.split_first().ok_or(RunError::NoCommand)?;
-    let client = Client::new(&opts.endpoint, Duration::from_secs(10))?;
+    let client = Client::new(&opts.endpoint, opts.wait + PATIENCE_MARGIN)?;
 
     let sent_at = Instant::now();
-    let body = json!({
-        "ttl_ms": opts.ttl.as_millis() as u64,
-        "wait_ms": opts.wait.as_millis() as u64,
-        "request_id": request_id(),
-        "holder": opts.holder,
-    });
+    // One request id for every attempt: a retry after a failover gets the grant the old leader
+    // committed, if it did, rather than a second lease. Each attempt asks the node to wait only
+    // for what is left of `--wait`.
+    let request_id = request_id();
     let answer = client
-        .call(
+        .call_with(
             Method::POST,
             &format!("/v1/locks/{}", opts.resource),
-            Some(&body),
-            opts.wait + REQUEST_TIMEOUT,
+            |left| {
+                Some(json!({
+                    "ttl_ms": opts.ttl.as_millis() as u64,
+                    "wait_ms": left.saturating_sub(PATIENCE_MARGIN).as_millis() as u64,
+                    "request_id": request_id,
+                    "holder": opts.holder,
+                }))
+            },
+            |left| left.saturating_sub(PATIENCE_MARGIN) + REQUEST_TIMEOUT,
         )
         .await?;
     if answer.status == StatusCode::CONFLICT {
@@ -239,13 +248,16 @@ enum Renewal {
 
 /// One keepalive of `path`, given up at `deadline`.
 async fn renew(client: &Client, path: &str, deadline: Instant, granted_ttl: Duration) -> Renewal {
-    // Read before sending: the lease can only be longer than what we assume.
     let sent = Instant::now();
+    // Each attempt gets a share of the time left (see `Client::call_within`), so a frozen node
+    // costs part of it and the next endpoint still gets its turn before the stop time.
     let renewer = client.with_patience(deadline.saturating_duration_since(sent));
-    let call = renewer.call(Method::POST, path, None, REQUEST_TIMEOUT);
+    let call = renewer.call_within(Method::POST, path, None);
     match tokio::time::timeout_at(deadline, call).await {
+        // Read before the answering attempt was sent: the lease can only be longer than what
+        // we assume.
         Ok(Ok(a)) if a.status.is_success() => Renewal::Renewed {
-            sent,
+            sent: a.sent,
             ttl: a.body["ttl_ms"]
                 .as_u64()
                 .map_or(granted_ttl, Duration::from_millis),

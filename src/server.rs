@@ -96,6 +96,9 @@ impl Secrets {
 
 /// How long in-flight requests may finish after SIGINT or SIGTERM.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// The same for a leader: while it drains, nobody can reach the cluster's leader, so it cuts
+/// in-flight requests short (their clients retry elsewhere) and lets a successor be elected.
+const LEADER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr)
@@ -203,7 +206,10 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         "node started"
     );
     let (stop_tx, stop_rx) = watch::channel(false);
+    // The peer port stops only after Raft has: a draining node keeps answering its peers.
+    let (peer_stop_tx, peer_stop_rx) = watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
+    let mut peer_server = tokio::task::JoinSet::new();
     let plain = |listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>| async move {
         let shutdown = async move {
             let _ = stop.wait_for(|stop| *stop).await;
@@ -224,27 +230,40 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
                 stop_rx.clone(),
             ));
             if let Some(listener) = peer_listener {
-                servers.spawn(crate::tls::serve(
+                peer_server.spawn(crate::tls::serve(
                     listener,
                     tls.peer_acceptor()?,
                     peer_app,
-                    stop_rx.clone(),
+                    peer_stop_rx,
                 ));
             }
         }
         None => {
             servers.spawn(plain(api_listener, app, stop_rx.clone()));
             if let Some(listener) = peer_listener {
-                servers.spawn(plain(listener, peer_app, stop_rx.clone()));
+                peer_server.spawn(plain(listener, peer_app, peer_stop_rx));
             }
         }
     }
     shutdown_signal().await;
-    tracing::info!(grace = ?SHUTDOWN_GRACE, "shutting down; finishing requests in flight");
+    // A node on its way out must not campaign (it could win and then vanish: an election for
+    // nothing). A leader cannot hand over in openraft 0.9 (no leadership transfer), so it
+    // leads for as short a time as it can: the followers elect a successor once Raft stops.
+    let leading = authority.drain();
+    let grace = if leading {
+        LEADER_GRACE
+    } else {
+        SHUTDOWN_GRACE
+    };
+    tracing::info!(
+        ?grace,
+        leading,
+        "shutting down; finishing requests in flight"
+    );
     let _ = stop_tx.send(true);
     // Waiting acquires can run for minutes; they are cut off after the grace period (their
-    // clients retry elsewhere).
-    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+    // clients retry elsewhere, with the same request id).
+    let drained = tokio::time::timeout(grace, async {
         while servers.join_next().await.is_some() {}
     })
     .await;
@@ -255,6 +274,11 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         let _ = tokio::task::spawn_blocking(move || s3.shutdown()).await;
     }
     let _ = authority.raft().shutdown().await;
+    let _ = peer_stop_tx.send(true);
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while peer_server.join_next().await.is_some() {}
+    })
+    .await;
     Ok(())
 }
 

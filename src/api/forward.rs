@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use super::reply::ApiError;
 use super::{ApiState, FORWARDED_HEADER};
 use crate::authority::AuthorityError;
+use crate::client::TIMEOUT_HEADER;
 
 /// The request as received, kept so it can be sent on to the leader. An extractor: it takes
 /// the body, so it comes last in a handler's arguments.
@@ -70,6 +71,7 @@ pub async fn or_forward(
         // than bounce the request around while an election settles.
         return ApiError::from(AuthorityError::NotLeader { leader: None }).into_response();
     }
+    let timeout = forward_timeout(&original.headers, timeout);
     let path = original.uri.path_and_query().map_or("/", |p| p.as_str());
     let url = format!("{}://{leader}{path}", state.scheme);
     let mut request = state.http.request(original.method, url);
@@ -91,7 +93,7 @@ pub async fn or_forward(
             match answer.bytes().await {
                 Ok(body) => (status, [("content-type", "application/json")], body).into_response(),
                 Err(e) => ApiError::new(
-                    StatusCode::BAD_GATEWAY,
+                    StatusCode::SERVICE_UNAVAILABLE,
                     "forward_failed",
                     format!("leader's answer was cut off: {e}"),
                 )
@@ -105,6 +107,20 @@ pub async fn or_forward(
         )
         .into_response(),
     }
+}
+
+/// How long to wait for the leader: `timeout`, but no longer than two thirds of what the
+/// client said it waits (`TIMEOUT_HEADER`). A leader that does not answer (frozen, cut off)
+/// then costs the client part of its attempt, and the 503 it gets leaves it time to try
+/// another endpoint, where an elected successor may answer.
+fn forward_timeout(headers: &HeaderMap, timeout: Duration) -> Duration {
+    headers
+        .get(TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(timeout, |ms| {
+            timeout.min(Duration::from_millis(ms.saturating_mul(2) / 3))
+        })
 }
 
 impl ApiState {

@@ -268,6 +268,13 @@ impl Authority {
         &self.raft
     }
 
+    /// Readies Raft for this node's shutdown: it never campaigns again, so a node going away
+    /// cannot win an election it will not serve. Returns whether it leads now.
+    pub fn drain(&self) -> bool {
+        self.raft.runtime_config().elect(false);
+        self.raft.metrics().borrow().state == ServerState::Leader
+    }
+
     /// The API address of the leader this node knows of, if it is not itself.
     pub fn leader_api(&self) -> Option<String> {
         let leader = self

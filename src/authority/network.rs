@@ -19,6 +19,9 @@ pub const APPEND_PATH: &str = "/raft/append";
 pub const VOTE_PATH: &str = "/raft/vote";
 pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
 
+/// Pause between attempts at a peer that refused the connection.
+const UNREACHABLE_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 #[derive(Clone)]
 pub struct Network {
     http: reqwest::Client,
@@ -108,6 +111,13 @@ impl RaftNetwork<TypeConfig> for Connection {
         RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
         self.call(SNAPSHOT_PATH, &req, &option).await
+    }
+
+    /// openraft waits 500 ms between attempts at a node it cannot reach; a node restarting
+    /// would then hear from the leader only after its own election timeout could pass, and
+    /// campaign. Retrying every heartbeat or two costs a refused connection on a dead node.
+    fn backoff(&self) -> openraft::network::Backoff {
+        openraft::network::Backoff::new(std::iter::repeat(UNREACHABLE_RETRY))
     }
 
     async fn vote(

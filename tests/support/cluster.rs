@@ -271,6 +271,36 @@ impl Cluster {
         }
     }
 
+    /// Waits up to `within` for node `id`'s process to exit by itself (after SIGTERM, say) and
+    /// reaps it; `None` if it is still running then.
+    pub async fn wait_exit(
+        &mut self,
+        id: u64,
+        within: Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            let node = &mut self.nodes[id as usize - 1];
+            let child = node.child.as_mut().expect("node is running");
+            if let Some(status) = child.try_wait().unwrap() {
+                node.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Node `id`'s `/v1/cluster` answer, `None` when it does not answer.
+    pub async fn cluster_view(&self, id: u64) -> Option<Value> {
+        match self.get(id, "/v1/cluster").await {
+            Some((StatusCode::OK, view)) => Some(view),
+            _ => None,
+        }
+    }
+
     /// GET `path` on node `id`; `None` when the node does not answer.
     pub async fn get(&self, id: u64, path: &str) -> Option<(StatusCode, Value)> {
         let answer = self
