@@ -110,6 +110,16 @@ pub enum PostgresCommand {
         #[arg(long, env = "FENCEGATE_PG_DSN")]
         dsn: String,
     },
+    /// Copy the cluster's token keys into the store, so the guard itself refuses unsigned and
+    /// forged tokens (also on connections that bypass the gateway). Needs an admin credential;
+    /// run again after `token-key rotate` or `retire`.
+    SyncKeys {
+        /// As for install; run as the role that installed the schema.
+        #[arg(long, env = "FENCEGATE_PG_DSN")]
+        dsn: String,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
     /// Print fence.sql, to review it or install it with your own tools.
     PrintSql,
 }

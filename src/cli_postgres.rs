@@ -5,7 +5,41 @@ use std::time::Duration;
 
 use fencegate_postgres::{InstallOptions, Target};
 
-use crate::cli::PostgresCommand;
+use crate::cli::{EndpointArg, PostgresCommand};
+use crate::client::Client;
+
+/// The cluster's token keys (id, secret, retired), read from an admin snapshot.
+async fn cluster_keys(endpoint: &EndpointArg) -> anyhow::Result<Vec<(u32, Vec<u8>, bool)>> {
+    use base64::Engine;
+    let answer = Client::new(endpoint, Duration::from_secs(10))?
+        .call(
+            reqwest::Method::GET,
+            "/v1/snapshot",
+            None,
+            Duration::from_secs(10),
+        )
+        .await?;
+    if !answer.status.is_success() {
+        anyhow::bail!(
+            "the authority refused to give its keys ({}): {}; sync-keys needs an admin credential",
+            answer.status,
+            answer.body
+        );
+    }
+    let Some(keys) = answer.body["state"]["token_keys"].as_object() else {
+        anyhow::bail!(
+            "the authority's snapshot holds no token keys yet; acquire a lock once, then retry"
+        );
+    };
+    let mut out = Vec::new();
+    for (kid, key) in keys {
+        let kid: u32 = kid.parse()?;
+        let secret = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(key["secret"].as_str().unwrap_or_default())?;
+        out.push((kid, secret, key["retired"].as_bool().unwrap_or(false)));
+    }
+    Ok(out)
+}
 
 pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
     match command {
@@ -62,6 +96,25 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
             print!("{status}");
             drop(client);
             let _ = task.await;
+            Ok(ExitCode::SUCCESS)
+        }
+        PostgresCommand::SyncKeys { dsn, endpoint } => {
+            let keys = cluster_keys(&endpoint).await?;
+            let (mut client, task) = fencegate_postgres::connect::connect(&dsn).await?;
+            fencegate_postgres::install_token_keys(&mut client, &keys).await?;
+            drop(client);
+            let _ = task.await;
+            let ids: Vec<String> = keys
+                .iter()
+                .map(|(kid, _, retired)| {
+                    format!("{kid}{}", if *retired { " (retired)" } else { "" })
+                })
+                .collect();
+            println!(
+                "installed {} token key(s) in the store: {}; the guard now refuses unsigned and forged tokens",
+                keys.len(),
+                ids.join(", ")
+            );
             Ok(ExitCode::SUCCESS)
         }
         PostgresCommand::PrintSql => {
