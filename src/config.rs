@@ -337,6 +337,19 @@ impl Config {
             return Err(("id", "node ids start at 1".into()));
         }
         self.security.validate()?;
+        // Each gateway's own rules (protect rules name their resource, ...), exactly as serve
+        // checks them, so check-config passes only what serve accepts.
+        if let Some(redis) = &self.redis {
+            redis.validate().map_err(|e| ("redis", e.to_string()))?;
+        }
+        if let Some(postgres) = &self.postgres {
+            postgres
+                .validate()
+                .map_err(|e| ("postgres", e.to_string()))?;
+        }
+        if let Some(s3) = &self.s3 {
+            s3.validate().map_err(|e| ("s3", e.to_string()))?;
+        }
         if !self.security.insecure && self.node.peer.is_none() {
             return Err((
                 "peer",
@@ -562,6 +575,25 @@ mod tests {
         assert!(
             parse_insecure(&text.replace("fencegate-1.fencegate:7070", "fencegate-1:7071"))
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn gateway_rules_are_checked_as_serve_checks_them() {
+        let text = "[node]\n\n[redis]\nlisten = \"127.0.0.1:6380\"\n\n[[redis.protect]]\npattern = \"billing:*\"\nmode = \"enforce\"\n";
+        let err = parse_insecure(text).unwrap_err().to_string();
+        assert!(err.starts_with("test.toml:3: redis:"), "{err}");
+        assert!(err.contains("resource"), "{err}");
+        let fixed = text.replace(
+            "mode = \"enforce\"\n",
+            "mode = \"enforce\"\nresource = \"billing\"\n",
+        );
+        assert!(parse_insecure(&fixed).is_ok());
+        let pg = "[node]\n\n[postgres]\nlisten = \"127.0.0.1:6433\"\n";
+        let err = parse_insecure(pg).unwrap_err().to_string();
+        assert!(
+            err.contains("postgres") && err.contains("resource"),
+            "{err}"
         );
     }
 
