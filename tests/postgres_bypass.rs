@@ -9,24 +9,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use support::postgres_server::{cli, PgGateway};
-use tokio_postgres::{Client, NoTls};
-
-async fn connect(dsn: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
-}
-
-fn code(e: &tokio_postgres::Error) -> String {
-    e.code()
-        .map(|c| c.code().to_owned())
-        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
-}
+use support::postgres_server::{cli, code, connect, PgGateway};
+use tokio_postgres::Client;
 
 /// Items 1..=3, a sequence at 1, a function that deletes.
 fn setup(gw: &PgGateway) {

@@ -9,21 +9,13 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
-use support::postgres_server::{PgGateway, CLEARTEXT_USER, MD5_USER, PASSWORD, SCRAM_USER};
+use support::postgres_server::{
+    code, connect, PgGateway, CLEARTEXT_USER, MD5_USER, PASSWORD, SCRAM_USER,
+};
 use tokio_postgres::{Client, NoTls, SimpleQueryMessage};
 
 fn tok(revision: u64) -> String {
     format!("fg1~{revision}~job")
-}
-
-async fn connect(dsn: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
 }
 
 /// Connects through the gateway with `token` as the startup option.
@@ -39,12 +31,6 @@ async fn connect_with_token(gw: &PgGateway, token: &str) -> Client {
         let _ = connection.await;
     });
     client
-}
-
-fn code(e: &tokio_postgres::Error) -> String {
-    e.code()
-        .map(|c| c.code().to_owned())
-        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
 }
 
 async fn count(direct: &Client, sql: &str) -> i64 {

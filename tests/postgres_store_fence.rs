@@ -4,28 +4,12 @@
 
 mod support;
 
-use support::postgres_server::{cli, PgServer};
-use tokio_postgres::{Client, NoTls};
+use support::postgres_server::{cli, code, connect, PgServer};
+use tokio_postgres::Client;
 
 const APP: &str = "app_user";
 const KID: u32 = 3;
 const SECRET: [u8; 32] = [0xab; 32];
-
-async fn connect(dsn: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(dsn, NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    client
-}
-
-fn code(e: &tokio_postgres::Error) -> String {
-    e.code()
-        .map(|c| c.code().to_owned())
-        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
-}
 
 /// A PostgreSQL with fence.sql, an application role that owns nothing, schema `app` protected
 /// for resource `job`, and the cluster key `KID` installed.

@@ -308,3 +308,22 @@ pub fn cli(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A tokio-postgres client for `dsn`, its connection driven on a task; panics if it cannot
+/// connect.
+pub async fn connect(dsn: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(dsn, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {dsn}: {e}"));
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    client
+}
+
+/// The SQLSTATE of `e`, or a text that says there was none.
+pub fn code(e: &tokio_postgres::Error) -> String {
+    e.code()
+        .map(|c| c.code().to_owned())
+        .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
+}
