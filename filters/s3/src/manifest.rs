@@ -115,19 +115,10 @@ pub fn plan_commit(
     let existing = current.and_then(|m| m.keys.get(change.key()));
     match existing {
         Some(entry) => {
-            if matches!(change, Change::Put(..))
-                && client
-                    .if_none_match
-                    .as_deref()
-                    .is_some_and(|v| v.trim() == "*" || etag_eq(v, &entry.etag))
-            {
+            if matches!(change, Change::Put(..)) && client.if_none_match_fails(&entry.etag) {
                 return CommitPlan::PreconditionFailed;
             }
-            if client
-                .if_match
-                .as_deref()
-                .is_some_and(|v| v.trim() != "*" && !etag_eq(v, &entry.etag))
-            {
+            if client.if_match_fails(&entry.etag) {
                 return CommitPlan::PreconditionFailed;
             }
         }
@@ -146,16 +137,6 @@ pub fn plan_commit(
         }
     }
     CommitPlan::Commit(next)
-}
-
-fn etag_eq(a: &str, b: &str) -> bool {
-    let strip = |s: &str| {
-        s.trim()
-            .trim_start_matches("W/")
-            .trim_matches('"')
-            .to_owned()
-    };
-    strip(a) == strip(b)
 }
 
 /// A ListObjects(V2) request's parameters.

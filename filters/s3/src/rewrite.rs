@@ -219,6 +219,22 @@ pub struct ClientConditions {
     pub if_none_match: Option<String>,
 }
 
+impl ClientConditions {
+    /// Whether `If-None-Match` fails against an existing object with `etag`.
+    pub(crate) fn if_none_match_fails(&self, etag: &str) -> bool {
+        self.if_none_match
+            .as_deref()
+            .is_some_and(|v| v.trim() == "*" || etag_eq(v, etag))
+    }
+
+    /// Whether `If-Match` fails against an existing object with `etag`.
+    pub(crate) fn if_match_fails(&self, etag: &str) -> bool {
+        self.if_match
+            .as_deref()
+            .is_some_and(|v| v.trim() != "*" && !etag_eq(v, etag))
+    }
+}
+
 /// Whether a write replaces or removes the object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteKind {
@@ -269,18 +285,7 @@ pub fn plan_write(
     let mut headers: Vec<(&'static str, String)> = Vec::new();
     match observed {
         Some(state) => {
-            if client
-                .if_none_match
-                .as_deref()
-                .is_some_and(|v| v.trim() == "*" || etag_eq(v, &state.etag))
-            {
-                return WritePlan::PreconditionFailed;
-            }
-            if client
-                .if_match
-                .as_deref()
-                .is_some_and(|v| v.trim() != "*" && !etag_eq(v, &state.etag))
-            {
+            if client.if_none_match_fails(&state.etag) || client.if_match_fails(&state.etag) {
                 return WritePlan::PreconditionFailed;
             }
             headers.push(("if-match", state.etag.clone()));
