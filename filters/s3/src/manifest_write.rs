@@ -239,11 +239,7 @@ impl WriteSession<'_> {
             Err(e) => return self.upstream_failed(e).await,
         }
         let revision = token.revision().get();
-        let physical = physical_key(
-            resource,
-            revision,
-            &uuid::Uuid::new_v4().simple().to_string(),
-        );
+        let physical = fresh_physical_key(resource, revision);
         let path = Upstream::path_and_query(Some(bucket), Some(&physical), "");
         let mut reader = BodyReader::new(&self.verified, &self.headers);
         let len = self.body_length();
@@ -341,11 +337,7 @@ impl WriteSession<'_> {
             Err(e) => return self.upstream_failed(e).await,
         };
         let revision = token.revision().get();
-        let physical = physical_key(
-            resource,
-            revision,
-            &uuid::Uuid::new_v4().simple().to_string(),
-        );
+        let physical = fresh_physical_key(resource, revision);
         let path = Upstream::path_and_query(Some(bucket), Some(&physical), "");
         let mut headers = self.upstream_headers(false);
         headers.retain(|(n, _)| n != "x-amz-copy-source");
@@ -389,11 +381,7 @@ impl WriteSession<'_> {
             Err(e) => return self.upstream_failed(e).await,
         }
         let revision = token.revision().get();
-        let physical = physical_key(
-            resource,
-            revision,
-            &uuid::Uuid::new_v4().simple().to_string(),
-        );
+        let physical = fresh_physical_key(resource, revision);
         let path = Upstream::path_and_query(Some(bucket), Some(&physical), &self.raw_query);
         let headers = self.upstream_headers(false);
         let response = match self
@@ -546,4 +534,14 @@ fn with_logical_key(mut response: UpstreamResponse, physical: &str, key: &str) -
         response.body = Bytes::from(text);
     }
     response
+}
+
+/// A physical key no other write uses: the writer's revision and a random id, so a write with
+/// `If-None-Match: *` never meets an object it did not make.
+fn fresh_physical_key(resource: &str, revision: u64) -> String {
+    physical_key(
+        resource,
+        revision,
+        &uuid::Uuid::new_v4().simple().to_string(),
+    )
 }
