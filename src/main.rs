@@ -7,6 +7,7 @@ mod cli_certs;
 mod cli_postgres;
 mod client;
 mod config;
+mod disk;
 mod lock_run;
 mod metrics;
 mod server;

@@ -37,6 +37,8 @@ pub enum ServeError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Credentials(#[from] CredentialError),
+    #[error("disk: {0}")]
+    Disk(#[from] crate::disk::DiskError),
     #[error("audit log: {0}")]
     Audit(#[from] crate::audit::AuditError),
     #[error(transparent)]
@@ -128,6 +130,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         accept_unsigned: config.authority.accept_unsigned,
         accept_plain: false,
     };
+    crate::disk::check(&config)?;
     let metrics = Arc::new(Metrics::default());
     let audit = crate::audit::AuditWriter::start(
         &config.audit,
@@ -203,6 +206,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         tls = secrets.tls.is_some(),
         credentials = secrets.credentials.as_ref().map_or(0, |c| c.len()),
         data_dir = %config.node.data_dir.display(),
+        raft_dir = %config.node.raft_dir().display(),
         "node started"
     );
     let (stop_tx, stop_rx) = watch::channel(false);
