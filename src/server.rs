@@ -8,6 +8,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::auth::{CredentialError, Credentials};
+use crate::api::health::GatewayHealth;
 use crate::api::{self, ApiState};
 use crate::authority::network::Network;
 use crate::authority::{Authority, AuthorityError};
@@ -158,8 +159,11 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     // The gateways start once the authority has opened its state, so the key ring already
     // holds the keys from its last snapshot (and the operator's key) when the first client
     // presents a token.
+    let mut gateways = Vec::new();
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis, policy.clone(), audit.sink())?;
+        let checked = gateway.clone();
+        gateways.push(GatewayHealth::new("redis", move || checked.health()));
         let listener = gateway.bind().await?;
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
@@ -193,6 +197,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         } else {
             "http"
         },
+        gateways: Arc::new(gateways),
     };
     let mut app = api::router(state.clone(), secrets.credentials.clone());
     let peer_app = api::peer_router(state);

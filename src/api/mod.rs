@@ -3,6 +3,7 @@
 
 pub mod auth;
 mod forward;
+pub mod health;
 mod keys;
 mod lock;
 mod ops;
@@ -33,6 +34,8 @@ pub struct ApiState {
     pub http: reqwest::Client,
     /// `https` when the APIs serve TLS.
     pub scheme: &'static str,
+    /// The gateways this node runs, for `/healthz`.
+    pub gateways: Arc<Vec<health::GatewayHealth>>,
 }
 
 /// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
@@ -71,7 +74,7 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         ))
         .layer(DefaultBodyLimit::max(LARGE_BODY));
     Router::new()
-        .route("/healthz", get(ops::healthz))
+        .route("/healthz", get(health::healthz))
         .route("/metrics", get(ops::metrics))
         .merge(client)
         .merge(admin)
