@@ -610,6 +610,13 @@ mod tests {
             "mode = \"enforce\"\nresource = \"billing\"\n",
         );
         assert!(parse_insecure(&fixed).is_ok());
+        let bare = "[node]\n\n[redis]\nlisten = \"127.0.0.1:6380\"\n";
+        let err = parse_insecure(bare).unwrap_err().to_string();
+        assert!(
+            err.starts_with("test.toml:3: redis:") && err.contains("no protect rules"),
+            "{err}"
+        );
+        assert!(parse_insecure(&format!("{bare}protect = []\n")).is_ok());
         let pg = "[node]\n\n[postgres]\nlisten = \"127.0.0.1:6433\"\n";
         let err = parse_insecure(pg).unwrap_err().to_string();
         assert!(

@@ -16,9 +16,10 @@
 //! accept_unpersisted_fences = false  # enforce even without appendonly yes
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
-//! # rule matches are not protected. Default: one rule, `*` enforced with resource "*" (every
-//! # key, a token of any resource). An enforce rule must name its resource: fixed, or a
-//! # template of the pattern's `*` captures ({1} = what the first `*` matched).
+//! # rule matches are not protected. Required: a section without rules refuses to start
+//! # (`protect = []` says on purpose that the gateway fences nothing: a pass-through). An
+//! # enforce rule must name its resource: fixed, or a template of the pattern's `*` captures
+//! # ({1} = what the first `*` matched).
 //! [[redis.protect]]
 //! pattern = "cache:*"
 //! mode = "off"
@@ -66,9 +67,11 @@ pub struct RedisConfig {
     /// read goes over is closed.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: usize,
-    /// Protected key patterns; the first match decides.
-    #[serde(default = "default_protect")]
-    pub protect: Vec<ProtectRule>,
+    /// Protected key patterns; the first match decides. `None` (no rule in the config) is
+    /// refused by `validate`: there is no silent default; `Some(vec![])` is an explicit
+    /// pass-through that fences nothing.
+    #[serde(default)]
+    pub protect: Option<Vec<ProtectRule>>,
     /// Redis Functions (`FCALL` names) clients may call while a rule enforces. A script cannot
     /// run under the fence, so a call is accepted only when every key it declares is
     /// unprotected; the operator vouches that the function writes no key it does not declare.
@@ -105,6 +108,18 @@ pub struct ProtectRule {
     /// any resource's token may write (no scope; the built-in default rule).
     #[serde(default)]
     pub resource: Option<String>,
+}
+
+impl ProtectRule {
+    /// `*` enforced with resource `*`: every key, a token of any resource (tests and
+    /// single-purpose Redis instances; say it in the config as such a rule).
+    pub fn every_key() -> Self {
+        Self {
+            pattern: "*".to_owned(),
+            mode: ProtectMode::Enforce,
+            resource: Some(ANY_RESOURCE.to_owned()),
+        }
+    }
 }
 
 /// Which resource a protected key belongs to.
@@ -147,13 +162,6 @@ fn default_partial_request_timeout() -> u64 {
 fn default_max_buffered_bytes() -> usize {
     512 * 1024 * 1024
 }
-fn default_protect() -> Vec<ProtectRule> {
-    vec![ProtectRule {
-        pattern: "*".to_owned(),
-        mode: ProtectMode::Enforce,
-        resource: Some(ANY_RESOURCE.to_owned()),
-    }]
-}
 
 impl Default for RedisConfig {
     fn default() -> Self {
@@ -166,7 +174,7 @@ impl Default for RedisConfig {
             partial_request_timeout_seconds: default_partial_request_timeout(),
             idle_timeout_seconds: 0,
             max_buffered_bytes: default_max_buffered_bytes(),
-            protect: default_protect(),
+            protect: None,
             allow_functions: Vec::new(),
             allow_scripts: Vec::new(),
             accept_evictable_fences: false,
@@ -195,7 +203,12 @@ impl RedisConfig {
                 self.max_buffered_bytes, self.max_request_bytes
             )));
         }
-        if self.protect.iter().any(|r| r.pattern.is_empty()) {
+        let Some(rules) = &self.protect else {
+            return Err(RedisError::Config(
+                "no protect rules: say which keys are fenced with [[redis.protect]] rules (pattern and resource, e.g. pattern = \"billing:*\", resource = \"billing\"), or write protect = [] to run a pass-through that fences nothing".to_owned(),
+            ));
+        };
+        if rules.iter().any(|r| r.pattern.is_empty()) {
             return Err(RedisError::Config(
                 "a protect rule has an empty pattern".to_owned(),
             ));
@@ -218,7 +231,7 @@ impl RedisConfig {
                 "allow_scripts entry {sha:?} is not a SHA-1 (40 hex digits, as SCRIPT LOAD returns)"
             )));
         }
-        for (i, rule) in self.protect.iter().enumerate() {
+        for (i, rule) in rules.iter().enumerate() {
             rule.validate(i + 1)?;
         }
         if self.username.is_some() && self.password_env.is_none() {
@@ -229,9 +242,14 @@ impl RedisConfig {
         Ok(())
     }
 
+    /// The protect rules (none for a pass-through).
+    pub fn rules(&self) -> &[ProtectRule] {
+        self.protect.as_deref().unwrap_or_default()
+    }
+
     /// The mode for `key`: the first matching rule's, or `Off` when none matches.
     pub fn mode_for(&self, key: &[u8]) -> ProtectMode {
-        self.protect
+        self.rules()
             .iter()
             .find(|r| glob::matches(r.pattern.as_bytes(), key))
             .map_or(ProtectMode::Off, |r| r.mode)
@@ -240,7 +258,7 @@ impl RedisConfig {
     /// The resource `key` belongs to: from the first matching rule, if it enforces.
     pub fn scope_for(&self, key: &[u8]) -> Scope {
         let Some(rule) = self
-            .protect
+            .rules()
             .iter()
             .find(|r| glob::matches(r.pattern.as_bytes(), key))
         else {
@@ -261,7 +279,7 @@ impl RedisConfig {
 
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
     pub fn enforces_any(&self) -> bool {
-        self.protect.iter().any(|r| r.mode == ProtectMode::Enforce)
+        self.rules().iter().any(|r| r.mode == ProtectMode::Enforce)
     }
 
     /// Whether clients may call this Redis Function (by name, case-insensitive as in Redis).
@@ -374,11 +392,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_protects_every_key() {
-        let c = RedisConfig::default();
-        assert_eq!(c.mode_for(b"anything"), ProtectMode::Enforce);
-        assert_eq!(c.mode_for(b""), ProtectMode::Enforce);
-        c.validate().unwrap();
+    fn no_rules_is_refused_and_an_empty_list_fences_nothing() {
+        let err = RedisConfig::default().validate().unwrap_err().to_string();
+        assert!(
+            err.contains("no protect rules") && err.contains("protect = []"),
+            "{err}"
+        );
+        let none: RedisConfig = toml::from_str("listen = \"127.0.0.1:7000\"\n").unwrap();
+        assert!(none.validate().is_err());
+        let pass: RedisConfig = toml::from_str("protect = []\n").unwrap();
+        pass.validate().unwrap();
+        assert_eq!(pass.mode_for(b"anything"), ProtectMode::Off);
+        assert!(!pass.enforces_any());
+        let every = RedisConfig {
+            protect: Some(vec![ProtectRule::every_key()]),
+            ..RedisConfig::default()
+        };
+        every.validate().unwrap();
+        assert_eq!(every.mode_for(b""), ProtectMode::Enforce);
+        assert_eq!(every.scope_for(b"k"), Scope::AnyResource);
     }
 
     #[test]
@@ -393,7 +425,7 @@ mod tests {
         assert_eq!(c.mode_for(b"cache:1"), ProtectMode::Off);
         assert_eq!(c.mode_for(b"x"), ProtectMode::Enforce);
         let empty: RedisConfig = toml::from_str("").unwrap();
-        assert_eq!(empty.protect, default_protect());
+        assert_eq!(empty.protect, None);
         let err = toml::from_str::<RedisConfig>("listen = \"127.0.0.1:7000\"\nupstrem = \"x\"\n")
             .unwrap_err()
             .to_string();
@@ -463,13 +495,13 @@ mod tests {
         );
         assert_eq!(c.scope_for(b"jobs:7"), Scope::Resource("jobs".into()));
         assert_eq!(c.scope_for(b"other"), Scope::AnyResource);
-        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::AnyResource);
+        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::Unprotected);
     }
 
     #[test]
     fn first_matching_rule_decides() {
         let c = RedisConfig {
-            protect: vec![
+            protect: Some(vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
@@ -480,7 +512,7 @@ mod tests {
                     mode: ProtectMode::Enforce,
                     resource: Some("billing".into()),
                 },
-            ],
+            ]),
             ..RedisConfig::default()
         };
         assert_eq!(c.mode_for(b"cache:x"), ProtectMode::Off);

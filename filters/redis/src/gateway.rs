@@ -45,6 +45,9 @@ impl Gateway {
         sink: Arc<dyn AuditSink>,
     ) -> Result<Arc<Self>, RedisError> {
         config.validate()?;
+        if config.rules().is_empty() {
+            tracing::warn!(listen = %config.listen, "[redis] protect = []: this gateway is a pass-through and fences nothing");
+        }
         let limits = Limits {
             max_frame_bytes: config.max_request_bytes,
             ..Limits::default()
