@@ -3,7 +3,10 @@
 //! ```toml
 //! [redis]
 //! listen = "127.0.0.1:6380"          # where clients connect
-//! upstream = "127.0.0.1:6379"        # the Redis server the gateway relays to
+//! upstream = "127.0.0.1:6379"        # the Redis server: host:port, or rediss://host:port (TLS)
+//! upstream_ca_file = "/etc/fencegate/redis-ca.crt"  # with rediss://: the CA (PEM); absent: system roots
+//! tls_cert = "/etc/fencegate/redis.crt"  # optional PEM chain; with tls_key, clients connect
+//! tls_key = "/etc/fencegate/redis.key"   # over TLS (rustls), as [postgres] and [s3] do
 //! username = "gateway"               # optional ACL user for the upstream connection
 //! password_env = "REDIS_PASSWORD"    # optional: name of the env var holding its password
 //! max_request_bytes = 67108864       # larger requests are refused and the connection closed
@@ -30,6 +33,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
@@ -43,9 +47,22 @@ pub struct RedisConfig {
     /// Address the gateway listens on for Redis clients.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
-    /// The upstream Redis server, `host:port`.
+    /// The upstream Redis server: `host:port` (or `redis://host:port`), or
+    /// `rediss://host:port` for TLS, verified against `upstream_ca_file` with the host checked
+    /// against the server's certificate.
     #[serde(default = "default_upstream")]
     pub upstream: String,
+    /// With `rediss://`: the CA certificate(s) (PEM) the upstream's certificate must chain to.
+    /// Absent: the system's roots.
+    #[serde(default)]
+    pub upstream_ca_file: Option<PathBuf>,
+    /// PEM certificate chain for client TLS (with `tls_key`): clients then must connect with
+    /// TLS.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for client TLS (with `tls_cert`).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
     /// ACL user for upstream connections (with `password_env`).
     #[serde(default)]
     pub username: Option<String>,
@@ -168,6 +185,9 @@ impl Default for RedisConfig {
         Self {
             listen: default_listen(),
             upstream: default_upstream(),
+            upstream_ca_file: None,
+            tls_cert: None,
+            tls_key: None,
             username: None,
             password_env: None,
             max_request_bytes: default_max_request_bytes(),
@@ -201,6 +221,19 @@ impl RedisConfig {
             return Err(RedisError::Config(format!(
                 "max_buffered_bytes ({}) must be at least max_request_bytes ({})",
                 self.max_buffered_bytes, self.max_request_bytes
+            )));
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(RedisError::Config(
+                "tls_cert and tls_key go together: set both, or neither".to_owned(),
+            ));
+        }
+        let target =
+            crate::tls::UpstreamTarget::parse(&self.upstream).map_err(RedisError::Config)?;
+        if self.upstream_ca_file.is_some() && !target.tls {
+            return Err(RedisError::Config(format!(
+                "upstream_ca_file is set but upstream {:?} is not TLS; write rediss://host:port",
+                self.upstream
             )));
         }
         let Some(rules) = &self.protect else {
