@@ -32,13 +32,13 @@ pub enum DiskError {
 }
 
 /// Bytes an unprivileged process may still write on the volume holding `path`.
+// The field types differ between platforms.
+#[allow(clippy::unnecessary_cast)]
 pub fn free_bytes(path: &Path) -> Result<u64, DiskError> {
     let stat = nix::sys::statvfs::statvfs(path).map_err(|e| DiskError::Io {
         path: path.to_owned(),
         source: e.into(),
     })?;
-    // The field types differ between platforms.
-    #[allow(clippy::unnecessary_cast)]
     Ok(stat.blocks_available() as u64 * stat.fragment_size() as u64)
 }
 
