@@ -151,7 +151,9 @@ pub struct NodeConfig {
 impl NodeConfig {
     /// The directory of the Raft log: `raft_dir`, or `data_dir`.
     pub fn raft_dir(&self) -> PathBuf {
-        self.raft_dir.clone().unwrap_or_else(|| self.data_dir.clone())
+        self.raft_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.clone())
     }
 }
 

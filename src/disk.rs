@@ -148,7 +148,10 @@ mod tests {
         let free = free_bytes(dir.path()).unwrap();
         let c = config(dir.path(), &format!("min_free_bytes = {}\n", free * 2));
         let err = check(&c).unwrap_err().to_string();
-        assert!(err.contains("below the") && err.contains("raft_dir"), "{err}");
+        assert!(
+            err.contains("below the") && err.contains("raft_dir"),
+            "{err}"
+        );
         assert!(err.contains("audit log"), "same volume: {err}");
         let c = config(
             dir.path(),
@@ -164,7 +167,10 @@ mod tests {
         let free = free_bytes(dir.path()).unwrap();
         let c = config(
             dir.path(),
-            &format!("min_free_bytes = 1024\n[audit]\nmax_total_bytes = {}\n", free * 2),
+            &format!(
+                "min_free_bytes = 1024\n[audit]\nmax_total_bytes = {}\n",
+                free * 2
+            ),
         );
         let err = check(&c).unwrap_err().to_string();
         assert!(err.contains("may still write on the same volume"), "{err}");
@@ -178,12 +184,18 @@ mod tests {
         let raft = dir.path().join("raft");
         let c = config(
             dir.path(),
-            &format!("raft_dir = \"{}\"\nmin_free_bytes = 0\n[audit]\nmax_total_bytes = 1\n", raft.display()),
+            &format!(
+                "raft_dir = \"{}\"\nmin_free_bytes = 0\n[audit]\nmax_total_bytes = 1\n",
+                raft.display()
+            ),
         );
         let err = check(&c).unwrap_err().to_string();
         assert!(err.contains("move") && err.contains("revision 1"), "{err}");
         // Without raft_dir the old layout keeps working.
-        let c = config(dir.path(), "min_free_bytes = 0\n[audit]\nmax_total_bytes = 1\n");
+        let c = config(
+            dir.path(),
+            "min_free_bytes = 0\n[audit]\nmax_total_bytes = 1\n",
+        );
         check(&c).unwrap();
     }
 }

@@ -99,7 +99,10 @@ impl Drop for Tmpfs {
             .is_ok_and(|s| s.success());
         if !ok {
             // Busy (a process still has a file open): detach it now, freed when closed.
-            let _ = Command::new("umount").arg("-l").arg(self.dir.path()).status();
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(self.dir.path())
+                .status();
         }
     }
 }
@@ -145,9 +148,13 @@ async fn flood_once(gateway: SocketAddr, source: Ipv4Addr, n: usize) -> Result<u
     let mut out = BytesMut::new();
     for i in 0..PIPELINE {
         let line = WRITES[(n + i) % WRITES.len()];
-        let args = line
-            .split(' ')
-            .map(|a| if a == "k" { format!("flood:{n}:{i}") } else { a.to_owned() });
+        let args = line.split(' ').map(|a| {
+            if a == "k" {
+                format!("flood:{n}:{i}")
+            } else {
+                a.to_owned()
+            }
+        });
         Frame::command(args.map(bytes::Bytes::from)).encode(&mut out);
     }
     s.write_all(&out).await.map_err(|e| e.to_string())?;
@@ -217,10 +224,7 @@ async fn lease_traffic(api: String, lease_id: String, stop: Arc<AtomicBool>) -> 
                 stats.last_revision = revision;
                 stats.acquired += 1;
                 let id = body["lease_id"].as_str().unwrap();
-                let released = http
-                    .delete(format!("{api}/v1/leases/{id}"))
-                    .send()
-                    .await;
+                let released = http.delete(format!("{api}/v1/leases/{id}")).send().await;
                 if !released.is_ok_and(|r| r.status().is_success()) {
                     stats.failed.push(format!("release {round} failed"));
                 }
@@ -282,7 +286,10 @@ async fn a_tokenless_flood_on_a_small_volume_leaves_the_lock_service_and_fenced_
         redis.addr
     );
     let node_lines = format!("min_free_bytes = {MIN_FREE}");
-    let audit_lines = format!("max_total_bytes = {AUDIT_BUDGET}\nmax_file_bytes = {}", 4 * MIB);
+    let audit_lines = format!(
+        "max_total_bytes = {AUDIT_BUDGET}\nmax_file_bytes = {}",
+        4 * MIB
+    );
     let mut node = GatewayNode::start_with(
         &NodeOptions {
             node: &node_lines,
@@ -437,10 +444,17 @@ async fn a_tokenless_flood_on_a_small_volume_leaves_the_lock_service_and_fenced_
         min_free.load(Ordering::Relaxed) >= MIN_FREE,
         "the volume fell below the node's reservation"
     );
-    assert!(stats.failed.is_empty(), "lock service failures: {:?}", stats.failed);
+    assert!(
+        stats.failed.is_empty(),
+        "lock service failures: {:?}",
+        stats.failed
+    );
     assert!(
         stats.acquired >= (BEFORE + FLOOD).as_secs() * 2,
         "tokens kept being issued (one every 200 ms plus the call)"
     );
-    assert_eq!(stats.renewed, stats.acquired, "every round renewed the lease");
+    assert_eq!(
+        stats.renewed, stats.acquired,
+        "every round renewed the lease"
+    );
 }

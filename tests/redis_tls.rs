@@ -107,8 +107,11 @@ async fn tls_client(
 /// Sends one command and reads its reply (bounded: 10 s).
 async fn call<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, args: &[&str]) -> Frame {
     let mut out = BytesMut::new();
-    Frame::command(args.iter().map(|a| bytes::Bytes::copy_from_slice(a.as_bytes())))
-        .encode(&mut out);
+    Frame::command(
+        args.iter()
+            .map(|a| bytes::Bytes::copy_from_slice(a.as_bytes())),
+    )
+    .encode(&mut out);
     s.write_all(&out).await.unwrap();
     let mut buf = BytesMut::new();
     let deadline = Instant::now() + Duration::from_secs(10);

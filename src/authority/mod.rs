@@ -217,7 +217,8 @@ impl Authority {
         };
         std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
         let db = Arc::new(
-            Database::create(dir.join(crate::disk::RAFT_FILE)).map_err(|e| open_err(e.to_string()))?,
+            Database::create(dir.join(crate::disk::RAFT_FILE))
+                .map_err(|e| open_err(e.to_string()))?,
         );
         let log = LogStore::open(db.clone()).map_err(|e| open_err(e.to_string()))?;
         let waiters = Arc::new(Waiters::default());

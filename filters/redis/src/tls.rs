@@ -45,7 +45,10 @@ impl UpstreamTarget {
         if host.is_empty() || port.parse::<u16>().is_err() || addr.contains(['/', '@']) {
             return Err(bad());
         }
-        let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
         Ok(Self {
             addr: addr.to_owned(),
             host,
@@ -119,14 +122,24 @@ mod tests {
     #[test]
     fn upstream_forms() {
         let t = UpstreamTarget::parse("127.0.0.1:6379").unwrap();
-        assert_eq!((t.addr.as_str(), t.host.as_str(), t.tls), ("127.0.0.1:6379", "127.0.0.1", false));
+        assert_eq!(
+            (t.addr.as_str(), t.host.as_str(), t.tls),
+            ("127.0.0.1:6379", "127.0.0.1", false)
+        );
         let t = UpstreamTarget::parse("redis://cache:6379/").unwrap();
         assert_eq!((t.addr.as_str(), t.tls), ("cache:6379", false));
         let t = UpstreamTarget::parse("rediss://redis.internal:6380").unwrap();
         assert_eq!((t.host.as_str(), t.tls), ("redis.internal", true));
         let t = UpstreamTarget::parse("rediss://[::1]:6380").unwrap();
         assert_eq!(t.host, "::1");
-        for bad in ["cache", "http://cache:6379", "rediss://cache", "rediss://u:p@cache:6379", "redis://cache:6379/2", ":6379"] {
+        for bad in [
+            "cache",
+            "http://cache:6379",
+            "rediss://cache",
+            "rediss://u:p@cache:6379",
+            "redis://cache:6379/2",
+            ":6379",
+        ] {
             assert!(UpstreamTarget::parse(bad).is_err(), "{bad}");
         }
     }
