@@ -143,7 +143,8 @@ pub struct NodeConfig {
     /// Free bytes the Raft directory's volume (and the audit directory's) must have at start;
     /// when both share a volume, what the audit log may still grow (`[audit]
     /// max_total_bytes` minus its size) is reserved on top. The node refuses to start short
-    /// of it.
+    /// of it; while it runs, an audit volume below it makes the audit log act as over its
+    /// budget (tokenless and malformed refusals only counted, alarm on).
     #[serde(default = "default_min_free_bytes")]
     pub min_free_bytes: u64,
 }

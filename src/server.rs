@@ -138,6 +138,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         &config.node.data_dir,
         &config.node.id.to_string(),
         metrics.fences.clone(),
+        config.node.min_free_bytes,
     )?;
     let (peer_http, api_http) = match &secrets.tls {
         Some(tls) => (tls.peer_client()?, tls.api_client()?),
