@@ -15,10 +15,11 @@ pub const RAFT_FILE: &str = "authority.redb";
 
 #[derive(Debug, Error)]
 pub enum DiskError {
-    #[error("{path}: {source}")]
+    // Not a `source`: the message already says it, and `{:#}` would print it twice.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path} has {free} bytes free, below the {needed} bytes this node reserves ({why}); free space on that volume, give the Raft log its own volume with [node] raft_dir, or lower [node] min_free_bytes / [audit] max_total_bytes")]
     Low {
@@ -37,7 +38,7 @@ pub enum DiskError {
 pub fn free_bytes(path: &Path) -> Result<u64, DiskError> {
     let stat = nix::sys::statvfs::statvfs(path).map_err(|e| DiskError::Io {
         path: path.to_owned(),
-        source: e.into(),
+        error: e.into(),
     })?;
     Ok(stat.blocks_available() as u64 * stat.fragment_size() as u64)
 }
@@ -47,9 +48,9 @@ fn device(path: &Path) -> Result<u64, DiskError> {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path)
         .map(|m| m.dev())
-        .map_err(|source| DiskError::Io {
+        .map_err(|error| DiskError::Io {
             path: path.to_owned(),
-            source,
+            error,
         })
 }
 
@@ -67,9 +68,9 @@ fn dir_bytes(dir: &Path) -> u64 {
 }
 
 fn create(dir: &Path) -> Result<(), DiskError> {
-    std::fs::create_dir_all(dir).map_err(|source| DiskError::Io {
+    std::fs::create_dir_all(dir).map_err(|error| DiskError::Io {
         path: dir.to_owned(),
-        source,
+        error,
     })
 }
 

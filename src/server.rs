@@ -38,7 +38,7 @@ pub enum ServeError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Credentials(#[from] CredentialError),
-    #[error("disk: {0}")]
+    #[error(transparent)]
     Disk(#[from] crate::disk::DiskError),
     #[error("audit log: {0}")]
     Audit(#[from] crate::audit::AuditError),
