@@ -14,7 +14,7 @@ use crate::error::S3Error;
 use crate::error_xml::S3ErrorBody;
 use crate::gateway::{Shared, UpstreamResponse};
 use crate::respond::{respond, respond_body, respond_error};
-use crate::rewrite::{Operation, Target, TOKEN_HEADER};
+use crate::rewrite::{Operation, Target, SESSION_TOKEN_HEADER, TOKEN_HEADER};
 use crate::sigv4_verify::Verified;
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
@@ -124,12 +124,19 @@ impl WriteSession<'_> {
         self.refuse(rejection, None).await;
     }
 
+    /// The token the client presented: the `Fencing-Token` header, else the SigV4 session
+    /// token (`x-amz-security-token`, which `AWS_SESSION_TOKEN` sets), for clients such as the
+    /// aws CLI that cannot add a header. Both are covered by the client's signature.
+    pub(crate) fn presented_token(&self) -> Option<&str> {
+        header(&self.headers, TOKEN_HEADER).or_else(|| header(&self.headers, SESSION_TOKEN_HEADER))
+    }
+
     pub(crate) fn token(&self, rule: &ProtectRule) -> Result<Token, Rejection> {
-        let Some(presented) = header(&self.headers, TOKEN_HEADER) else {
+        let Some(presented) = self.presented_token() else {
             return Err(Rejection::new(
                 RejectReason::Missing,
                 format!(
-                    "a write to protected {} needs a Fencing-Token header",
+                    "a write to protected {} needs a Fencing-Token header (or the token as the session token, AWS_SESSION_TOKEN)",
                     self.target.display()
                 ),
             ));
@@ -193,7 +200,7 @@ impl WriteSession<'_> {
     }
 
     pub(crate) fn audit_event(&self, rejection: &Rejection, key: Option<&str>) -> AuditEvent {
-        let presented = header(&self.headers, TOKEN_HEADER).and_then(|t| Token::parse(t).ok());
+        let presented = self.presented_token().and_then(|t| Token::parse(t).ok());
         let object = match key {
             Some(key) => format!("{}/{key}", self.target.bucket.as_deref().unwrap_or("")),
             None => self.target.display(),
