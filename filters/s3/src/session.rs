@@ -61,10 +61,11 @@ impl WriteSession<'_> {
         if key
             .as_deref()
             .is_some_and(|k| k.starts_with(crate::manifest::RESERVED_PREFIX))
-            && self.shared.config.bucket_has_manifest(&bucket)
+            && self.shared.config.bucket_protected(&bucket)
         {
+            // Manifests, physical objects and upload stamps: the gateway's word.
             let detail = format!(
-                "{} is the gateway's own manifest-mode storage; clients cannot write it",
+                "{} is the gateway's own storage; clients cannot write it",
                 self.target.display()
             );
             self.refuse(Rejection::new(RejectReason::Unsupported, detail), None)
