@@ -73,8 +73,7 @@ pub async fn run(command: S3Command) -> anyhow::Result<ExitCode> {
             // whose prefix and `prefix` overlap.
             let mut resources: Vec<String> = Vec::new();
             for rule in &s3.protect {
-                let overlaps =
-                    rule.prefix.starts_with(&prefix) || prefix.starts_with(&rule.prefix);
+                let overlaps = rule.prefix.starts_with(&prefix) || prefix.starts_with(&rule.prefix);
                 if rule.bucket == bucket && rule.mode == ProtectMode::Manifest && overlaps {
                     let resource = rule.resource.clone().unwrap_or_default();
                     if !resources.contains(&resource) {

@@ -104,7 +104,13 @@ fn gc_removes_only_old_unreferenced_objects_and_export_writes_the_committed_view
 
     // A dry run counts and removes nothing.
     let (code, dry, err) = node.cli(&[
-        "s3", "gc", "--config", &config, "--grace", grace, "--dry-run",
+        "s3",
+        "gc",
+        "--config",
+        &config,
+        "--grace",
+        grace,
+        "--dry-run",
     ]);
     println!("{dry}{err}");
     assert_eq!(code, 0, "{err}");
@@ -182,8 +188,7 @@ fn gc_removes_only_old_unreferenced_objects_and_export_writes_the_committed_view
     println!("{out}{err}");
     assert_eq!(code, 2);
     assert!(err.contains("is protected by a fencing rule"), "{err}");
-    let copies =
-        node.direct(json!([{"op": "list", "bucket": "ledger", "prefix": "data/copy/"}]));
+    let copies = node.direct(json!([{"op": "list", "bucket": "ledger", "prefix": "data/copy/"}]));
     assert_eq!(copies[0]["keys"], json!([]));
 }
 
@@ -213,7 +218,10 @@ fn s3_maintenance_errors_say_what_to_do() {
     ]);
     println!("{err}");
     assert_eq!(code, 2);
-    assert!(err.contains("export reads manifest-mode keys only"), "{err}");
+    assert!(
+        err.contains("export reads manifest-mode keys only"),
+        "{err}"
+    );
     // Without the upstream secret nothing is sent, and the message names the variable.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fencegate"))
         .args(["s3", "gc", "--config", &config])

@@ -82,12 +82,7 @@ impl MotoServer {
         // moto's server applies each request atomically only through this wrapper (see its
         // docstring: plain moto's conditional PUTs are not atomic under concurrency).
         command.arg(repo_root().join("tests/s3/moto_atomic.py"));
-        command.args([
-            "-H",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-        ]);
+        command.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
         if let Some((cert, key)) = tls {
             command
                 .arg("--ssl-cert")

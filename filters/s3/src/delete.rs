@@ -126,7 +126,10 @@ impl WriteSession<'_> {
                 let rejection = if reserved {
                     Rejection::new(
                         RejectReason::Unsupported,
-                        format!("{bucket}/{} is the gateway's own storage; clients cannot delete it", entry.key),
+                        format!(
+                            "{bucket}/{} is the gateway's own storage; clients cannot delete it",
+                            entry.key
+                        ),
                     )
                 } else {
                     normalized_path_rejection(&format!("{bucket}/{}", entry.key))

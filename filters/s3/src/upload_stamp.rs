@@ -104,7 +104,11 @@ impl Shared {
             }
         }
         let Some(stamp) = UploadStamp::parse_for(&response.body, key, upload_id) else {
-            tracing::warn!(bucket, upload_id, "an upload stamp names another upload; ignored");
+            tracing::warn!(
+                bucket,
+                upload_id,
+                "an upload stamp names another upload; ignored"
+            );
             return Ok(None);
         };
         tracing::info!(
@@ -130,7 +134,12 @@ impl Shared {
         {
             Ok(response) if response.succeeded() || response.status == 404 => {}
             Ok(response) => {
-                tracing::warn!(bucket, upload_id, status = response.status, "the upload's stamp was not deleted")
+                tracing::warn!(
+                    bucket,
+                    upload_id,
+                    status = response.status,
+                    "the upload's stamp was not deleted"
+                )
             }
             Err(e) => {
                 tracing::warn!(bucket, upload_id, error = %e, "the upload's stamp was not deleted")

@@ -118,15 +118,24 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
         .run(
             Some(5),
             &[
-                "s3api", "put-object", "--bucket", "ledger", "--key", "data/b.txt", "--body",
+                "s3api",
+                "put-object",
+                "--bucket",
+                "ledger",
+                "--key",
+                "data/b.txt",
+                "--body",
                 &other,
             ],
         )
         .json();
     assert!(put["ETag"].as_str().is_some(), "{put}");
     for key in ["data/dir1/x", "data/dir1/y", "data/dir2/z"] {
-        cli.run(Some(5), &["s3", "cp", &small, &format!("s3://ledger/{key}")])
-            .ok();
+        cli.run(
+            Some(5),
+            &["s3", "cp", &small, &format!("s3://ledger/{key}")],
+        )
+        .ok();
     }
 
     // Get and head.
@@ -152,7 +161,14 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     let head = cli
         .run(
             None,
-            &["s3api", "head-object", "--bucket", "ledger", "--key", "data/b.txt"],
+            &[
+                "s3api",
+                "head-object",
+                "--bucket",
+                "ledger",
+                "--key",
+                "data/b.txt",
+            ],
         )
         .json();
     assert_eq!(head["ContentLength"], 15, "{head}");
@@ -163,11 +179,21 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     println!("{ls}");
     assert!(ls.contains("PRE dir1/") && ls.contains("PRE dir2/"), "{ls}");
     assert!(ls.contains(" a.txt") && ls.contains(" b.txt"), "{ls}");
-    assert!(!ls.contains(" x"), "keys below a delimiter are grouped: {ls}");
+    assert!(
+        !ls.contains(" x"),
+        "keys below a delimiter are grouped: {ls}"
+    );
     let paged = cli
         .run(
             None,
-            &["s3", "ls", "--recursive", "--page-size", "2", "s3://ledger/data/"],
+            &[
+                "s3",
+                "ls",
+                "--recursive",
+                "--page-size",
+                "2",
+                "s3://ledger/data/",
+            ],
         )
         .ok();
     let keys: Vec<&str> = paged
@@ -176,15 +202,29 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
         .collect();
     assert_eq!(
         keys,
-        ["data/a.txt", "data/b.txt", "data/dir1/x", "data/dir1/y", "data/dir2/z"],
+        [
+            "data/a.txt",
+            "data/b.txt",
+            "data/dir1/x",
+            "data/dir1/y",
+            "data/dir2/z"
+        ],
         "{paged}"
     );
     let prefixes = cli
         .run(
             None,
             &[
-                "s3api", "list-objects-v2", "--bucket", "ledger", "--prefix", "data/",
-                "--delimiter", "/", "--page-size", "1",
+                "s3api",
+                "list-objects-v2",
+                "--bucket",
+                "ledger",
+                "--prefix",
+                "data/",
+                "--delimiter",
+                "/",
+                "--page-size",
+                "1",
             ],
         )
         .json();
@@ -197,7 +237,12 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     // Copy.
     cli.run(
         Some(5),
-        &["s3", "cp", "s3://ledger/data/a.txt", "s3://ledger/data/copy.txt"],
+        &[
+            "s3",
+            "cp",
+            "s3://ledger/data/a.txt",
+            "s3://ledger/data/copy.txt",
+        ],
     )
     .ok();
     let copied = cli
@@ -208,12 +253,22 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     // Multipart: 12 MiB above a 5 MB threshold.
     let big: Vec<u8> = (0..12u32 << 20).map(|i| (i % 251) as u8).collect();
     let big_file = write(&cli.path("big.bin"), &big);
-    cli.run(Some(5), &["s3", "cp", &big_file, "s3://ledger/data/big.bin"])
-        .ok();
+    cli.run(
+        Some(5),
+        &["s3", "cp", &big_file, "s3://ledger/data/big.bin"],
+    )
+    .ok();
     let head = cli
         .run(
             None,
-            &["s3api", "head-object", "--bucket", "ledger", "--key", "data/big.bin"],
+            &[
+                "s3api",
+                "head-object",
+                "--bucket",
+                "ledger",
+                "--key",
+                "data/big.bin",
+            ],
         )
         .json();
     assert!(
@@ -231,13 +286,22 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
         ],
     )
     .ok();
-    assert!(std::fs::read(&back).unwrap() == big, "multipart bytes differ");
+    assert!(
+        std::fs::read(&back).unwrap() == big,
+        "multipart bytes differ"
+    );
 
     // Presigned GET, fetched by curl.
     let url = cli
         .run(
             None,
-            &["s3", "presign", "s3://ledger/data/a.txt", "--expires-in", "300"],
+            &[
+                "s3",
+                "presign",
+                "s3://ledger/data/a.txt",
+                "--expires-in",
+                "300",
+            ],
         )
         .ok();
     let curl = Command::new("curl")
@@ -252,10 +316,18 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     assert_eq!(curl.stdout, b"written by the aws cli");
 
     // Delete.
-    cli.run(Some(5), &["s3", "rm", "s3://ledger/data/b.txt"]).ok();
+    cli.run(Some(5), &["s3", "rm", "s3://ledger/data/b.txt"])
+        .ok();
     let gone = cli.run(
         None,
-        &["s3api", "head-object", "--bucket", "ledger", "--key", "data/b.txt"],
+        &[
+            "s3api",
+            "head-object",
+            "--bucket",
+            "ledger",
+            "--key",
+            "data/b.txt",
+        ],
     );
     assert_ne!(gone.code, 0);
     assert!(gone.err.contains("404"), "{}", gone.err);
@@ -288,7 +360,14 @@ fn aws_cli_works_unchanged_against_a_manifest_bucket() {
     assert_eq!(body, "put-object body");
     let absent = cli.run(
         None,
-        &["s3api", "head-object", "--bucket", "ledger", "--key", "data/new.txt"],
+        &[
+            "s3api",
+            "head-object",
+            "--bucket",
+            "ledger",
+            "--key",
+            "data/new.txt",
+        ],
     );
     assert_ne!(absent.code, 0);
     let events = h.audit.events();
