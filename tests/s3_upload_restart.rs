@@ -89,8 +89,14 @@ fn upload_revision_is_recovered_after_a_restart_and_stale_completion_is_refused(
         ),
         (Some("stale"), Some(5), Some(6))
     );
-    // Completed uploads' stamps are gone; the refused one's upload (and stamp) stays open.
+    // Completed uploads' stamps are gone; the refused one's upload (and stamp) stays open
+    // until it is aborted.
     assert_eq!(stamps(&node), 1);
+    let aborted = node.run(json!([
+        {"op": "abort", "bucket": "fenced", "key": "out/b", "upload_id": created[1]["upload_id"], "token": token(5)},
+    ]));
+    assert_eq!(aborted[0]["ok"], true, "{}", aborted[0]);
+    assert_eq!(stamps(&node), 0);
 }
 
 /// Clients cannot forge or remove a stamp: `.fencegate/` is the gateway's in any bucket with

@@ -111,6 +111,17 @@ impl WriteSession<'_> {
             }
             Operation::CreateMultipartUpload => self.create_upload(&bucket, &key, &token).await,
             Operation::DeleteObject => self.fenced_delete(&bucket, &key, &token).await,
+            Operation::AbortMultipartUpload => {
+                if self.relay_through(&bucket, Some(&key)).await {
+                    // The upload is gone: so is its stamp.
+                    let upload_id = crate::gateway::query_pairs(&self.raw_query)
+                        .into_iter()
+                        .find(|(k, _)| k == "uploadId")
+                        .map(|(_, v)| v)
+                        .unwrap_or_default();
+                    self.shared.unstamp_upload(&(bucket, key, upload_id)).await;
+                }
+            }
             // UploadPart(Copy) and AbortMultipartUpload are inert until completion, but still
             // need a valid token for the rule's resource: a tokenless client must not be able
             // to abort the holder's upload or swap its parts.
@@ -276,6 +287,11 @@ impl WriteSession<'_> {
 
     /// Streams a request through, re-signed, without fencing.
     pub(crate) async fn pass_through(&mut self, bucket: &str, key: Option<&str>) {
+        self.relay_through(bucket, key).await;
+    }
+
+    /// [`WriteSession::pass_through`], telling whether the store answered 2xx.
+    pub(crate) async fn relay_through(&mut self, bucket: &str, key: Option<&str>) -> bool {
         let path = Upstream::path_and_query(Some(bucket), key, &self.raw_query);
         let headers = self.upstream_headers(true);
         let len = self.body_length();
@@ -303,10 +319,18 @@ impl WriteSession<'_> {
                 {
                     // Unprotected: nothing to remember.
                 }
+                let applied = response.succeeded();
                 self.relay(response).await;
+                applied
             }
-            Err(SendError::Body(e)) => self.body_failed(e).await,
-            Err(SendError::Upstream(e)) => self.upstream_failed(e).await,
+            Err(SendError::Body(e)) => {
+                self.body_failed(e).await;
+                false
+            }
+            Err(SendError::Upstream(e)) => {
+                self.upstream_failed(e).await;
+                false
+            }
         }
     }
 
