@@ -177,6 +177,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     if let Some(postgres) = config.postgres.clone() {
         let gateway = fencegate_postgres::Gateway::new(postgres, policy.clone(), audit.sink())?;
         gateway.install_if_configured().await?;
+        gateway.start_key_sync()?;
         let listener = gateway.bind().await?;
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {

@@ -782,3 +782,116 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("above the authority's revision"), "{out}");
 }
+
+/// A node whose `[postgres]` names the owner's DSN keeps the store's token keys in step with
+/// the cluster's by itself: after the first key, a rotation and a retirement, the guard on a
+/// direct connection judges with exactly the cluster's keys, with no `sync-keys` run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
+    use support::postgres_server::{cli, PgServer};
+
+    let pg = PgServer::start();
+    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(code, 0, "install: {out}{err}");
+    pg.psql_as("postgres", "CREATE TABLE ledger (id int PRIMARY KEY)");
+    let (code, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--table",
+        "ledger",
+        "--resource",
+        "vault",
+    ]);
+    assert_eq!(code, 0, "protect: {out}{err}");
+    let pg_port = free_port();
+    let owner_dsn = pg.dsn("postgres");
+    let section = |_: u64| {
+        format!(
+            "\n[postgres]\nlisten = \"127.0.0.1:{pg_port}\"\nupstream = \"{}\"\nresource = \"vault\"\ninstall_dsn_env = \"PG_OWNER_DSN\"\n",
+            pg.addr()
+        )
+    };
+    let cluster =
+        Cluster::start_configured(1, "", section, &[("PG_OWNER_DSN", owner_dsn.as_str())]).await;
+    let store_keys = || {
+        pg.psql_as(
+            "postgres",
+            "SELECT coalesce(string_agg(kid || ':' || retired, ',' ORDER BY kid), '') FROM fencegate.token_keys",
+        )
+    };
+    // The store follows the cluster within a few of the node's one-second checks.
+    let wait_store = |want: &'static str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let have = store_keys();
+            if have == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "store keys {have:?}, want {want:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let first = cluster.acquire(1, "vault", 60_000).await;
+    wait_store("1:false");
+
+    let (direct, connection) = tokio_postgres::connect(&owner_dsn, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let guarded = |token: &str, id: u32| {
+        format!(
+            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
+        )
+    };
+    let sqlstate = |e: tokio_postgres::Error| e.code().map(|c| c.code().to_owned());
+    // A typed token is refused by the store itself; the cluster's token writes.
+    let e = direct
+        .batch_execute(&guarded("fg1~999~vault", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(e).as_deref(), Some("FG004"));
+    let _ = direct.batch_execute("ROLLBACK").await;
+    let old_token = first["token"].as_str().unwrap().to_owned();
+    direct.batch_execute(&guarded(&old_token, 2)).await.unwrap();
+
+    // Rotate, then retire key 1: the store learns both without anyone running sync-keys.
+    let (status, body) = cluster.call(1, Method::POST, "/v1/token-keys", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    wait_key(&cluster, 1, 2, "signing").await;
+    wait_store("1:false,2:false");
+    let (status, body) = cluster
+        .call(1, Method::POST, "/v1/token-keys/1/retire", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    wait_store("1:true,2:false");
+    let e = direct
+        .batch_execute(&guarded(&old_token, 3))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        sqlstate(e).as_deref(),
+        Some("FG004"),
+        "a retired key's token"
+    );
+    let _ = direct.batch_execute("ROLLBACK").await;
+    let lease = first["lease_id"].as_str().unwrap();
+    cluster.release(1, lease).await;
+    let second = cluster.acquire(1, "vault", 60_000).await;
+    let new_token = second["token"].as_str().unwrap();
+    assert_eq!(
+        fencegate_core::Token::parse(new_token).unwrap().key_id(),
+        Some(2),
+        "{new_token}"
+    );
+    direct.batch_execute(&guarded(new_token, 4)).await.unwrap();
+    let rows = pg.psql_as(
+        "postgres",
+        "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
+    );
+    assert_eq!(rows, "2,4");
+}

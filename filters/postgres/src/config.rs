@@ -14,7 +14,8 @@
 //!                                  # store with `fencegate postgres protect --resource billing`.
 //! accept_plain = false             # accept bare decimal revisions as tokens (needs `resource`)
 //! install_on_start = false         # run fence.sql at startup (needs install_dsn_env)
-//! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding a libpq-style DSN for the install
+//! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding the fence schema owner's DSN: for the
+//!                                     # install, and to keep the store's token keys in step
 //! max_message_bytes = 67108864     # larger client messages: 08P01 and the connection closes
 //! tls_cert = "/etc/fencegate/pg.crt" # optional PEM chain; with tls_key, SSLRequest is accepted
 //! tls_key = "/etc/fencegate/pg.key"  # and TLS terminated with rustls (else SSLRequest gets 'N')

@@ -67,6 +67,20 @@ impl Gateway {
         Ok(())
     }
 
+    /// Keeps the store's token keys in step with the node's key ring (see [`crate::key_sync`])
+    /// when the config names an install DSN; a background task for the node's life.
+    pub fn start_key_sync(&self) -> Result<(), PostgresError> {
+        let Some(var) = self.config.install_dsn_env.as_deref() else {
+            tracing::warn!("[postgres] has no install_dsn_env: the store's token keys are not kept in step; run `fencegate postgres sync-keys` after every key rotation, or direct connections are judged with old keys");
+            return Ok(());
+        };
+        let dsn = std::env::var(var).map_err(|_| {
+            PostgresError::Config(format!("install_dsn_env names {var}, which is not set"))
+        })?;
+        tokio::spawn(crate::key_sync::sync_forever(self.policy.keys.clone(), dsn));
+        Ok(())
+    }
+
     pub(crate) fn next_connection_id(&self) -> u64 {
         self.connections.fetch_add(1, Ordering::Relaxed) + 1
     }

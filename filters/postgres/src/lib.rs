@@ -40,6 +40,7 @@ pub mod error;
 mod fence_reset;
 mod gateway;
 pub mod install;
+pub mod key_sync;
 mod lazy_writer;
 pub mod lexing;
 pub mod message;
