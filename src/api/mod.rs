@@ -5,6 +5,7 @@ pub mod auth;
 mod forward;
 mod keys;
 mod lock;
+mod members;
 mod ops;
 mod raft_rpc;
 mod reply;
@@ -15,7 +16,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post};
 use axum::Router;
 
-use crate::authority::network::{APPEND_PATH, SNAPSHOT_PATH, VOTE_PATH};
+use crate::authority::network::{APPEND_PATH, MEMBERSHIP_PATH, SNAPSHOT_PATH, VOTE_PATH};
 use crate::authority::Authority;
 use crate::config::AuthorityConfig;
 use crate::metrics::Metrics;
@@ -65,6 +66,8 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         .route("/v1/revision/bump", post(ops::bump))
         .route("/v1/token-keys", post(keys::rotate))
         .route("/v1/token-keys/{kid}/retire", post(keys::retire))
+        .route("/v1/cluster/nodes", post(members::add))
+        .route("/v1/cluster/nodes/{id}", delete(members::remove))
         .route_layer(axum::middleware::from_fn_with_state(
             gate(Role::Admin),
             auth::require,
@@ -84,6 +87,7 @@ pub fn peer_router(state: ApiState) -> Router {
         .route(APPEND_PATH, post(raft_rpc::append))
         .route(VOTE_PATH, post(raft_rpc::vote))
         .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
+        .route(MEMBERSHIP_PATH, get(raft_rpc::membership))
         .layer(DefaultBodyLimit::max(LARGE_BODY))
         .with_state(state)
 }
