@@ -7,6 +7,7 @@ mod cli_certs;
 mod cli_postgres;
 mod client;
 mod config;
+mod disk;
 mod fence_reset;
 mod lock_run;
 mod metrics;

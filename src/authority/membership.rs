@@ -5,7 +5,7 @@
 //! the entry that removes it (unless it led the change). It notices in one of two ways: it
 //! applies a committed membership without itself (it was the leader), or it stops hearing from
 //! any leader and a peer reports a committed membership without it, later than the last one it
-//! was in. That last index is kept in the data directory, so a removed node that restarts
+//! was in. That last index is kept next to the Raft log, so a removed node that restarts
 //! notices too, and a node still catching up on old entries (which name older memberships)
 //! never mistakes them for its removal.
 
@@ -34,7 +34,7 @@ const CHECK_EVERY: Duration = Duration::from_millis(500);
 const QUIET: Duration = Duration::from_secs(2);
 /// How long each peer may take to answer that question.
 const ASK_TIMEOUT: Duration = Duration::from_secs(1);
-/// The file, in the data directory, holding the log index of the latest committed membership
+/// The file, next to the Raft log, holding the log index of the latest committed membership
 /// that named this node.
 const SEEN_FILE: &str = "membership-seen";
 
