@@ -58,11 +58,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig(arg) => {
             let config = Config::load(&arg.config)?;
             server::Secrets::load(&config)?;
+            let members = if config.authority.join {
+                "join mode: waits for cluster add-node".to_owned()
+            } else {
+                format!("{} member(s)", config.members().len())
+            };
             println!(
-                "{}: ok (node {}, {} member(s))",
+                "{}: ok (node {}, {members})",
                 arg.config.display(),
                 config.node.id,
-                config.members().len()
             );
             Ok(ExitCode::SUCCESS)
         }

@@ -155,6 +155,12 @@ async fn replace(security: Security, pick: impl Fn(u64) -> u64) {
     let first_leader = cluster.wait_for_leader(&[1, 2, 3]).await;
     let new = cluster.spawn_joining();
     assert_eq!(new, 4);
+    let config = cluster.nodes[3].config.display().to_string();
+    let (code, out) = cli(&cluster, &["check-config", "--config", &config]);
+    assert!(
+        code == 0 && out.contains("join mode"),
+        "check-config: {out}"
+    );
 
     let tally = Arc::new(Mutex::new(Tally::default()));
     let (count_tx, mut count) = watch::channel(0u64);
