@@ -107,6 +107,16 @@ pub enum CertsCommand {
         #[arg(long = "node", required = true)]
         nodes: Vec<String>,
     },
+    /// Write node<N>.crt/.key for one more node, signed by the ca.crt/ca.key in --dir (made by
+    /// `certs init`): for a node added to a running cluster. Refuses to overwrite files.
+    AddNode {
+        /// The directory `certs init` wrote.
+        #[arg(long, default_value = "certs")]
+        dir: PathBuf,
+        /// The node as ID=HOST[,HOST...], as for `certs init`.
+        #[arg(long = "node", required = true)]
+        node: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -339,6 +349,28 @@ pub enum LockCommand {
 pub enum ClusterCommand {
     /// Node id, leader, term, members, last applied, revision (JSON).
     Status {
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+    /// Add a node to the running cluster (admin): it joins as a learner, catches up with the
+    /// log, then votes. Start the node first, in join mode (`[authority] join = true`).
+    AddNode {
+        /// The new node's id (its `[node] id`); not used by any member.
+        #[arg(long)]
+        id: u64,
+        /// host:port where clients and other members reach its API.
+        #[arg(long)]
+        api: String,
+        /// host:port of its peer (Raft) port; with TLS the host must be in its certificate.
+        #[arg(long)]
+        peer: String,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
+    /// Remove node ID from the cluster (admin). The removed node notices and exits; a dead
+    /// node can be removed too.
+    RemoveNode {
+        id: u64,
         #[command(flatten)]
         endpoint: EndpointArg,
     },

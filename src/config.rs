@@ -161,9 +161,15 @@ impl NodeConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AuthorityConfig {
-    /// The cluster's voters. Empty: a one-node cluster of this node alone.
+    /// The cluster's voters at its first start. Empty: a one-node cluster of this node alone.
+    /// Later changes go through `fencegate cluster add-node` / `remove-node`; the members
+    /// listed here are only used the first time and for API addresses older logs lack.
     #[serde(default)]
     pub members: Vec<MemberConfig>,
+    /// Join mode: this node forms no cluster of its own; it starts empty and waits until a
+    /// member adds it (`fencegate cluster add-node`). `members` must then be empty.
+    #[serde(default)]
+    pub join: bool,
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     #[serde(default = "default_election_min_ms")]
@@ -290,6 +296,7 @@ impl Default for AuthorityConfig {
     fn default() -> Self {
         Self {
             members: Vec::new(),
+            join: false,
             heartbeat_ms: default_heartbeat_ms(),
             election_timeout_min_ms: default_election_min_ms(),
             election_timeout_max_ms: default_election_max_ms(),
@@ -442,6 +449,12 @@ impl Config {
                     "member {} has no peer address; every member needs one unless [security] insecure = true",
                     bad.id
                 ),
+            ));
+        }
+        if a.join && !a.members.is_empty() {
+            return Err((
+                "join",
+                "join = true: a joining node learns the members from the cluster that adds it; remove [[authority.members]] (or drop join to form a new cluster)".into(),
             ));
         }
         if !a.members.is_empty() {
@@ -626,6 +639,18 @@ mod tests {
             err.contains("postgres") && err.contains("resource"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_joining_node_lists_no_members() {
+        let join = "[node]\nid = 4\napi = \"127.0.0.1:7074\"\n[authority]\njoin = true\n";
+        assert!(parse_insecure(join).unwrap().authority.join);
+        let err = parse_insecure(&format!(
+            "{join}[[authority.members]]\nid = 4\napi = \"127.0.0.1:7074\"\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(":5: join: "), "{err}");
     }
 
     #[test]

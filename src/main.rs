@@ -33,6 +33,8 @@ use config::Config;
 /// How long client commands keep trying while no endpoint answers or an election runs.
 const PATIENCE: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Adding a node waits for it to catch up with the log (the leader gives up after a minute).
+const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -57,11 +59,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig(arg) => {
             let config = Config::load(&arg.config)?;
             server::Secrets::load(&config)?;
+            let members = if config.authority.join {
+                "join mode: waits for cluster add-node".to_owned()
+            } else {
+                format!("{} member(s)", config.members().len())
+            };
             println!(
-                "{}: ok (node {}, {} member(s))",
+                "{}: ok (node {}, {members})",
                 arg.config.display(),
                 config.node.id,
-                config.members().len()
             );
             Ok(ExitCode::SUCCESS)
         }
@@ -71,6 +77,31 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .call(Method::GET, "/v1/cluster", None, REQUEST_TIMEOUT)
                 .await?,
         ),
+        Command::Cluster(ClusterCommand::AddNode {
+            id,
+            api,
+            peer,
+            endpoint,
+        }) => print_answer(
+            client(&endpoint)?
+                .call(
+                    Method::POST,
+                    "/v1/cluster/nodes",
+                    Some(&json!({ "id": id, "api": api, "peer": peer })),
+                    MEMBERSHIP_TIMEOUT,
+                )
+                .await?,
+        ),
+        Command::Cluster(ClusterCommand::RemoveNode { id, endpoint }) => print_answer(
+            client(&endpoint)?
+                .call(
+                    Method::DELETE,
+                    &format!("/v1/cluster/nodes/{id}"),
+                    None,
+                    MEMBERSHIP_TIMEOUT,
+                )
+                .await?,
+        ),
         Command::Snapshot(command) => snapshot(command).await,
         Command::Audit(command) => cli_audit::run(command),
         Command::Postgres(command) => cli_postgres::run(command).await,
@@ -78,6 +109,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::TokenKey(command) => token_key(command).await,
         Command::Certs(CertsCommand::Init { dir, nodes }) => {
             cli_certs::init(&dir, &nodes)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Certs(CertsCommand::AddNode { dir, node }) => {
+            cli_certs::add_node(&dir, &node)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Fence(FenceCommand::Reset {

@@ -1,4 +1,5 @@
-//! `fencegate serve`: assembles a node from its config and runs it until SIGINT or SIGTERM.
+//! `fencegate serve`: assembles a node from its config and runs it until SIGINT or SIGTERM, or
+//! until it is removed from the cluster.
 
 use std::sync::Arc;
 
@@ -262,12 +263,19 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
             }
         }
     }
-    shutdown_signal().await;
+    // A node removed from the cluster stops as on SIGTERM, and exits 0: it did what the
+    // operator asked.
+    let mut removed = authority.removed();
+    tokio::select! {
+        _ = shutdown_signal() => {}
+        _ = removed.wait_for(|removed| *removed) => {}
+    }
     // A node on its way out must not campaign (it could win and then vanish: an election for
     // nothing). A leader cannot hand over in openraft 0.9 (no leadership transfer), so it
     // leads for as short a time as it can: the followers elect a successor once Raft stops.
     let leading = authority.drain();
-    let grace = if leading {
+    // A removed node cannot complete what is in flight either (it has no leader to reach).
+    let grace = if leading || *removed.borrow() {
         LEADER_GRACE
     } else {
         SHUTDOWN_GRACE

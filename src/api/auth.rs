@@ -2,7 +2,8 @@
 //!
 //! `client` may acquire, renew and release (its own leases: a lease handle is a 128-bit secret
 //! only its acquirer knows) and read status; `admin` may also save and restore snapshots, bump
-//! the revision and rotate token keys. Health and metrics stay open for probes and scrapers.
+//! the revision, rotate token keys and add or remove nodes. Health and metrics stay open for
+//! probes and scrapers.
 
 use std::collections::HashMap;
 use std::sync::Arc;

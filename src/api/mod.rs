@@ -7,6 +7,7 @@ mod forward;
 pub mod health;
 mod keys;
 mod lock;
+mod members;
 mod ops;
 mod raft_rpc;
 mod reply;
@@ -17,7 +18,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post};
 use axum::Router;
 
-use crate::authority::network::{APPEND_PATH, SNAPSHOT_PATH, VOTE_PATH};
+use crate::authority::network::{APPEND_PATH, MEMBERSHIP_PATH, SNAPSHOT_PATH, VOTE_PATH};
 use crate::authority::Authority;
 use crate::config::AuthorityConfig;
 use crate::metrics::Metrics;
@@ -71,6 +72,8 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         .route("/v1/revision/bump", post(ops::bump))
         .route("/v1/token-keys", post(keys::rotate))
         .route("/v1/token-keys/{kid}/retire", post(keys::retire))
+        .route("/v1/cluster/nodes", post(members::add))
+        .route("/v1/cluster/nodes/{id}", delete(members::remove))
         .route("/v1/fences/reset", post(fence::reset))
         .route_layer(axum::middleware::from_fn_with_state(
             gate(Role::Admin),
@@ -91,6 +94,7 @@ pub fn peer_router(state: ApiState) -> Router {
         .route(APPEND_PATH, post(raft_rpc::append))
         .route(VOTE_PATH, post(raft_rpc::vote))
         .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
+        .route(MEMBERSHIP_PATH, get(raft_rpc::membership))
         .layer(DefaultBodyLimit::max(LARGE_BODY))
         .with_state(state)
 }

@@ -9,12 +9,14 @@ use openraft::raft::{
 };
 
 use super::ApiState;
+use crate::authority::membership::CommittedMembership;
 use crate::authority::type_config::{NodeId, TypeConfig};
 
 pub async fn append(
     State(state): State<ApiState>,
     Json(req): Json<AppendEntriesRequest<TypeConfig>>,
 ) -> Json<Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>> {
+    state.authority.heard_from_leader();
     Json(state.authority.raft().append_entries(req).await)
 }
 
@@ -29,5 +31,12 @@ pub async fn snapshot(
     State(state): State<ApiState>,
     Json(req): Json<InstallSnapshotRequest<TypeConfig>>,
 ) -> Json<Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>> {
+    state.authority.heard_from_leader();
     Json(state.authority.raft().install_snapshot(req).await)
+}
+
+/// This node's committed membership, for a peer that stopped hearing from the leader and asks
+/// whether it was removed.
+pub async fn membership(State(state): State<ApiState>) -> Json<CommittedMembership> {
+    Json(state.authority.committed_membership().await)
 }

@@ -64,6 +64,9 @@ impl From<AuthorityError> for ApiError {
             AuthorityError::KeyRefused(_) => {
                 Self::new(StatusCode::CONFLICT, "key_refused", e.to_string())
             }
+            AuthorityError::Membership(_) => {
+                Self::new(StatusCode::CONFLICT, "membership_refused", e.to_string())
+            }
             AuthorityError::RevisionExhausted => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "revision_exhausted",

@@ -7,6 +7,7 @@
 
 mod lease_clock;
 pub mod log_store;
+pub mod membership;
 pub mod network;
 pub mod state;
 pub mod state_machine;
@@ -23,7 +24,7 @@ use fencegate_core::{IssuedRevision, Resource, Revision, SharedKeyRing, Token, T
 use openraft::error::{
     CheckIsLeaderError, ClientWriteError, ForwardToLeader, InitializeError, RaftError,
 };
-use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use openraft::{ServerState, SnapshotPolicy};
 use redb::Database;
 use serde::Serialize;
 use thiserror::Error;
@@ -36,7 +37,7 @@ use log_store::LogStore;
 use network::Network;
 use state::{AuthorityState, Command, Outcome};
 use state_machine::{Applied, StateMachine};
-pub use type_config::{NodeId, Raft};
+pub use type_config::{Node, NodeId, Raft};
 use waiters::Waiters;
 
 #[derive(Debug, Error)]
@@ -57,6 +58,8 @@ pub enum AuthorityError {
     BadSnapshot(String),
     #[error("token key change refused: {0}")]
     KeyRefused(String),
+    #[error("membership change refused: {0}")]
+    Membership(String),
 }
 
 /// A lock granted to a client.
@@ -150,6 +153,8 @@ pub struct Member {
     pub id: NodeId,
     pub api: String,
     pub peer: String,
+    /// A voter; otherwise a learner (a node being added, catching up).
+    pub voter: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -185,8 +190,12 @@ pub struct Authority {
     keys: SharedKeyRing,
     /// Tokens are never issued below this (see `authority.initial_revision`).
     initial_revision: u64,
-    /// Each member's client API address, by node id (Raft's membership holds peer addresses).
+    /// The configured members' API addresses, by node id: used for members that the
+    /// membership records without one (see `type_config::Node`).
     apis: BTreeMap<NodeId, String>,
+    /// Asks peers whether this node was removed.
+    network: Network,
+    membership: membership::Watch,
     /// Serializes making and promoting token keys.
     key_setup: tokio::sync::Mutex<()>,
     /// How long a new key verifies before it signs.
@@ -227,11 +236,24 @@ impl Authority {
             .map_err(|e| open_err(e.to_string()))?;
         let applied = sm.applied();
         let raft_config = raft_config(&config.authority).map_err(AuthorityError::Unavailable)?;
-        let raft = Raft::new(config.node.id, Arc::new(raft_config), network, log, sm)
-            .await
-            .map_err(|e| open_err(e.to_string()))?;
+        let raft = Raft::new(
+            config.node.id,
+            Arc::new(raft_config),
+            network.clone(),
+            log,
+            sm,
+        )
+        .await
+        .map_err(|e| open_err(e.to_string()))?;
 
-        initialize(&raft, &config.members()).await?;
+        if config.authority.join {
+            tracing::info!(
+                node_id = config.node.id,
+                "join mode: waiting to be added to a cluster (fencegate cluster add-node)"
+            );
+        } else {
+            initialize(&raft, &config.members()).await?;
+        }
 
         let authority = Arc::new(Self {
             id: config.node.id,
@@ -246,6 +268,8 @@ impl Authority {
                 .into_iter()
                 .map(|m| (m.id, m.api))
                 .collect(),
+            network,
+            membership: membership::Watch::open(dir),
             key_setup: tokio::sync::Mutex::new(()),
             key_settle: Duration::from_millis(config.authority.heartbeat_ms * 5),
             metrics,
@@ -255,6 +279,7 @@ impl Authority {
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
         });
         tokio::spawn(watch_leadership(authority.clone()));
+        tokio::spawn(membership::watch_membership(authority.clone()));
         tokio::spawn(expire_leases(
             authority.clone(),
             Duration::from_millis(config.authority.heartbeat_ms),
@@ -279,13 +304,10 @@ impl Authority {
 
     /// The API address of the leader this node knows of, if it is not itself.
     pub fn leader_api(&self) -> Option<String> {
-        let leader = self
-            .raft
-            .metrics()
-            .borrow()
-            .current_leader
-            .filter(|l| *l != self.id)?;
-        self.apis.get(&leader).cloned()
+        let metrics = self.raft.metrics().borrow().clone();
+        let leader = metrics.current_leader.filter(|l| *l != self.id)?;
+        let node = metrics.membership_config.membership().get_node(&leader)?;
+        self.api_of(leader, node)
     }
 
     /// Grants the lock, waiting (in arrival order) up to `wait` while it is held.
@@ -452,16 +474,7 @@ impl Authority {
     pub async fn cluster(&self) -> ClusterStatus {
         let metrics = self.raft.metrics().borrow().clone();
         let revision = self.applied.read().await.state.revision;
-        let members = metrics
-            .membership_config
-            .membership()
-            .nodes()
-            .map(|(id, node)| Member {
-                id: *id,
-                api: self.apis.get(id).cloned().unwrap_or_default(),
-                peer: node.addr.clone(),
-            })
-            .collect();
+        let members = self.members();
         ClusterStatus {
             node_id: self.id,
             leader_id: metrics.current_leader,
@@ -742,12 +755,13 @@ impl Authority {
         Ok(metrics.current_term)
     }
 
-    fn not_leader(&self, f: ForwardToLeader<NodeId, BasicNode>) -> AuthorityError {
+    fn not_leader(&self, f: ForwardToLeader<NodeId, Node>) -> AuthorityError {
+        let named = match (f.leader_id, &f.leader_node) {
+            (Some(id), Some(node)) => self.api_of(id, node),
+            _ => None,
+        };
         AuthorityError::NotLeader {
-            leader: f
-                .leader_id
-                .and_then(|id| self.apis.get(&id).cloned())
-                .or_else(|| self.leader_api()),
+            leader: named.or_else(|| self.leader_api()),
         }
     }
 }
@@ -805,13 +819,14 @@ fn raft_config(c: &AuthorityConfig) -> Result<openraft::Config, String> {
 /// membership (openraft allows it); on a node that has a log or a vote it is refused with
 /// `NotAllowed`, which is what makes a restart safe.
 async fn initialize(raft: &Raft, members: &[MemberConfig]) -> Result<(), AuthorityError> {
-    let nodes: BTreeMap<NodeId, BasicNode> = members
+    let nodes: BTreeMap<NodeId, Node> = members
         .iter()
         .map(|m| {
             (
                 m.id,
-                BasicNode {
-                    addr: m.raft_addr().to_owned(),
+                Node {
+                    peer: m.raft_addr().to_owned(),
+                    api: m.api.clone(),
                 },
             )
         })

@@ -9,15 +9,17 @@ use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::type_config::{NodeId, TypeConfig};
+use super::type_config::{Node, NodeId, TypeConfig};
 
 pub const APPEND_PATH: &str = "/raft/append";
 pub const VOTE_PATH: &str = "/raft/vote";
 pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
+/// A member's committed membership, asked by a node that stopped hearing from the leader
+/// (see `authority::membership`).
+pub const MEMBERSHIP_PATH: &str = "/raft/membership";
 
 /// Pause between attempts at a peer that refused the connection.
 const UNREACHABLE_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
@@ -36,6 +38,26 @@ impl Network {
     }
 }
 
+impl Network {
+    /// GETs `path` from the peer port at `addr`, bounded by `timeout`.
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        timeout: std::time::Duration,
+    ) -> Result<T, reqwest::Error> {
+        let url = format!("{}://{addr}{path}", self.scheme);
+        self.http
+            .get(url)
+            .timeout(timeout)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await
+    }
+}
+
 pub struct Connection {
     http: reqwest::Client,
     scheme: &'static str,
@@ -46,12 +68,12 @@ pub struct Connection {
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Connection;
 
-    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> Connection {
+    async fn new_client(&mut self, target: NodeId, node: &Node) -> Connection {
         Connection {
             http: self.http.clone(),
             scheme: self.scheme,
             target,
-            addr: node.addr.clone(),
+            addr: node.peer.clone(),
         }
     }
 }
@@ -62,7 +84,7 @@ impl Connection {
         path: &str,
         req: &Req,
         option: &RPCOption,
-    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    ) -> Result<Resp, RPCError<NodeId, Node, RaftError<NodeId, E>>>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
@@ -98,7 +120,7 @@ impl RaftNetwork<TypeConfig> for Connection {
         &mut self,
         req: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
         self.call(APPEND_PATH, &req, &option).await
     }
 
@@ -108,7 +130,7 @@ impl RaftNetwork<TypeConfig> for Connection {
         option: RPCOption,
     ) -> Result<
         InstallSnapshotResponse<NodeId>,
-        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+        RPCError<NodeId, Node, RaftError<NodeId, InstallSnapshotError>>,
     > {
         self.call(SNAPSHOT_PATH, &req, &option).await
     }
@@ -124,7 +146,7 @@ impl RaftNetwork<TypeConfig> for Connection {
         &mut self,
         req: VoteRequest<NodeId>,
         option: RPCOption,
-    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
         self.call(VOTE_PATH, &req, &option).await
     }
 }

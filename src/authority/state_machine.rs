@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{
-    AnyError, BasicNode, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, RaftSnapshotBuilder,
+    AnyError, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, RaftSnapshotBuilder,
     SnapshotMeta, StorageIOError, StoredMembership,
 };
 use redb::{Database, TableDefinition};
@@ -22,7 +22,7 @@ use tokio::sync::RwLock;
 use fencegate_core::{IssuedRevision, KeyRing, KeyState, SharedKeyRing, TokenKey};
 
 use super::state::{AuthorityState, Command, Outcome};
-use super::type_config::{NodeId, StorageError, TypeConfig};
+use super::type_config::{Node, NodeId, StorageError, TypeConfig};
 use super::waiters::Waiters;
 
 const SNAPSHOT: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshot");
@@ -32,13 +32,13 @@ const CURRENT: &str = "current";
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Applied {
     pub last_applied: Option<LogId<NodeId>>,
-    pub membership: StoredMembership<NodeId, BasicNode>,
+    pub membership: StoredMembership<NodeId, Node>,
     pub state: AuthorityState,
 }
 
 #[derive(Serialize, Deserialize)]
 struct StoredSnapshot {
-    meta: SnapshotMeta<NodeId, BasicNode>,
+    meta: SnapshotMeta<NodeId, Node>,
     data: Vec<u8>,
 }
 
@@ -191,7 +191,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn applied_state(
         &mut self,
-    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, BasicNode>), StorageError> {
+    ) -> Result<(Option<LogId<NodeId>>, StoredMembership<NodeId, Node>), StorageError> {
         let applied = self.applied.read().await;
         Ok((applied.last_applied, applied.membership.clone()))
     }
@@ -249,7 +249,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<NodeId, BasicNode>,
+        meta: &SnapshotMeta<NodeId, Node>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();

@@ -21,6 +21,8 @@ pub const ELECTION_MAX: Duration = Duration::from_millis(1000);
 pub struct Node {
     pub id: u64,
     pub port: u16,
+    /// The peer (Raft) port; `None` when Raft runs on the API port (insecure clusters).
+    pub peer: Option<u16>,
     pub config: PathBuf,
     child: Option<Child>,
 }
@@ -47,6 +49,8 @@ pub struct Cluster {
     pub env: Vec<(String, String)>,
     pub http: reqwest::Client,
     pub security: Security,
+    /// What the test appended to every node's `[authority]`, for nodes added later.
+    extra: String,
 }
 
 /// A port nobody listens on right now.
@@ -155,28 +159,23 @@ impl Cluster {
         let mut nodes = Vec::new();
         for (i, port) in ports.iter().enumerate() {
             let id = i as u64 + 1;
+            let peer = (security == Security::Tls).then_some(peers[i]);
+            let authority = format!("members = [{}]\n{extra}", members.join(", "));
             let config = dir.path().join(format!("node{id}.toml"));
-            let text = format!(
-                "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\n{peer}data_dir = \"{}\"\n\n[authority]\nmembers = [{}]\n{extra}\n{}\n\n[security]\n{}",
-                dir.path().join(format!("data{id}")).display(),
-                members.join(", "),
-                sections(id),
-                match security {
-                    Security::Insecure => "insecure = true\n".to_owned(),
-                    Security::Tls => format!(
-                        "ca_file = \"{c}/ca.crt\"\ncert_file = \"{c}/node{id}.crt\"\nkey_file = \"{c}/node{id}.key\"\ncredentials_file = \"{c}/credentials\"\n",
-                        c = certs.display()
-                    ),
-                },
-                peer = match security {
-                    Security::Insecure => String::new(),
-                    Security::Tls => format!("peer = \"127.0.0.1:{}\"\n", peers[i]),
-                },
+            let text = config_text(
+                security,
+                dir.path(),
+                id,
+                *port,
+                peer,
+                &authority,
+                &sections(id),
             );
             std::fs::write(&config, text).unwrap();
             nodes.push(Node {
                 id,
                 port: *port,
+                peer,
                 config,
                 child: None,
             });
@@ -192,12 +191,71 @@ impl Cluster {
             env,
             http: http.build().unwrap(),
             security,
+            extra: extra.to_owned(),
         };
         for id in 1..=n as u64 {
             cluster.spawn(id);
         }
         cluster.wait_for_leader(&cluster.ids()).await;
         cluster
+    }
+
+    /// Writes the config of one more node, numbered after the others, in join mode (it forms
+    /// no cluster and waits for `cluster add-node`), and starts it. With TLS its certificate
+    /// comes from `certs add-node`, signed by the cluster's CA. Returns its id.
+    pub fn spawn_joining(&mut self) -> u64 {
+        let id = self.nodes.len() as u64 + 1;
+        let port = free_port();
+        let peer = (self.security == Security::Tls).then(free_port);
+        if self.security == Security::Tls {
+            let out = Command::new(BIN)
+                .args(["certs", "add-node", "--dir"])
+                .arg(self.certs())
+                .args(["--node", &format!("{id}=127.0.0.1,localhost")])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "certs add-node: {out:?}");
+        }
+        let authority = format!("join = true\n{}", self.extra);
+        let config = self.dir.path().join(format!("node{id}.toml"));
+        let text = config_text(
+            self.security,
+            self.dir.path(),
+            id,
+            port,
+            peer,
+            &authority,
+            "",
+        );
+        std::fs::write(&config, text).unwrap();
+        self.nodes.push(Node {
+            id,
+            port,
+            peer,
+            config,
+            child: None,
+        });
+        self.spawn(id);
+        id
+    }
+
+    /// `host:port` of node `id`'s Raft RPCs, as `cluster add-node --peer` takes it.
+    pub fn peer_addr(&self, id: u64) -> String {
+        let node = self.node(id);
+        format!("127.0.0.1:{}", node.peer.unwrap_or(node.port))
+    }
+
+    /// `host:port` of node `id`'s API, as `cluster add-node --api` takes it.
+    pub fn api_addr(&self, id: u64) -> String {
+        format!("127.0.0.1:{}", self.node(id).port)
+    }
+
+    /// The APIs of `ids`, in that order, comma-separated, as the CLI takes them.
+    pub fn endpoints_of(&self, ids: &[u64]) -> String {
+        ids.iter()
+            .map(|id| self.url(*id))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     pub fn ids(&self) -> Vec<u64> {
@@ -218,11 +276,7 @@ impl Cluster {
 
     /// Every node's API, comma-separated, as the CLI takes them.
     pub fn endpoints(&self) -> String {
-        self.ids()
-            .iter()
-            .map(|id| self.url(*id))
-            .collect::<Vec<_>>()
-            .join(",")
+        self.endpoints_of(&self.ids())
     }
 
     pub fn log_path(&self, id: u64) -> PathBuf {
@@ -405,6 +459,32 @@ impl Drop for Cluster {
             }
         }
     }
+}
+
+/// Node `id`'s config: `[node]` on `port` (and `peer`), `authority` as its `[authority]`
+/// section, then `sections`, then `[security]` for `security` (certificates in `dir/certs`).
+fn config_text(
+    security: Security,
+    dir: &Path,
+    id: u64,
+    port: u16,
+    peer: Option<u16>,
+    authority: &str,
+    sections: &str,
+) -> String {
+    let certs = dir.join("certs");
+    format!(
+        "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\n{peer}data_dir = \"{}\"\n\n[authority]\n{authority}\n{sections}\n\n[security]\n{}",
+        dir.join(format!("data{id}")).display(),
+        match security {
+            Security::Insecure => "insecure = true\n".to_owned(),
+            Security::Tls => format!(
+                "ca_file = \"{c}/ca.crt\"\ncert_file = \"{c}/node{id}.crt\"\nkey_file = \"{c}/node{id}.key\"\ncredentials_file = \"{c}/credentials\"\n",
+                c = certs.display()
+            ),
+        },
+        peer = peer.map_or(String::new(), |p| format!("peer = \"127.0.0.1:{p}\"\n")),
+    )
 }
 
 /// Waits until every node of `nodes` (id, API URL) names the same leader, itself one of them.
