@@ -346,10 +346,18 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             };
             median(if gateway { &mut pair.1 } else { &mut pair.0 })
         };
-        let (d_off_1, d_on_1, d_off_8, d_on_8) =
-            (m(0, false, false), m(0, true, false), m(1, false, false), m(1, true, false));
-        let (g_off_1, g_on_1, g_off_8, g_on_8) =
-            (m(0, false, true), m(0, true, true), m(1, false, true), m(1, true, true));
+        let (d_off_1, d_on_1, d_off_8, d_on_8) = (
+            m(0, false, false),
+            m(0, true, false),
+            m(1, false, false),
+            m(1, true, false),
+        );
+        let (g_off_1, g_on_1, g_off_8, g_on_8) = (
+            m(0, false, true),
+            m(0, true, true),
+            m(1, false, true),
+            m(1, true, true),
+        );
         format!(
             "Store enforcement (triggers on `pgbench_accounts` and `pgbench_history`, each statement checks the guard's pass), triggers disabled vs enabled, interleaved, medians: the fenced write through the gateway {g_off_1:.0} vs {g_on_1:.0} tps at 1 client ({:.3}x), {g_off_8:.0} vs {g_on_8:.0} tps with 8 writers ({:.3}x); the guarded write transaction sent directly {d_off_1:.0} vs {d_on_1:.0} tps at 1 client ({:.3}x), {d_off_8:.0} vs {d_on_8:.0} tps with 8 writers ({:.3}x); target: the triggers cost under 5 % (>= 0.95x).",
             g_on_1 / g_off_1,
