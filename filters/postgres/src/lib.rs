@@ -49,8 +49,9 @@ pub mod sqlstate;
 pub mod status;
 pub mod tls;
 pub mod token_keys;
+pub mod upstream;
 
-pub use config::PostgresConfig;
+pub use config::{PostgresConfig, UpstreamTls};
 pub use error::PostgresError;
 pub use gateway::Gateway;
 pub use install::{install, install_with, InstallOptions, InstallReport, FENCE_SQL};
