@@ -77,7 +77,7 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
     .unwrap();
     let listener = gateway.bind().await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(gateway.serve(listener));
+    let serving = tokio::spawn(gateway.serve(listener));
     let dsn = format!(
         "host=127.0.0.1 port={} user=postgres dbname=postgres",
         addr.port()
@@ -91,9 +91,10 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
     let squeeze = FdSqueeze::leave_room(4);
     let mut held = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !log
-        .text()
-        .contains("accepting a PostgreSQL client failed; retrying")
+    while !serving.is_finished()
+        && !log
+            .text()
+            .contains("accepting a PostgreSQL client failed; retrying")
     {
         assert!(
             Instant::now() < deadline && held.len() < 256,
@@ -105,6 +106,9 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
             held.push(c);
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if serving.is_finished() {
+        panic!("the listener stopped: {:?}", serving.await);
     }
     assert!(log.text().contains("Too many open files"), "{}", log.text());
     drop(held);
