@@ -102,15 +102,26 @@ async fn fenced_writes_go_over_verified_tls_and_a_wrong_certificate_is_refused()
         "postgres",
         "CREATE TABLE items (id int PRIMARY KEY, v int NOT NULL)",
     );
+    // The tools take libpq's TLS options in the DSN, verified the same way.
+    let tls_dsn = |ca: &Path| {
+        format!(
+            "{} sslmode=verify-full sslrootcert='{}'",
+            gw.pg.dsn("postgres"),
+            ca.display()
+        )
+    };
     let (c, out, err) = cli(&[
         "postgres",
         "protect",
         "--dsn",
-        &gw.pg.dsn("postgres"),
+        &tls_dsn(&ca_file),
         "--table",
         "items",
     ]);
     assert_eq!(c, 0, "{out}{err}");
+    let (c, out, err) = cli(&["postgres", "status", "--dsn", &tls_dsn(&other_file)]);
+    assert_ne!(c, 0, "{out}{err}");
+    assert!(err.contains("UnknownIssuer"), "{err}");
     let direct = connect(&gw.pg.dsn("postgres")).await;
 
     // A fenced write through the gateway commits, and the session upstream is TLS.

@@ -36,6 +36,7 @@ pub mod classify;
 pub mod classify_cache;
 pub mod config;
 pub mod connect;
+pub mod dsn_tls;
 pub mod error;
 mod gateway;
 pub mod install;

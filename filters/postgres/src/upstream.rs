@@ -2,14 +2,12 @@
 //! host name verified (`upstream_tls = "verify-full"`, as libpq's `sslmode=verify-full`).
 
 use std::io;
-use std::path::Path;
-use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
-use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
-use tokio_rustls::rustls::{self, RootCertStore};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 
 use crate::config::{PostgresConfig, UpstreamTls};
@@ -42,16 +40,11 @@ impl Upstream {
                 settings: String::new(),
             });
         }
-        let roots = match &config.upstream_ca_file {
-            Some(path) => roots_from_file(path)?,
-            None => system_roots()?,
-        };
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| PostgresError::Config(format!("upstream TLS: {e}")))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let client = crate::tls::verifying_client(
+            config.upstream_ca_file.as_deref(),
+            "upstream_tls = \"verify-full\" without upstream_ca_file",
+            "upstream_ca_file",
+        )?;
         let host = host_of(&addr);
         let name = ServerName::try_from(host.to_owned()).map_err(|e| {
             PostgresError::Config(format!(
@@ -68,7 +61,7 @@ impl Upstream {
         };
         Ok(Self {
             addr,
-            tls: Some((TlsConnector::from(Arc::new(client)), name)),
+            tls: Some((TlsConnector::from(client), name)),
             settings,
         })
     }
@@ -127,42 +120,6 @@ fn describe(e: &io::Error) -> String {
         }
         _ => format!("the TLS handshake failed: {e}"),
     }
-}
-
-fn roots_from_file(path: &Path) -> Result<RootCertStore, PostgresError> {
-    let bad = |e: &dyn std::fmt::Display| {
-        PostgresError::Config(format!("upstream_ca_file {}: {e}", path.display()))
-    };
-    let file = std::fs::File::open(path).map_err(|e| bad(&e))?;
-    let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut io::BufReader::new(file))
-        .collect::<Result<_, _>>()
-        .map_err(|e| bad(&e))?;
-    if certs.is_empty() {
-        return Err(bad(&"no PEM certificate in the file"));
-    }
-    let mut roots = RootCertStore::empty();
-    for cert in certs {
-        roots.add(cert).map_err(|e| bad(&e))?;
-    }
-    Ok(roots)
-}
-
-fn system_roots() -> Result<RootCertStore, PostgresError> {
-    let mut roots = RootCertStore::empty();
-    // Unreadable entries are skipped, as every TLS client does with the system store.
-    let certs = rustls_native_certs::load_native_certs().map_err(|e| {
-        PostgresError::Config(format!(
-            "upstream_tls = \"verify-full\" without upstream_ca_file: the system's root certificates cannot be read ({e}); set upstream_ca_file"
-        ))
-    })?;
-    let (added, _) = roots.add_parsable_certificates(certs);
-    if added == 0 {
-        return Err(PostgresError::Config(
-            "upstream_tls = \"verify-full\" without upstream_ca_file: the system has no root certificates; set upstream_ca_file"
-                .to_owned(),
-        ));
-    }
-    Ok(roots)
 }
 
 #[cfg(test)]
