@@ -76,6 +76,9 @@ fn set_triggers(pg: &Postgres, enabled: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Throughputs of the guard run directly and of the fenced write through the gateway.
+type TpsPair = (Vec<f64>, Vec<f64>);
+
 #[derive(Clone, Copy)]
 enum Workload {
     SelectOnly,
@@ -237,7 +240,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut guard_direct = [Vec::new(), Vec::new()];
     // For 1 and 8 clients: (triggers disabled, enabled), each (guard run directly, fenced
     // through the gateway).
-    let mut triggers: [((Vec<f64>, Vec<f64>), (Vec<f64>, Vec<f64>)); 2] = Default::default();
+    let mut triggers: [(TpsPair, TpsPair); 2] = Default::default();
     for rep in 0..reps {
         for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
             let log = (*clients == 1).then(|| dir.path().join("log"));
