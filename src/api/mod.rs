@@ -2,7 +2,9 @@
 //! for operators. One port serves all of it.
 
 pub mod auth;
+mod fence;
 mod forward;
+pub mod health;
 mod keys;
 mod lock;
 mod ops;
@@ -33,6 +35,10 @@ pub struct ApiState {
     pub http: reqwest::Client,
     /// `https` when the APIs serve TLS.
     pub scheme: &'static str,
+    /// Operators' fence resets against this node's gateway upstreams.
+    pub fences: Arc<crate::fence_reset::FenceResets>,
+    /// The gateways this node runs, for `/healthz`.
+    pub gateways: Arc<Vec<health::GatewayHealth>>,
 }
 
 /// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
@@ -65,13 +71,14 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         .route("/v1/revision/bump", post(ops::bump))
         .route("/v1/token-keys", post(keys::rotate))
         .route("/v1/token-keys/{kid}/retire", post(keys::retire))
+        .route("/v1/fences/reset", post(fence::reset))
         .route_layer(axum::middleware::from_fn_with_state(
             gate(Role::Admin),
             auth::require,
         ))
         .layer(DefaultBodyLimit::max(LARGE_BODY));
     Router::new()
-        .route("/healthz", get(ops::healthz))
+        .route("/healthz", get(health::healthz))
         .route("/metrics", get(ops::metrics))
         .merge(client)
         .merge(admin)

@@ -19,6 +19,19 @@ pub struct GatewayNode {
     /// The node's stderr.
     pub log: PathBuf,
     pub dir: TempDir,
+    /// The node's HTTP API port (plain HTTP: the node runs insecure).
+    pub api: u16,
+}
+
+/// What a test may add to the node's own sections.
+#[derive(Default)]
+pub struct NodeOptions<'a> {
+    /// Lines for `[node]` (e.g. `min_free_bytes = 1048576`).
+    pub node: &'a str,
+    /// Lines for `[audit]` (e.g. `max_total_bytes = 1048576`).
+    pub audit: &'a str,
+    /// The data and audit directories go on this volume instead of the temp dir.
+    pub volume: Option<&'a std::path::Path>,
 }
 
 impl GatewayNode {
@@ -28,19 +41,27 @@ impl GatewayNode {
     /// The node runs insecure (plain HTTP API) and, unless `gateway` has its own `[authority]`
     /// section (a test of signed tokens), accepts unsigned tokens, so tests can type them.
     pub fn start(gateway: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(&NodeOptions::default(), gateway, env)
+    }
+
+    /// Like [`GatewayNode::start`], with `options`.
+    pub fn start_with(options: &NodeOptions, gateway: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let audit_dir = dir.path().join("audit");
+        let data_root = options.volume.unwrap_or(dir.path()).to_owned();
+        let audit_dir = data_root.join("audit");
         let config = dir.path().join("fencegate.toml");
         let unsigned = if gateway.contains("[authority]") {
             ""
         } else {
             "[authority]\naccept_unsigned = true\n"
         };
+        let api = free_port();
         let text = format!(
-            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n{gateway}\n\n{unsigned}\n[security]\ninsecure = true\n",
-            api = free_port(),
-            data = dir.path().join("data").display(),
+            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n{node_extra}\n\n[audit]\ndir = \"{audit}\"\n{audit_extra}\n\n{gateway}\n\n{unsigned}\n[security]\ninsecure = true\n",
+            data = data_root.join("data").display(),
             audit = audit_dir.display(),
+            node_extra = options.node,
+            audit_extra = options.audit,
         );
         std::fs::write(&config, text).unwrap();
         let log = dir.path().join("fencegate.log");
@@ -59,6 +80,7 @@ impl GatewayNode {
             audit_dir,
             log,
             dir,
+            api,
         }
     }
 

@@ -182,11 +182,8 @@ pub fn connector(root_cert: Option<&str>) -> Result<RustlsConnect, PostgresError
         Some(path) => Some(PathBuf::from(path)),
         None => default,
     };
-    let config = crate::tls::verifying_client(
-        file.as_deref(),
-        "sslmode requires TLS and no sslrootcert is given",
-        "sslrootcert",
-    )?;
+    let config = fencegate_core::tls::client_config_named("sslrootcert", file.as_deref())
+        .map_err(|e| PostgresError::Config(format!("TLS for the DSN's sslmode: {e}")))?;
     Ok(RustlsConnect { config })
 }
 

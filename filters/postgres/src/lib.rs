@@ -38,6 +38,7 @@ pub mod config;
 pub mod connect;
 pub mod dsn_tls;
 pub mod error;
+mod fence_reset;
 mod gateway;
 pub mod install;
 mod lazy_writer;
@@ -54,6 +55,7 @@ pub mod upstream;
 
 pub use config::{PostgresConfig, UpstreamTls};
 pub use error::PostgresError;
+pub use fence_reset::reset_fence;
 pub use gateway::Gateway;
 pub use install::{install, install_with, InstallOptions, InstallReport, FENCE_SQL};
 pub use protect::{protect, ProtectReport, Target};

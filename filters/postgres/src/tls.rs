@@ -5,44 +5,22 @@
 use std::io;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::rustls::{self, pki_types::CertificateDer, RootCertStore};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 use crate::error::PostgresError;
 
 /// Builds the acceptor from PEM files: `cert` holds the chain (leaf first), `key` the private
-/// key (PKCS#8, PKCS#1 or SEC1).
+/// key (PKCS#8, PKCS#1 or SEC1). The settings are shared with the other gateways
+/// (`fencegate_core::tls`).
 pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, PostgresError> {
-    let bad = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
-        PostgresError::Config(format!("{what} {}: {e}", path.display()))
-    };
-    let certs: Vec<CertificateDer<'static>> = {
-        let file = std::fs::File::open(cert).map_err(|e| bad("tls_cert", cert, &e))?;
-        rustls_pemfile::certs(&mut io::BufReader::new(file))
-            .collect::<Result<_, _>>()
-            .map_err(|e| bad("tls_cert", cert, &e))?
-    };
-    if certs.is_empty() {
-        return Err(bad("tls_cert", cert, &"no PEM certificate in the file"));
-    }
-    let file = std::fs::File::open(key).map_err(|e| bad("tls_key", key, &e))?;
-    let key_der = rustls_pemfile::private_key(&mut io::BufReader::new(file))
-        .map_err(|e| bad("tls_key", key, &e))?
-        .ok_or_else(|| bad("tls_key", key, &"no PEM private key in the file"))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| PostgresError::Config(format!("TLS: {e}")))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key_der)
-        .map_err(|e| PostgresError::Config(format!("TLS certificate and key: {e}")))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    fencegate_core::tls::server_config(cert, key)
+        .map(TlsAcceptor::from)
+        .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
 /// A connection that is plain TCP, or TLS over it after an `SSLRequest` was accepted.
@@ -94,61 +72,4 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<T> {
             Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
-}
-
-/// A rustls client config that verifies the server's chain against the PEM certificates in
-/// `ca_file`, or the system's roots without one (`no_file` says which setting was absent and
-/// `setting` names the file's, for errors). The host name is checked by the caller's
-/// `ServerName`.
-pub fn verifying_client(
-    ca_file: Option<&Path>,
-    no_file: &str,
-    setting: &str,
-) -> Result<Arc<rustls::ClientConfig>, PostgresError> {
-    let roots = match ca_file {
-        Some(path) => roots_from_file(path, setting)?,
-        None => system_roots(no_file, setting)?,
-    };
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| PostgresError::Config(format!("TLS: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
-}
-
-fn roots_from_file(path: &Path, setting: &str) -> Result<RootCertStore, PostgresError> {
-    let bad = |e: &dyn std::fmt::Display| {
-        PostgresError::Config(format!("{setting} {}: {e}", path.display()))
-    };
-    let file = std::fs::File::open(path).map_err(|e| bad(&e))?;
-    let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut io::BufReader::new(file))
-        .collect::<Result<_, _>>()
-        .map_err(|e| bad(&e))?;
-    if certs.is_empty() {
-        return Err(bad(&"no PEM certificate in the file"));
-    }
-    let mut roots = RootCertStore::empty();
-    for cert in certs {
-        roots.add(cert).map_err(|e| bad(&e))?;
-    }
-    Ok(roots)
-}
-
-fn system_roots(no_file: &str, setting: &str) -> Result<RootCertStore, PostgresError> {
-    let mut roots = RootCertStore::empty();
-    let certs = rustls_native_certs::load_native_certs().map_err(|e| {
-        PostgresError::Config(format!(
-            "{no_file}: the system's root certificates cannot be read ({e}); set {setting}"
-        ))
-    })?;
-    // Unparsable entries are skipped, as every TLS client does with the system store.
-    let (added, _) = roots.add_parsable_certificates(certs);
-    if added == 0 {
-        return Err(PostgresError::Config(format!(
-            "{no_file}: the system has no root certificates; set {setting}"
-        )));
-    }
-    Ok(roots)
 }

@@ -40,11 +40,8 @@ impl Upstream {
                 settings: String::new(),
             });
         }
-        let client = crate::tls::verifying_client(
-            config.upstream_ca_file.as_deref(),
-            "upstream_tls = \"verify-full\" without upstream_ca_file",
-            "upstream_ca_file",
-        )?;
+        let client = fencegate_core::tls::client_config(config.upstream_ca_file.as_deref())
+            .map_err(|e| PostgresError::Config(format!("upstream_tls = \"verify-full\": {e}")))?;
         let host = host_of(&addr);
         let name = ServerName::try_from(host.to_owned()).map_err(|e| {
             PostgresError::Config(format!(

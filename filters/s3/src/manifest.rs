@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use fencegate_core::{RejectReason, Rejection, Token};
+use fencegate_core::{Rejection, Token};
 use serde::{Deserialize, Serialize};
 
 use crate::rewrite::ClientConditions;
@@ -104,13 +104,12 @@ pub fn plan_commit(
     let revision = token.revision().get();
     let fence = current.map_or(0, |m| m.fence);
     if fence > revision {
-        let detail = format!(
-            "fencing token revision {revision} is below the fence {fence} of the manifest of {target}; a newer holder has committed"
-        );
-        return CommitPlan::Refuse(
-            Rejection::new(RejectReason::Stale { fence }, detail)
-                .with_token(token.resource().clone(), token.revision()),
-        );
+        return CommitPlan::Refuse(Rejection::stale(
+            token,
+            fence,
+            &format!("the manifest of {target}"),
+            None,
+        ));
     }
     let existing = current.and_then(|m| m.keys.get(change.key()));
     match existing {
@@ -231,6 +230,7 @@ pub fn list<'m>(manifest: &'m Manifest, request: &ListRequest) -> ListPage<'m> {
 
 #[cfg(test)]
 mod tests {
+    use fencegate_core::RejectReason;
     use fencegate_core::{Resource, Revision};
 
     use super::*;
