@@ -12,6 +12,7 @@ use super::cluster::free_port;
 
 pub struct GatewayNode {
     child: Child,
+    env: Vec<(String, String)>,
     /// The node's config file.
     pub config: PathBuf,
     /// The audit log directory.
@@ -65,23 +66,32 @@ impl GatewayNode {
         );
         std::fs::write(&config, text).unwrap();
         let log = dir.path().join("fencegate.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("FENCEGATE_LOG", "info,openraft=warn")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("start fencegate serve");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let child = spawn(&config, File::create(&log).unwrap(), &env);
         Self {
             child,
+            env,
             config,
             audit_dir,
             log,
             dir,
             api,
         }
+    }
+
+    /// Kills the node (SIGKILL: nothing in its memory survives) and starts it again with the
+    /// same config and environment; its log goes on in the same file.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = spawn(&self.config, log, &self.env);
     }
 
     /// Polls `ready` until it is true; panics with the node's log if the node exits first or
@@ -136,6 +146,18 @@ impl GatewayNode {
     pub fn audit_records(&self) -> Vec<serde_json::Value> {
         super::audit::records(&self.audit_dir)
     }
+}
+
+fn spawn(config: &std::path::Path, log: File, env: &[(String, String)]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .env("FENCEGATE_LOG", "info,openraft=warn")
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start fencegate serve")
 }
 
 impl Drop for GatewayNode {
