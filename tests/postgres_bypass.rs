@@ -261,6 +261,79 @@ async fn settings_that_change_lexing_are_refused() {
     assert_eq!(raw.until_ready().as_deref(), Some("FG006"));
 }
 
+/// A read, then a write whose text the shape cache before f576d60 gave the read's shape: the
+/// cache ended `--` comments at `\n` only, and masked the `UESCAPE` character as a literal.
+/// What PostgreSQL runs: `SELECT 1 AS a, '\n, ' AS b; DELETE FROM items ...; SELECT ' -- '`.
+const CR_READ: &str = "SELECT 1 AS a -- \r, '\n, ' AS b, ' -- '";
+const CR_DELETE: &str =
+    "SELECT 1 AS a -- \r, '\n, ' AS b; DELETE FROM items WHERE id = 1; SELECT ' -- '";
+/// `U&"!0070ublic" UESCAPE '#'` is the schema `!0070ublic` (unprotected in the config below);
+/// with `UESCAPE '!'` it is `public`.
+const UESCAPE_UNPROTECTED: &str =
+    "UPDATE U&\"!0070ublic\" UESCAPE '#'.items SET v = 0 WHERE id = 1";
+const UESCAPE_PROTECTED: &str = "UPDATE U&\"!0070ublic\" UESCAPE '!'.items SET v = 0 WHERE id = 2";
+
+/// Sends both pairs tokenless through `gw` (with `public` protected by the store's triggers if
+/// `protect`) and checks that each write is refused (FG002) and `public.items` is unchanged.
+async fn cached_shapes_never_cover_a_write(gw: &PgGateway, protect: bool) {
+    setup(gw);
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE SCHEMA \"!0070ublic\"; CREATE TABLE \"!0070ublic\".items (id int, v int);\
+         INSERT INTO \"!0070ublic\".items VALUES (1, 1), (2, 2);",
+    );
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    if protect {
+        let (c, out, err) = cli(&[
+            "postgres",
+            "protect",
+            "--dsn",
+            &gw.pg.dsn("postgres"),
+            "--schema",
+            "public",
+        ]);
+        assert_eq!(c, 0, "{out}{err}");
+    }
+    let c = connect(&gw.dsn("postgres")).await;
+    // Bypass 5a: `--` ends at `\r` for PostgreSQL.
+    c.simple_query(CR_READ).await.unwrap();
+    let e = c.simple_query(CR_DELETE).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(public_items(&direct).await, vec![(1, 1), (2, 2), (3, 3)]);
+    // Bypass 5b: the UESCAPE character decides which schema the name is in.
+    c.simple_query(UESCAPE_UNPROTECTED).await.unwrap();
+    let e = c.simple_query(UESCAPE_PROTECTED).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(public_items(&direct).await, vec![(1, 1), (2, 2), (3, 3)]);
+}
+
+async fn public_items(direct: &Client) -> Vec<(i32, i32)> {
+    direct
+        .query("SELECT id, v FROM public.items ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Bypass 5, the gateway alone (no triggers): a write never reuses a read's cached shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shape_cache_never_gives_a_write_the_shape_of_a_read() {
+    let gw = PgGateway::start("unprotected_schemas = [\"!0070ublic\"]", &[]);
+    cached_shapes_never_cover_a_write(&gw, false).await;
+    // The gateway refused both writes itself, each audited.
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 2)]);
+}
+
+/// Bypass 5 with `public` protected by the store's triggers: refused even if the gateway
+/// let the write through.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shape_cache_differentials_are_refused_by_the_store_too() {
+    let gw = PgGateway::start("unprotected_schemas = [\"!0070ublic\"]", &[]);
+    cached_shapes_never_cover_a_write(&gw, true).await;
+}
+
 /// Bypass 7: a procedure that COMMITs, called with the extended protocol under a guard, writes
 /// after its first COMMIT without a pass: the store's trigger refuses that write.
 #[tokio::test(flavor = "multi_thread")]

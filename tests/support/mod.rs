@@ -4,6 +4,7 @@
 
 pub mod audit;
 pub mod cluster;
+pub mod fd_limit;
 pub mod gateway_node;
 pub mod postgres_server;
 pub mod redis_gateway;

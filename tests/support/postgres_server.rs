@@ -78,6 +78,16 @@ pub struct PgServer {
 impl PgServer {
     /// initdb, configure trust + SCRAM + MD5 + cleartext logins, start, wait until it answers.
     pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// The same, with `ssl=on` and this PEM certificate chain and key (TCP clients may then
+    /// use TLS; `host` lines in pg_hba.conf match both).
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Self {
+        Self::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Self {
         let bin = bin_dir();
         let dir = tempfile::tempdir().expect("temp dir");
         if is_root() {
@@ -118,10 +128,32 @@ impl PgServer {
                 "chown the socket dir",
             );
         }
-        let options = format!(
+        let mut options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
             sockdir.display()
         );
+        if let Some((cert, key)) = tls {
+            use std::os::unix::fs::PermissionsExt;
+            // The server refuses a key readable by others; both files belong to `postgres`.
+            std::fs::write(data.join("server.crt"), cert).unwrap();
+            std::fs::write(data.join("server.key"), key).unwrap();
+            std::fs::set_permissions(
+                data.join("server.key"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .unwrap();
+            if is_root() {
+                check(
+                    Command::new("chown")
+                        .args(["postgres:postgres"])
+                        .arg(data.join("server.crt"))
+                        .arg(data.join("server.key"))
+                        .output(),
+                    "chown the server's certificate and key",
+                );
+            }
+            options.push_str(" -c ssl=on");
+        }
         check(
             as_postgres(&bin.join("pg_ctl"))
                 .arg("-D")
@@ -232,7 +264,12 @@ impl PgGateway {
     /// Starts PostgreSQL, installs fence.sql with `fencegate postgres install`, then starts a
     /// node; `extra` is appended to the `[postgres]` section, `env` given to the process.
     pub fn start(extra: &str, env: &[(&str, &str)]) -> Self {
-        let pg = PgServer::start();
+        Self::install_and_start_on(PgServer::start(), extra, env)
+    }
+
+    /// Installs fence.sql in `pg` with `fencegate postgres install`, then starts a node in
+    /// front of it.
+    pub fn install_and_start_on(pg: PgServer, extra: &str, env: &[(&str, &str)]) -> Self {
         let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
         assert_eq!(code, 0, "fencegate postgres install failed:\n{out}\n{err}");
         Self::start_on(pg, extra, env)

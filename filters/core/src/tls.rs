@@ -54,13 +54,20 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 /// there is none; the server's name is checked against its certificate by the caller's
 /// connector.
 pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsSetupError> {
+    client_config_named("upstream_ca_file", ca_file)
+}
+
+/// [`client_config`] for a CA file that another setting names (errors say `setting`), e.g.
+/// libpq's `sslrootcert` in the PostgreSQL tools' DSNs.
+pub fn client_config_named(
+    setting: &str,
+    ca_file: Option<&Path>,
+) -> Result<Arc<rustls::ClientConfig>, TlsSetupError> {
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            for cert in read_certs("upstream_ca_file", path)? {
-                roots
-                    .add(cert)
-                    .map_err(|e| bad("upstream_ca_file", path, &e))?;
+            for cert in read_certs(setting, path)? {
+                roots.add(cert).map_err(|e| bad(setting, path, &e))?;
             }
         }
         None => {
@@ -69,9 +76,9 @@ pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>
                 .map_err(|e| TlsSetupError(format!("reading the system's CA certificates: {e}")))?;
             let (added, _) = roots.add_parsable_certificates(native);
             if added == 0 {
-                return Err(TlsSetupError(
-                    "the system has no CA certificates to verify the upstream with; set upstream_ca_file".into(),
-                ));
+                return Err(TlsSetupError(format!(
+                    "the system has no CA certificates to verify the server with; set {setting}"
+                )));
             }
         }
     }

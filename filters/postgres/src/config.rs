@@ -4,6 +4,10 @@
 //! [postgres]
 //! listen = "127.0.0.1:6433"        # where clients connect (default)
 //! upstream = "127.0.0.1:5432"      # the PostgreSQL server, host:port (default)
+//! upstream_tls = "disable"         # or "verify-full": TLS to the server, its certificate chain
+//!                                  # and host name (the host of `upstream`) verified
+//! upstream_ca_file = "/etc/fencegate/pg-upstream-ca.pem" # CAs for verify-full (PEM); absent:
+//!                                  # the system's root certificates
 //! databases = ["*"]                # protected databases; "*" = all (default)
 //! unprotected_schemas = []         # writes naming only tables in these schemas pass (default:
 //!                                  # none). The `fencegate` schema is never written by clients:
@@ -39,6 +43,13 @@ pub struct PostgresConfig {
     /// The upstream PostgreSQL server, `host:port`.
     #[serde(default = "default_upstream")]
     pub upstream: String,
+    /// TLS to the upstream server.
+    #[serde(default)]
+    pub upstream_tls: UpstreamTls,
+    /// PEM file of the CA certificates that verify the upstream server's certificate (with
+    /// `upstream_tls = "verify-full"`); absent: the system's root certificates.
+    #[serde(default)]
+    pub upstream_ca_file: Option<PathBuf>,
     /// Protected database names; `"*"` matches every database.
     #[serde(default = "default_databases")]
     pub databases: Vec<String>,
@@ -70,6 +81,18 @@ pub struct PostgresConfig {
     pub tls_key: Option<PathBuf>,
 }
 
+/// TLS to the upstream server, named as libpq's `sslmode` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UpstreamTls {
+    /// Plain TCP.
+    #[default]
+    Disable,
+    /// TLS required; the server's certificate chain is verified and must name the host of
+    /// `upstream`.
+    VerifyFull,
+}
+
 fn default_listen() -> SocketAddr {
     "127.0.0.1:6433".parse().expect("literal address")
 }
@@ -91,6 +114,8 @@ impl Default for PostgresConfig {
         Self {
             listen: default_listen(),
             upstream: default_upstream(),
+            upstream_tls: UpstreamTls::Disable,
+            upstream_ca_file: None,
             databases: default_databases(),
             unprotected_schemas: default_unprotected_schemas(),
             resource: None,
@@ -134,6 +159,12 @@ impl PostgresConfig {
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(PostgresError::Config(
                 "tls_cert and tls_key go together".to_owned(),
+            ));
+        }
+        if self.upstream_ca_file.is_some() && self.upstream_tls == UpstreamTls::Disable {
+            return Err(PostgresError::Config(
+                "upstream_ca_file is set but upstream_tls = \"disable\": set upstream_tls = \"verify-full\" to use it"
+                    .to_owned(),
             ));
         }
         if self.install_on_start && self.install_dsn_env.is_none() {
@@ -183,6 +214,22 @@ mod tests {
             ..PostgresConfig::default()
         };
         nothing.validate().unwrap();
+    }
+
+    #[test]
+    fn upstream_tls_is_disable_or_verify_full() {
+        let parse = |json: &str| serde_json::from_str::<PostgresConfig>(json);
+        let c = parse(r#"{"upstream_tls": "verify-full", "upstream_ca_file": "/ca.pem"}"#).unwrap();
+        assert_eq!(c.upstream_tls, UpstreamTls::VerifyFull);
+        assert_eq!(parse("{}").unwrap().upstream_tls, UpstreamTls::Disable);
+        assert!(parse(r#"{"upstream_tls": "require"}"#).is_err());
+        let stray = PostgresConfig {
+            databases: Vec::new(),
+            upstream_ca_file: Some("/ca.pem".into()),
+            ..PostgresConfig::default()
+        };
+        let e = stray.validate().unwrap_err().to_string();
+        assert!(e.contains("upstream_tls"), "{e}");
     }
 
     #[test]

@@ -4,14 +4,17 @@
 use std::path::PathBuf;
 
 use tokio::task::JoinHandle;
-use tokio_postgres::config::Host;
+use tokio_postgres::config::{Host, SslMode};
 use tokio_postgres::{Client, Config, NoTls};
 
 use crate::error::PostgresError;
 
-/// Connects to `dsn`; returns the client and the task driving its connection.
+/// Connects to `dsn`; returns the client and the task driving its connection. With
+/// `sslmode=require`, `verify-ca` or `verify-full` the connection is TLS with the server's
+/// chain and host name verified (see [`crate::dsn_tls`]); otherwise plain.
 pub async fn connect(dsn: &str) -> Result<(Client, JoinHandle<()>), PostgresError> {
-    let mut config: Config = dsn.parse().map_err(|e| {
+    let tls = crate::dsn_tls::split(dsn);
+    let mut config: Config = tls.dsn.parse().map_err(|e| {
         PostgresError::Config(format!(
             "the DSN is not a libpq connection string or URL: {e}"
         ))
@@ -21,7 +24,19 @@ pub async fn connect(dsn: &str) -> Result<(Client, JoinHandle<()>), PostgresErro
             config.password(password);
         }
     }
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+    let connected = if config.get_ssl_mode() == SslMode::Require {
+        let connector = crate::dsn_tls::connector(tls.root_cert.as_deref())?;
+        config
+            .connect(connector)
+            .await
+            .map(|(client, connection)| (client, tokio::spawn(drive(connection))))
+    } else {
+        config
+            .connect(NoTls)
+            .await
+            .map(|(client, connection)| (client, tokio::spawn(drive(connection))))
+    };
+    let (client, task) = connected.map_err(|e| {
         if e.to_string().contains("password missing") {
             PostgresError::Config(format!(
                 "the server wants a password for user {}: put it in the DSN, PGPASSWORD or ~/.pgpass",
@@ -31,12 +46,13 @@ pub async fn connect(dsn: &str) -> Result<(Client, JoinHandle<()>), PostgresErro
             PostgresError::Install(e)
         }
     })?;
-    let task = tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "tool connection ended with an error");
-        }
-    });
     Ok((client, task))
+}
+
+async fn drive<F: std::future::Future<Output = Result<(), tokio_postgres::Error>>>(connection: F) {
+    if let Err(e) = connection.await {
+        tracing::warn!(error = %e, "tool connection ended with an error");
+    }
 }
 
 /// `PGPASSWORD`, else the first matching `~/.pgpass` line.

@@ -19,6 +19,16 @@ pub enum PostgresError {
     /// A peer sent bytes that are not the PostgreSQL v3 protocol.
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// TLS to the upstream server could not be set up (`upstream_tls`).
+    #[error("TLS to the upstream server {upstream} failed ({settings}): {what}")]
+    UpstreamTls {
+        /// The upstream address.
+        upstream: String,
+        /// The settings in force, named as in the config.
+        settings: String,
+        /// What went wrong.
+        what: String,
+    },
     /// Installing `fence.sql` failed.
     #[error("installing the fence schema: {0}")]
     Install(#[from] tokio_postgres::Error),

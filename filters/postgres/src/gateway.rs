@@ -11,6 +11,7 @@ use crate::classify_cache::ClassifyCache;
 use crate::config::PostgresConfig;
 use crate::error::PostgresError;
 use crate::session;
+use crate::upstream::Upstream;
 
 /// One PostgreSQL gateway: a listener's shared state.
 pub struct Gateway {
@@ -19,6 +20,8 @@ pub struct Gateway {
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) route: Option<Resource>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    /// How sessions connect to the server (TLS or not).
+    pub(crate) upstream: Upstream,
     /// Statement classifications by shape, shared by every session.
     pub(crate) classified: ClassifyCache,
     connections: AtomicU64,
@@ -42,7 +45,9 @@ impl Gateway {
             (Some(cert), Some(key)) => Some(crate::tls::acceptor(cert, key)?),
             _ => None,
         };
+        let upstream = Upstream::new(&config)?;
         Ok(Arc::new(Self {
+            upstream,
             config,
             policy,
             sink,

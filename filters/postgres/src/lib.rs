@@ -36,6 +36,7 @@ pub mod classify;
 pub mod classify_cache;
 pub mod config;
 pub mod connect;
+pub mod dsn_tls;
 pub mod error;
 mod fence_reset;
 mod gateway;
@@ -51,8 +52,9 @@ pub mod sqlstate;
 pub mod status;
 pub mod tls;
 pub mod token_keys;
+pub mod upstream;
 
-pub use config::PostgresConfig;
+pub use config::{PostgresConfig, UpstreamTls};
 pub use error::PostgresError;
 pub use fence_reset::reset_fence;
 pub use gateway::Gateway;

@@ -1,5 +1,6 @@
 //! TLS for clients: a rustls acceptor built from the configured certificate chain and key, and
-//! the client stream that is either plain TCP or TLS over it.
+//! a stream that is either plain TCP or TLS over it (the client's, and the upstream's: see
+//! [`crate::upstream`]).
 
 use std::io;
 use std::path::Path;
@@ -22,15 +23,18 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, PostgresError> {
         .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
-/// A client connection: plain TCP, or TLS after an accepted `SSLRequest`.
-pub enum ClientStream {
+/// A connection that is plain TCP, or TLS over it after an `SSLRequest` was accepted.
+pub enum MaybeTls<T> {
     /// Plain TCP.
     Plain(TcpStream),
-    /// TLS terminated by the gateway.
-    Tls(Box<TlsStream<TcpStream>>),
+    /// TLS over the TCP connection.
+    Tls(Box<T>),
 }
 
-impl AsyncRead for ClientStream {
+/// A client connection: TLS, if any, terminated by the gateway.
+pub type ClientStream = MaybeTls<TlsStream<TcpStream>>;
+
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -43,7 +47,7 @@ impl AsyncRead for ClientStream {
     }
 }
 
-impl AsyncWrite for ClientStream {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -1,6 +1,8 @@
 //! One EMFILE on accept used to end the Redis gateway for good while the process lived on. In
 //! its own test binary: it lowers the whole process's open-file limit for a moment.
 
+#[path = "../../../tests/support/fd_limit.rs"]
+mod fd_limit;
 #[path = "../../../tests/support/redis_server.rs"]
 #[allow(dead_code)] // shared harness; this test uses part of it
 mod redis_server;
@@ -10,6 +12,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fd_limit::FdSqueeze;
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
@@ -20,21 +23,6 @@ fn request(s: &mut TcpStream, wire: &[u8]) -> String {
     let mut buf = [0u8; 4096];
     let n = s.read(&mut buf).unwrap();
     String::from_utf8_lossy(&buf[..n]).into_owned()
-}
-
-/// The process's open file descriptors.
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-fn set_nofile(limit: usize) {
-    let status = std::process::Command::new("prlimit")
-        .arg("--pid")
-        .arg(std::process::id().to_string())
-        .arg(format!("--nofile={limit}:"))
-        .status()
-        .expect("prlimit (util-linux) runs");
-    assert!(status.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,12 +43,6 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
     let listener = gateway.bind().await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(gateway.serve(listener));
-    let original = std::fs::read_to_string("/proc/self/limits")
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with("Max open files"))
-        .and_then(|l| l.split_whitespace().nth(3)?.parse::<usize>().ok())
-        .unwrap();
     tokio::task::spawn_blocking(move || {
         // Warm up: the gateway has its upstream info, and a session's sockets are counted.
         let mut c = TcpStream::connect(addr).unwrap();
@@ -68,7 +50,7 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
         drop(c);
         // Leave room for a few client sockets (ours) but not for the gateway's accepts and
         // upstream connections: accept fails with EMFILE.
-        set_nofile(open_fds() + 6);
+        let squeeze = FdSqueeze::leave_room(6);
         let mut held = Vec::new();
         for _ in 0..6 {
             if let Ok(c) = TcpStream::connect(addr) {
@@ -77,7 +59,7 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
         }
         std::thread::sleep(Duration::from_millis(300));
         drop(held);
-        set_nofile(original);
+        drop(squeeze);
         // The gateway keeps accepting.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use tokio::io::ReadHalf;
 use tokio::io::{AsyncWriteExt, WriteHalf};
-use tokio::net::tcp::OwnedReadHalf;
 
 use super::pending::{on_reply, Expect};
 use super::Shared;
@@ -15,11 +15,12 @@ use crate::lazy_writer::LazyWriter;
 use crate::message::{self, ErrorFields, FrameReader};
 use crate::sqlstate;
 use crate::tls::ClientStream;
+use crate::upstream::UpstreamStream;
 
 /// upstream -> client.
 pub(super) async fn relay_replies(
     shared: Arc<Shared>,
-    mut upstream: FrameReader<OwnedReadHalf>,
+    mut upstream: FrameReader<ReadHalf<UpstreamStream>>,
     mut client: LazyWriter<WriteHalf<ClientStream>>,
 ) -> Result<(), PostgresError> {
     loop {

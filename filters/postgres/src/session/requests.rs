@@ -7,8 +7,8 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{OperationSummary, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
+use tokio::io::WriteHalf;
 use tokio::io::{AsyncWriteExt, ReadHalf};
-use tokio::net::tcp::OwnedWriteHalf;
 
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
@@ -20,6 +20,7 @@ use crate::message::{self, ErrorFields, Frame, FrameReader};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
 use crate::tls::ClientStream;
+use crate::upstream::UpstreamStream;
 
 /// client -> upstream.
 /// The most messages that may wait for their answers in one session.
@@ -28,7 +29,7 @@ const MAX_PENDING: usize = 262_144;
 pub(super) async fn relay_requests(
     shared: Arc<Shared>,
     mut client: FrameReader<ReadHalf<ClientStream>>,
-    mut upstream: LazyWriter<OwnedWriteHalf>,
+    mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
 ) -> Result<(), PostgresError> {
     loop {
         let frame = match client.read_frame().await {

@@ -4,8 +4,7 @@
 
 use std::net::SocketAddr;
 
-use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 
 use super::MAX_BACKEND_MESSAGE;
@@ -16,12 +15,13 @@ use crate::lexing::Lexing;
 use crate::message::{self, ErrorFields, FrameReader, Startup};
 use crate::sqlstate;
 use crate::tls::ClientStream;
+use crate::upstream::UpstreamStream;
 
 /// A session the server accepted: both connections, and what the session starts with.
 pub(super) struct Established {
     pub(super) client_read: FrameReader<ClientStream>,
-    pub(super) upstream_read: FrameReader<OwnedReadHalf>,
-    pub(super) upstream_write: OwnedWriteHalf,
+    pub(super) upstream_read: FrameReader<ReadHalf<UpstreamStream>>,
+    pub(super) upstream_write: WriteHalf<UpstreamStream>,
     /// The first ReadyForQuery status.
     pub(super) status: u8,
     /// The token from the startup packet, if any.
@@ -91,9 +91,7 @@ pub(super) async fn establish(
                 }
             }
             Startup::Cancel(raw) => {
-                let mut upstream = TcpStream::connect(&gateway.config.upstream)
-                    .await
-                    .map_err(PostgresError::io("connecting upstream for a cancel"))?;
+                let mut upstream = gateway.upstream.connect().await?;
                 upstream
                     .write_all(&raw)
                     .await
@@ -137,16 +135,15 @@ pub(super) async fn establish(
     let database = param(&relayed, "database").unwrap_or_else(|| user.clone());
     let protected = gateway.config.protects_database(&database);
 
-    let upstream = match TcpStream::connect(&gateway.config.upstream).await {
+    let upstream = match gateway.upstream.connect().await {
         Ok(s) => s,
         Err(e) => {
             let msg = format!("fencegate: cannot reach the upstream server: {e}");
             fatal(client_read.get_mut(), "08006", &msg).await;
-            return Err(PostgresError::io("connecting upstream")(e));
+            return Err(e);
         }
     };
-    let _ = upstream.set_nodelay(true);
-    let (upstream_read, mut upstream_write) = upstream.into_split();
+    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
     let mut upstream_read = FrameReader::new(upstream_read, MAX_BACKEND_MESSAGE);
     upstream_write
         .write_all(&message::startup_message(&relayed))
