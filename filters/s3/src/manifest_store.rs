@@ -218,9 +218,11 @@ impl Shared {
             match response.status {
                 404 => return Ok(None),
                 200 => {}
-                status => return Err(S3Error::Upstream(format!(
+                status => {
+                    return Err(S3Error::Upstream(format!(
                     "GET of the first-layout manifest of {resource} in {bucket} answered {status}"
-                ))),
+                )))
+                }
             }
             let legacy = Legacy::parse(&response.body).map_err(|e| {
                 S3Error::Upstream(format!(
