@@ -40,6 +40,34 @@ pub enum Command {
     /// Make a cluster CA, node certificates and API credentials for a quick start.
     #[command(subcommand)]
     Certs(CertsCommand),
+    /// Operators' recovery of a store's fence (admin, audited).
+    #[command(subcommand)]
+    Fence(FenceCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FenceCommand {
+    /// Lower RESOURCE's fence in one store, if it still is --current (a compare-and-set): for
+    /// recovery when the fence is above every token the authority can issue. The node that
+    /// receives it resets the store behind its own gateway and writes an audit record.
+    Reset {
+        resource: String,
+        /// The store: redis or postgres.
+        #[arg(long)]
+        store: String,
+        /// The fence the store holds now (0: none), as its refusals report it.
+        #[arg(long)]
+        current: u64,
+        /// The new fence (0 removes it). Default: the current holder's token, else the
+        /// authority's revision; never above the authority's revision.
+        #[arg(long)]
+        to: Option<u64>,
+        /// PostgreSQL: a connection string of the fence schema's owner.
+        #[arg(long)]
+        dsn: Option<String>,
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
 }
 
 #[derive(Debug, Subcommand)]

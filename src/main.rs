@@ -7,6 +7,7 @@ mod cli_certs;
 mod cli_postgres;
 mod client;
 mod config;
+mod fence_reset;
 mod lock_run;
 mod metrics;
 mod server;
@@ -21,8 +22,8 @@ use reqwest::Method;
 use serde_json::json;
 
 use cli::{
-    CertsCommand, Cli, ClusterCommand, Command, EndpointArg, LockCommand, SnapshotCommand,
-    TokenKeyCommand,
+    CertsCommand, Cli, ClusterCommand, Command, EndpointArg, FenceCommand, LockCommand,
+    SnapshotCommand, TokenKeyCommand,
 };
 use client::{Answer, Client};
 use config::Config;
@@ -76,6 +77,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cli_certs::init(&dir, &nodes)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Fence(FenceCommand::Reset {
+            resource,
+            store,
+            current,
+            to,
+            dsn,
+            endpoint,
+        }) => print_answer(
+            client(&endpoint)?
+                .call(
+                    Method::POST,
+                    "/v1/fences/reset",
+                    Some(&json!({
+                        "store": store,
+                        "resource": resource,
+                        "current": current,
+                        "to": to,
+                        "dsn": dsn,
+                    })),
+                    REQUEST_TIMEOUT,
+                )
+                .await?,
+        ),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use fencegate_core::{KeyRing, SharedKeyRing, TokenKey};
+use fencegate_core::{IssuedRevision, KeyRing, SharedKeyRing, TokenKey};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -127,6 +127,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         keys: keys.clone(),
         accept_unsigned: config.authority.accept_unsigned,
         accept_plain: false,
+        issued: IssuedRevision::default(),
     };
     let metrics = Arc::new(Metrics::default());
     let audit = crate::audit::AuditWriter::start(
@@ -147,6 +148,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     let authority = Authority::start(
         &config,
         keys,
+        policy.issued.clone(),
         secrets.operator_key.clone(),
         metrics.clone(),
         Network::new(peer_http, secrets.tls.is_some()),
@@ -190,6 +192,10 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         } else {
             "http"
         },
+        fences: Arc::new(crate::fence_reset::FenceResets {
+            redis: config.redis.clone(),
+            audit: audit.sink(),
+        }),
     };
     let mut app = api::router(state.clone(), secrets.credentials.clone());
     let peer_app = api::peer_router(state);

@@ -380,7 +380,13 @@ async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
         let grant = cluster.acquire(1, "wipe", 60_000).await;
         assert_eq!(grant["revision"], 1);
         let refused = fenced_set(gateway, grant["token"].as_str().unwrap(), "wipe:k").await;
-        assert!(refused.contains("FENCED"), "{refused}");
+        // The client is told the authority is below the store, not that it lost its lock.
+        assert!(
+            refused.contains("FENCED")
+                && refused.contains("the fence 501 of resource wipe is above every revision this cluster's authority has issued (1)")
+                && refused.contains("fencegate snapshot bump 501"),
+            "{refused}"
+        );
         let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
         assert_eq!(status["fence_above_authority"], 501, "{status}");
         let (_, metrics) = (
@@ -396,6 +402,41 @@ async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
             metrics.contains("fencegate_fence_above_authority 1"),
             "{metrics}"
         );
+        assert_eq!(direct.get::<_, String>("wipe:k").await.unwrap(), written);
+
+        // An operator resets the fence to the holder's token: its write passes, once.
+        let (code, out) = cluster.cli(&[
+            "fence",
+            "reset",
+            "wipe",
+            "--store",
+            "redis",
+            "--current",
+            "501",
+            "--endpoint",
+            &cluster.endpoints(),
+        ]);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains("\"to\":1") || out.contains("\"to\": 1"),
+            "{out}"
+        );
+        let fence: String = direct.get("fencegate:fence:{wipe}").await.unwrap();
+        assert_eq!(fence, "1");
+        assert_eq!(
+            fenced_set(gateway, grant["token"].as_str().unwrap(), "wipe:k").await,
+            "OK"
+        );
+        let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
+        assert_eq!(status["fence_above_authority"], Value::Null, "{status}");
+        let resets = support::audit::records(&cluster.data_dir(1).join("audit"))
+            .into_iter()
+            .filter(|r| r["reason"] == "fence_reset")
+            .count();
+        assert_eq!(resets, 1);
+        // Put the store back where the wiped authority left it, for the next life.
+        let _: () = direct.set("fencegate:fence:{wipe}", "501").await.unwrap();
+        let _: () = direct.set("wipe:k", &written).await.unwrap();
     }
     assert_eq!(direct.get::<_, String>("wipe:k").await.unwrap(), written);
 
@@ -625,4 +666,80 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "1", "only the write from before the sync");
+
+    // Recovery: an operator resets the fence. The reset is a compare-and-set, so naming the
+    // wrong current fence changes nothing...
+    let fence = || {
+        pg.psql_as(
+            "postgres",
+            "SELECT revision FROM fencegate.fences WHERE resource = 'vault'",
+        )
+    };
+    let reset = |current: &str| {
+        cluster.cli(&[
+            "fence",
+            "reset",
+            "vault",
+            "--store",
+            "postgres",
+            "--current",
+            current,
+            "--dsn",
+            &pg.dsn("postgres"),
+            "--endpoint",
+            &cluster.endpoints(),
+        ])
+    };
+    let (code, out) = reset("998");
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("the store holds fence 999, not 998; nothing changed"),
+        "{out}"
+    );
+    assert_eq!(fence(), "999");
+    // ...and the right one lowers it to the holder's token, so exactly that holder writes again.
+    let (code, out) = reset("999");
+    assert_eq!(code, 0, "{out}");
+    let revision = grant["revision"].as_u64().unwrap();
+    let answer: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (answer["from"].as_u64(), answer["to"].as_u64()),
+        (Some(999), Some(revision)),
+        "{out}"
+    );
+    assert_eq!(fence(), revision.to_string());
+    direct
+        .batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES (4); COMMIT"
+        ))
+        .await
+        .unwrap();
+    let resets: Vec<Value> = support::audit::records(&cluster.data_dir(1).join("audit"))
+        .into_iter()
+        .filter(|r| r["reason"] == "fence_reset")
+        .collect();
+    assert_eq!(resets.len(), 1, "one audit record per reset: {resets:?}");
+    assert_eq!(resets[0]["store"], "postgres");
+    assert_eq!(
+        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
+        (Some(999), Some(revision))
+    );
+    // Never above the authority's revision: that would brick the resource again.
+    let (code, out) = cluster.cli(&[
+        "fence",
+        "reset",
+        "vault",
+        "--store",
+        "postgres",
+        "--current",
+        &revision.to_string(),
+        "--to",
+        "5000",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--endpoint",
+        &cluster.endpoints(),
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("above the authority's revision"), "{out}");
 }

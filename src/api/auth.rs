@@ -164,9 +164,17 @@ pub async fn require(State(gate): State<Gate>, request: Request, next: Next) -> 
             format!("credential {name:?} has the client role; this call needs admin"),
         )
         .into_response(),
-        Some(_) => next.run(request).await,
+        Some((name, _)) => {
+            let mut request = request;
+            request.extensions_mut().insert(Caller(name.to_owned()));
+            next.run(request).await
+        }
     }
 }
+
+/// The name of the credential that made a request, for audit records of admin actions.
+#[derive(Debug, Clone)]
+pub struct Caller(pub String);
 
 #[cfg(test)]
 mod tests {

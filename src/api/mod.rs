@@ -2,6 +2,7 @@
 //! for operators. One port serves all of it.
 
 pub mod auth;
+mod fence;
 mod forward;
 mod keys;
 mod lock;
@@ -33,6 +34,8 @@ pub struct ApiState {
     pub http: reqwest::Client,
     /// `https` when the APIs serve TLS.
     pub scheme: &'static str,
+    /// Operators' fence resets against this node's gateway upstreams.
+    pub fences: Arc<crate::fence_reset::FenceResets>,
 }
 
 /// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
@@ -65,6 +68,7 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         .route("/v1/revision/bump", post(ops::bump))
         .route("/v1/token-keys", post(keys::rotate))
         .route("/v1/token-keys/{kid}/retire", post(keys::retire))
+        .route("/v1/fences/reset", post(fence::reset))
         .route_layer(axum::middleware::from_fn_with_state(
             gate(Role::Admin),
             auth::require,

@@ -74,6 +74,12 @@ impl FenceCounters {
         }
     }
 
+    /// Forgets the highest fence seen (an operator reset it); the next refusal reports anew.
+    pub fn forget(&self) {
+        self.highest_fence.store(0, Ordering::Relaxed);
+        self.above_authority.set(0);
+    }
+
     /// Compares the highest fence seen with the authority's `revision`; logs the first time a
     /// fence is above it. Returns the fence when it is.
     pub fn check_floor(&self, revision: u64) -> Option<u64> {

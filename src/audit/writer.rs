@@ -139,7 +139,8 @@ fn run(
             tracing::error!(error = %e, records = submissions.len(), "audit log write failed; refusals are not being logged");
         }
         for s in submissions {
-            if result.is_ok() {
+            // An operator's fence reset is audited but is not a refusal.
+            if result.is_ok() && s.event.reason != crate::fence_reset::RESET_REASON {
                 counters.refused(&s.event.store, &s.event.reason);
                 counters.saw_fence(s.event.fence);
             }

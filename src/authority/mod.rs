@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{Resource, Revision, SharedKeyRing, Token, TokenKey};
+use fencegate_core::{IssuedRevision, Resource, Revision, SharedKeyRing, Token, TokenKey};
 use openraft::error::{
     CheckIsLeaderError, ClientWriteError, ForwardToLeader, InitializeError, RaftError,
 };
@@ -206,6 +206,7 @@ impl Authority {
     pub async fn start(
         config: &Config,
         keys: SharedKeyRing,
+        issued: IssuedRevision,
         pinned: Option<TokenKey>,
         metrics: Arc<Metrics>,
         network: Network,
@@ -221,7 +222,7 @@ impl Authority {
         );
         let log = LogStore::open(db.clone()).map_err(|e| open_err(e.to_string()))?;
         let waiters = Arc::new(Waiters::default());
-        let sm = StateMachine::open(db, waiters.clone(), keys.clone(), pinned)
+        let sm = StateMachine::open(db, waiters.clone(), keys.clone(), pinned, issued)
             .map_err(|e| open_err(e.to_string()))?;
         let applied = sm.applied();
         let raft_config = raft_config(&config.authority).map_err(AuthorityError::Unavailable)?;
@@ -661,6 +662,21 @@ impl Authority {
                 "unexpected outcome {other:?}"
             ))),
         }
+    }
+
+    /// This node's applied revision and the token of `resource`'s current holder, if any: what
+    /// an operator's fence reset may lower a fence to. Read locally (a follower may lag by an
+    /// entry or two; the reset is a compare-and-set in the store either way).
+    pub async fn fence_floor(&self, resource: &Resource) -> (u64, Option<u64>) {
+        let applied = self.applied.read().await;
+        let holder = applied.state.locks.get(resource.as_str()).map(|l| l.token);
+        (applied.state.revision, holder)
+    }
+
+    /// Forgets the fences stores reported (after an operator reset one), so the
+    /// fence-above-authority report reflects only refusals seen from now on.
+    pub fn forget_fences(&self) {
+        self.metrics.fences.forget();
     }
 
     async fn holder_revision(&self, resource: &str) -> u64 {

@@ -19,7 +19,7 @@ use redb::{Database, TableDefinition};
 use serde::{Deserialize, Serialize};
 use tokio::sync::RwLock;
 
-use fencegate_core::{KeyRing, KeyState, SharedKeyRing, TokenKey};
+use fencegate_core::{IssuedRevision, KeyRing, KeyState, SharedKeyRing, TokenKey};
 
 use super::state::{AuthorityState, Command, Outcome};
 use super::type_config::{NodeId, StorageError, TypeConfig};
@@ -52,6 +52,8 @@ pub struct StateMachine {
     keys: SharedKeyRing,
     /// An operator-supplied key (kid 0) that signs instead of the replicated ones.
     pinned: Option<TokenKey>,
+    /// The highest revision applied, shared with the gateways to word stale refusals.
+    issued: IssuedRevision,
 }
 
 /// The key ring for `state`'s replicated keys, plus the operator's pinned key.
@@ -95,6 +97,7 @@ impl StateMachine {
         waiters: Arc<Waiters>,
         keys: SharedKeyRing,
         pinned: Option<TokenKey>,
+        issued: IssuedRevision,
     ) -> Result<Self, StorageError> {
         let mut applied = Applied::default();
         if let Some(stored) = Self::load(&db)? {
@@ -104,12 +107,14 @@ impl StateMachine {
             applied.membership = stored.meta.last_membership;
         }
         keys.replace(key_ring(&applied.state, pinned.as_ref()));
+        issued.observe(applied.state.revision);
         Ok(Self {
             applied: Arc::new(RwLock::new(applied)),
             db,
             waiters,
             keys,
             pinned,
+            issued,
         })
     }
 
@@ -226,6 +231,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 self.keys
                     .replace(key_ring(&applied.state, self.pinned.as_ref()));
             }
+            self.issued.observe(applied.state.revision);
         }
         for resource in freed {
             self.waiters.freed(&resource);
@@ -264,6 +270,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 .cloned()
                 .collect();
             self.keys.replace(key_ring(&state, self.pinned.as_ref()));
+            self.issued.observe(state.revision);
             *applied = Applied {
                 last_applied: meta.last_log_id,
                 membership: meta.last_membership.clone(),

@@ -24,6 +24,7 @@ fn open(dir: &TempDir) -> (LogStore, StateMachine) {
         Arc::new(Waiters::default()),
         fencegate_core::SharedKeyRing::default(),
         None,
+        fencegate_core::IssuedRevision::default(),
     )
     .expect("open state machine");
     (log, sm)

@@ -72,3 +72,8 @@ pub enum TokenError {
     #[error("fencing token is for another resource than the one written")]
     WrongResource,
 }
+
+/// A store name that is not one of ours; the message names the accepted ones.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown store {0:?}: expected redis, postgres or s3")]
+pub struct UnknownStore(pub String);

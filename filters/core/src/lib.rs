@@ -9,26 +9,34 @@
 
 #![deny(missing_docs)]
 
+mod attempt;
 mod audit_record;
 mod audit_sink;
 mod error;
+mod fence_reset;
+mod issued_revision;
 mod key_ring;
 mod policy;
 mod resource;
 mod revision;
+mod store;
 mod token;
 mod token_key;
 mod verdict;
 
+pub use attempt::Attempt;
 pub use audit_record::{
     now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH,
 };
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
-pub use error::{ResourceError, TokenError};
+pub use error::{ResourceError, TokenError, UnknownStore};
+pub use fence_reset::FenceReset;
+pub use issued_revision::IssuedRevision;
 pub use key_ring::{KeyRing, KeyState, SharedKeyRing};
 pub use policy::TokenPolicy;
 pub use resource::Resource;
 pub use revision::Revision;
+pub use store::Store;
 pub use token::{Token, MAX_TOKEN_LEN, TOKEN_PREFIX};
 pub use token_key::TokenKey;
 pub use verdict::{RejectReason, Rejection, Verdict};

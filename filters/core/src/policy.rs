@@ -1,7 +1,7 @@
 use crate::token::check_envelope;
 use crate::{
-    KeyRing, RejectReason, Rejection, Resource, Revision, SharedKeyRing, Token, TokenError,
-    TokenKey,
+    IssuedRevision, KeyRing, RejectReason, Rejection, Resource, Revision, SharedKeyRing, Token,
+    TokenError, TokenKey,
 };
 
 /// Which presented tokens a gateway accepts.
@@ -18,6 +18,8 @@ pub struct TokenPolicy {
     pub accept_unsigned: bool,
     /// Whether a bare decimal revision is a token.
     pub accept_plain: bool,
+    /// The highest revision the node's authority has applied; words stale refusals.
+    pub issued: IssuedRevision,
 }
 
 impl TokenPolicy {
@@ -27,6 +29,7 @@ impl TokenPolicy {
             keys,
             accept_unsigned: false,
             accept_plain: false,
+            issued: IssuedRevision::default(),
         }
     }
 
@@ -42,6 +45,7 @@ impl TokenPolicy {
             keys: SharedKeyRing::default(),
             accept_unsigned: true,
             accept_plain: false,
+            issued: IssuedRevision::default(),
         }
     }
 
@@ -97,6 +101,12 @@ impl TokenPolicy {
                 Err(_) => rejection,
             }
         })
+    }
+
+    /// The refusal of `token`'s write because the store holds `fence` above it, worded with
+    /// what this node's authority has issued (see [`Rejection::stale`]).
+    pub fn stale(&self, token: &Token, fence: u64, target: &str) -> Rejection {
+        Rejection::stale(token, fence, target, self.issued.get())
     }
 }
 
@@ -213,6 +223,35 @@ mod tests {
         assert_eq!(
             lenient.check("0", Some(&job())),
             Err(TokenError::BadRevision)
+        );
+    }
+
+    #[test]
+    fn the_stale_hint_does_not_blame_the_client_for_a_reset_authority() {
+        let policy = TokenPolicy::with_key(key(1));
+        let token = Token::new(job(), Revision::new(7).unwrap());
+        let lost = policy.stale(&token, 12, "key k");
+        assert_eq!(lost.reason, RejectReason::Stale { fence: 12 });
+        assert_eq!(
+            (lost.resource, lost.revision),
+            (Some(job()), token.revision().into())
+        );
+        assert_eq!(
+            lost.detail,
+            "fencing token revision 7 is below the fence 12 of key k: a newer holder has taken the lock; stop writing and acquire it again"
+        );
+        policy.issued.observe(20);
+        assert!(policy
+            .stale(&token, 12, "key k")
+            .detail
+            .contains("newer holder"));
+        let reset = policy.stale(&token, 501, "key k");
+        assert_eq!(reset.reason, RejectReason::Stale { fence: 501 });
+        assert!(
+            reset.detail.starts_with("the fence 501 of key k is above every revision this cluster's authority has issued (20)")
+                && reset.detail.contains("fencegate snapshot bump 501"),
+            "{}",
+            reset.detail
         );
     }
 }

@@ -2,7 +2,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Resource, Revision, TokenError};
+use crate::{Resource, Revision, Token, TokenError};
 
 /// What a filter decided about one write. A refusal is a value, not an `Err`: it is answered in
 /// the store's native error form, audited, and counted.
@@ -94,6 +94,27 @@ impl Rejection {
             revision: None,
             detail: detail.into(),
         }
+    }
+
+    /// The refusal of `token`'s write because the store holds `fence` above it; `target` names
+    /// what was written (`key k`, `resource r`, `the manifest of b/p`). The one place the stale
+    /// hint is worded.
+    ///
+    /// `issued` is the highest revision the node's authority has applied, when known. A fence
+    /// above it is not the client's lost lock but an authority reset below the store, and the
+    /// hint says so instead of telling the client to acquire again.
+    pub fn stale(token: &Token, fence: u64, target: &str, issued: Option<u64>) -> Self {
+        let revision = token.revision();
+        let detail = match issued {
+            Some(issued) if fence > issued => format!(
+                "the fence {fence} of {target} is above every revision this cluster's authority has issued ({issued}), so no token can pass: the authority's data was reset or restored below the store. This is not a lost lock; an operator must run `fencegate snapshot bump {fence}` (or reset the fence)"
+            ),
+            _ => format!(
+                "fencing token revision {revision} is below the fence {fence} of {target}: a newer holder has taken the lock; stop writing and acquire it again"
+            ),
+        };
+        Self::new(RejectReason::Stale { fence }, detail)
+            .with_token(token.resource().clone(), revision)
     }
 
     /// The same refusal, naming the token's resource and revision.

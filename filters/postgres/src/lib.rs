@@ -37,6 +37,7 @@ pub mod classify_cache;
 pub mod config;
 pub mod connect;
 pub mod error;
+mod fence_reset;
 mod gateway;
 pub mod install;
 mod lazy_writer;
@@ -52,6 +53,7 @@ pub mod token_keys;
 
 pub use config::PostgresConfig;
 pub use error::PostgresError;
+pub use fence_reset::reset_fence;
 pub use gateway::Gateway;
 pub use install::{install, install_with, InstallOptions, InstallReport, FENCE_SQL};
 pub use protect::{protect, ProtectReport, Target};

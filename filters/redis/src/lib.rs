@@ -19,6 +19,7 @@ pub mod config;
 pub mod decide;
 pub mod durability;
 pub mod error;
+mod fence_reset;
 pub mod frame;
 mod gateway;
 pub mod glob;
@@ -31,4 +32,5 @@ pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, RedisConfig, Scope};
 pub use error::{FrameError, RedisError};
+pub use fence_reset::reset_fence;
 pub use gateway::Gateway;

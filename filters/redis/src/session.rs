@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Token};
+use fencegate_core::{
+    Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Store, Token,
+};
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -164,8 +166,8 @@ enum Expect {
 }
 
 struct FenceContext {
-    /// The audit event to complete if the store refuses.
-    event: AuditEvent,
+    /// The write, to audit if the store refuses it.
+    attempt: Attempt,
     /// The rewritten call, to send again after a reload.
     call: Vec<Bytes>,
 }
@@ -479,12 +481,12 @@ impl Reader {
             Decision::Fence { keys, token } => {
                 let resp3 = self.resp3.load(Ordering::Relaxed);
                 let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
-                let event = self.event(&request, &keys, Some(&token));
+                let attempt = self.attempt(&request, &keys, Some(&token));
                 batch.forward(&call);
                 batch
                     .slots
                     .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                        event,
+                        attempt,
                         call,
                     }))));
             }
@@ -562,8 +564,8 @@ impl Reader {
         match &multi.token {
             None => batch.slots.push(Slot::Upstream(Expect::Plain)),
             Some(token) => {
-                let mut event = self.base_event(Some(token));
-                event.operation = OperationSummary {
+                let mut attempt = self.base_attempt(Some(token));
+                attempt.operation = OperationSummary {
                     command: format!("MULTI/EXEC({})", multi.commands.join(",")),
                     objects: multi.objects,
                     args: multi.commands.len(),
@@ -572,7 +574,7 @@ impl Reader {
                 batch
                     .slots
                     .push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
-                        event,
+                        attempt,
                         call: Vec::new(),
                     }))));
             }
@@ -599,12 +601,10 @@ impl Reader {
                 Err(e) => {
                     let reason = RejectReason::from_token_error(&e);
                     self.count_refusal(&reason);
-                    let mut event = self.event(request, &[], None);
-                    if let Ok(parsed) = Token::parse(&text) {
-                        fill_token(&mut event, &parsed);
-                    }
-                    event.reason = reason.label().to_owned();
-                    event.detail = e.to_string();
+                    let presented = Token::parse(&text).ok();
+                    let event = self
+                        .attempt(request, &[], presented.as_ref())
+                        .refused(&Rejection::new(reason, e.to_string()));
                     tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
                     batch.slots.push(Slot::Refuse(
                         Frame::error(&decide::refusal_text(&reason, &e.to_string())),
@@ -653,9 +653,9 @@ impl Reader {
             .map(|k| k.into_iter().cloned().collect::<Vec<_>>())
             .unwrap_or_default();
         let token = self.token.clone();
-        let mut event = self.event(request, &keys, token.as_ref());
-        event.reason = reason.label().to_owned();
-        event.detail = detail.to_owned();
+        let event = self
+            .attempt(request, &keys, token.as_ref())
+            .refused(&Rejection::new(reason, detail));
 
         tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
         batch.slots.push(Slot::Refuse(
@@ -664,48 +664,32 @@ impl Reader {
         ));
     }
 
-    fn base_event(&self, token: Option<&Token>) -> AuditEvent {
-        let mut event = AuditEvent {
-            store: STORE.to_owned(),
+    fn base_attempt(&self, token: Option<&Token>) -> Attempt {
+        Attempt {
+            store: Store::Redis,
             client_addr: self.peer.to_string(),
             client_identity: self
                 .identity
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
-            resource: None,
-            token: None,
-            token_signed: false,
-            revision: None,
-            fence: None,
-            reason: String::new(),
-            detail: String::new(),
+            token: token.cloned(),
             operation: OperationSummary::default(),
             request_id: format!("redis-{}-{}", self.id, self.requests),
-        };
-        if let Some(token) = token {
-            fill_token(&mut event, token);
         }
-        event
     }
 
-    fn event(&self, request: &Request, keys: &[Bytes], token: Option<&Token>) -> AuditEvent {
-        let mut event = self.base_event(token);
-        event.operation = OperationSummary {
-            command: request.name(),
-            objects: keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
-            args: request.args.len(),
-            bytes: request.wire_len,
-        };
-        event
+    fn attempt(&self, request: &Request, keys: &[Bytes], token: Option<&Token>) -> Attempt {
+        Attempt {
+            operation: OperationSummary {
+                command: request.name(),
+                objects: keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
+                args: request.args.len(),
+                bytes: request.wire_len,
+            },
+            ..self.base_attempt(token)
+        }
     }
-}
-
-fn fill_token(event: &mut AuditEvent, token: &Token) {
-    event.resource = Some(token.resource().to_string());
-    event.token = Some(token.unsigned_form());
-    event.token_signed = token.is_signed();
-    event.revision = Some(token.revision().get());
 }
 
 struct Writer {
@@ -917,21 +901,26 @@ impl Writer {
                 } else {
                     (frame, raw)
                 };
+                let mut restated = None;
                 match frame.as_error() {
                     Some(e) if stale_fence(e).is_some() => {
                         let fence = stale_fence(e).expect("checked");
-                        self.audit_stale(ctx.event, fence).await
+                        restated = self.audit_stale(&ctx.attempt, fence).await;
                     }
                     Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
                     _ => self.gateway.sink.applied(STORE),
                 }
-                self.out().extend_from_slice(&raw);
+                match restated {
+                    Some(frame) => frame.encode(self.out()),
+                    None => self.out().extend_from_slice(&raw),
+                }
             }
             Expect::Exec(ctx) => {
+                let mut restated = None;
                 if let Frame::Array(items) = &frame {
                     let errors = items.iter().filter_map(Frame::as_error);
                     if let Some(fence) = errors.clone().find_map(stale_fence) {
-                        self.audit_stale(ctx.event, fence).await;
+                        restated = self.audit_stale(&ctx.attempt, fence).await;
                     } else if errors.clone().any(is_missing_script) {
                         // The transaction did not apply (every command in it runs under the
                         // fence); reload so the client's retry works.
@@ -942,7 +931,10 @@ impl Writer {
                         self.gateway.sink.applied(STORE);
                     }
                 }
-                self.out().extend_from_slice(&raw);
+                match restated {
+                    Some(frame) => frame.encode(self.out()),
+                    None => self.out().extend_from_slice(&raw),
+                }
             }
         }
         Ok(())
@@ -1000,15 +992,21 @@ impl Writer {
         self.read_reply().await
     }
 
-    async fn audit_stale(&mut self, mut event: AuditEvent, fence: u64) {
-        event.fence = Some(fence);
-        event.reason = RejectReason::Stale { fence }.label().to_owned();
-        event.detail = format!(
-            "token {} is below fence {fence}",
-            event.revision.map(|r| r.to_string()).unwrap_or_default()
-        );
-        tracing::info!(conn = self.id, resource = ?event.resource, revision = ?event.revision, fence, command = %event.operation.command, "stale write refused by the store");
-        self.audit(event).await;
+    /// Audits the store's stale refusal of `attempt`. Returns the reply to send instead of the
+    /// store's when the fence is above every revision the authority issued: that is an
+    /// authority reset, not the client's lost lock, and the client is told so.
+    async fn audit_stale(&mut self, attempt: &Attempt, fence: u64) -> Option<Frame> {
+        let token = attempt.token.as_ref()?;
+        let policy = &self.gateway.policy;
+        let rejection = policy.stale(token, fence, &format!("resource {}", token.resource()));
+        let restated = policy
+            .issued
+            .get()
+            .is_some_and(|issued| fence > issued)
+            .then(|| Frame::error(&decide::refusal_text(&rejection.reason, &rejection.detail)));
+        tracing::info!(conn = self.id, resource = %token.resource(), revision = %token.revision(), fence, command = %attempt.operation.command, "stale write refused by the store");
+        self.audit(attempt.refused(&rejection)).await;
+        restated
     }
 
     async fn audit(&mut self, event: AuditEvent) {

@@ -32,6 +32,7 @@ impl WriteSession<'_> {
                 &target,
                 observed.as_ref(),
                 conditions,
+                self.shared.policy.issued.get(),
             ) {
                 WritePlan::Refuse(rejection) => return Ok(Err(rejection)),
                 WritePlan::PreconditionFailed => return Ok(Ok(DeleteDone::PreconditionFailed)),

@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use fencegate_core::{RejectReason, Rejection, Token};
+use fencegate_core::{Rejection, Token};
 use serde::{Deserialize, Serialize};
 
 use crate::rewrite::ClientConditions;
@@ -193,13 +193,12 @@ impl<'m> Batch<'m> {
         let revision = token.revision().get();
         let fence = self.fence;
         if fence > revision {
-            let detail = format!(
-                "fencing token revision {revision} is below the fence {fence} of the manifest of {target}; a newer holder has committed"
-            );
-            return CommitPlan::Refuse(
-                Rejection::new(RejectReason::Stale { fence }, detail)
-                    .with_token(token.resource().clone(), token.revision()),
-            );
+            return CommitPlan::Refuse(Rejection::stale(
+                token,
+                fence,
+                &format!("the manifest of {target}"),
+                None,
+            ));
         }
         match self.current(change.key()) {
             Some(entry) => {
@@ -375,6 +374,7 @@ pub fn list<'m>(manifest: &'m Manifest, request: &ListRequest) -> ListPage<'m> {
 
 #[cfg(test)]
 mod tests {
+    use fencegate_core::RejectReason;
     use fencegate_core::{Resource, Revision};
 
     use super::*;

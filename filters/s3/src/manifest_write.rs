@@ -131,12 +131,8 @@ impl WriteSession<'_> {
         let fence = current.map_or(0, |l| l.manifest.fence);
         let revision = token.revision().get();
         if fence > revision {
-            let detail = format!(
-                "fencing token revision {revision} is below the fence {fence} of the manifest of {}; a newer holder has committed",
-                self.target.display()
-            );
-            let rejection = Rejection::new(RejectReason::Stale { fence }, detail)
-                .with_token(token.resource().clone(), token.revision());
+            let target = format!("the manifest of {}", self.target.display());
+            let rejection = self.shared.policy.stale(token, fence, &target);
             self.refuse(rejection, None).await;
             return Ok(true);
         }

@@ -105,6 +105,7 @@ impl WriteSession<'_> {
                 &target,
                 observed.as_ref(),
                 &conditions,
+                self.shared.policy.issued.get(),
             );
             let plan_headers = match plan {
                 WritePlan::Refuse(rejection) => return self.refuse(rejection, None).await,
@@ -185,6 +186,7 @@ impl WriteSession<'_> {
                     target,
                     observed.as_ref(),
                     &ClientConditions::default(),
+                    self.shared.policy.issued.get(),
                 ) {
                     return self.refuse(rejection, None).await;
                 }
@@ -260,6 +262,7 @@ impl WriteSession<'_> {
                     &target,
                     observed.as_ref(),
                     &ClientConditions::default(),
+                    self.shared.policy.issued.get(),
                 ) {
                     return self.refuse(rejection, None).await;
                 }

@@ -9,7 +9,7 @@
 //! so the store applies it only if nothing changed since the read: check and write are one
 //! atomic conditional request in the store.
 
-use fencegate_core::{RejectReason, Rejection, Token};
+use fencegate_core::{Rejection, Token};
 
 /// Metadata header holding an object's fence revision.
 pub const FENCE_REVISION_HEADER: &str = "x-amz-meta-fencegate-revision";
@@ -262,24 +262,20 @@ pub enum WritePlan {
     },
 }
 
-/// Plans one attempt of a fenced write: the pure core of object mode.
+/// Plans one attempt of a fenced write: the pure core of object mode. `issued` is the highest
+/// revision the node's authority has applied (it words a stale refusal).
 pub fn plan_write(
     kind: WriteKind,
     token: &Token,
     target: &str,
     observed: Option<&ObjectState>,
     client: &ClientConditions,
+    issued: Option<u64>,
 ) -> WritePlan {
     let revision = token.revision().get();
     if let Some(fence) = observed.and_then(|o| o.fence) {
         if fence > revision {
-            let detail = format!(
-                "fencing token revision {revision} is below the fence {fence} of {target}; a newer holder has written it"
-            );
-            return WritePlan::Refuse(
-                Rejection::new(RejectReason::Stale { fence }, detail)
-                    .with_token(token.resource().clone(), token.revision()),
-            );
+            return WritePlan::Refuse(Rejection::stale(token, fence, target, issued));
         }
     }
     let mut headers: Vec<(&'static str, String)> = Vec::new();
@@ -319,6 +315,7 @@ fn etag_eq(a: &str, b: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use fencegate_core::RejectReason;
     use fencegate_core::{Resource, Revision};
 
     use super::*;
@@ -352,6 +349,7 @@ mod tests {
             "b/k",
             Some(&state("\"e1\"", Some(5))),
             &ClientConditions::default(),
+            None,
         );
         assert_eq!(
             plan,
@@ -373,6 +371,7 @@ mod tests {
             "b/k",
             None,
             &ClientConditions::default(),
+            None,
         );
         assert_eq!(
             plan,
@@ -394,6 +393,7 @@ mod tests {
             "b/k",
             Some(&state("\"e\"", Some(12))),
             &ClientConditions::default(),
+            None,
         );
         let WritePlan::Refuse(rejection) = plan else {
             panic!("{plan:?}")
@@ -401,10 +401,10 @@ mod tests {
         assert_eq!(rejection.reason, RejectReason::Stale { fence: 12 });
         assert_eq!(
             rejection.detail,
-            "fencing token revision 7 is below the fence 12 of b/k; a newer holder has written it"
+            "fencing token revision 7 is below the fence 12 of b/k: a newer holder has taken the lock; stop writing and acquire it again"
         );
         assert!(matches!(
-            plan_write(WriteKind::Delete, &token(12), "b/k", Some(&state("\"e\"", Some(12))), &ClientConditions::default()),
+            plan_write(WriteKind::Delete, &token(12), "b/k", Some(&state("\"e\"", Some(12))), &ClientConditions::default(), None),
             WritePlan::Send { headers } if headers == vec![("if-match", "\"e\"".to_owned())]
         ));
         assert_eq!(
@@ -413,7 +413,8 @@ mod tests {
                 &token(3),
                 "b/k",
                 None,
-                &ClientConditions::default()
+                &ClientConditions::default(),
+                None
             ),
             WritePlan::NothingToDelete
         );
@@ -427,7 +428,14 @@ mod tests {
             if_match: None,
         };
         assert_eq!(
-            plan_write(WriteKind::Replace, &token(1), "b/k", Some(&s), &none_match),
+            plan_write(
+                WriteKind::Replace,
+                &token(1),
+                "b/k",
+                Some(&s),
+                &none_match,
+                None
+            ),
             WritePlan::PreconditionFailed
         );
         let wrong = ClientConditions {
@@ -435,11 +443,11 @@ mod tests {
             if_none_match: None,
         };
         assert_eq!(
-            plan_write(WriteKind::Replace, &token(1), "b/k", Some(&s), &wrong),
+            plan_write(WriteKind::Replace, &token(1), "b/k", Some(&s), &wrong, None),
             WritePlan::PreconditionFailed
         );
         assert_eq!(
-            plan_write(WriteKind::Replace, &token(1), "b/k", None, &wrong),
+            plan_write(WriteKind::Replace, &token(1), "b/k", None, &wrong, None),
             WritePlan::NoSuchKey
         );
         let right = ClientConditions {
@@ -447,7 +455,7 @@ mod tests {
             if_none_match: None,
         };
         assert!(matches!(
-            plan_write(WriteKind::Replace, &token(1), "b/k", Some(&s), &right),
+            plan_write(WriteKind::Replace, &token(1), "b/k", Some(&s), &right, None),
             WritePlan::Send { .. }
         ));
     }
@@ -463,7 +471,8 @@ mod tests {
                 &token(9),
                 "b/k",
                 Some(&s),
-                &ClientConditions::default()
+                &ClientConditions::default(),
+                None
             ),
             WritePlan::Refuse(_)
         ));

@@ -5,7 +5,9 @@
 //! the store's: the gateway never writes a protected key unconditionally.
 
 use bytes::Bytes;
-use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Rejection, Resource, Token};
+use fencegate_core::{
+    Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Resource, Store, Token,
+};
 use pingora_proxy::Session;
 
 use crate::body::{header, BodyError, BodyReader};
@@ -193,29 +195,19 @@ impl WriteSession<'_> {
     }
 
     pub(crate) fn audit_event(&self, rejection: &Rejection, key: Option<&str>) -> AuditEvent {
-        let presented = header(&self.headers, TOKEN_HEADER).and_then(|t| Token::parse(t).ok());
         let object = match key {
             Some(key) => format!("{}/{key}", self.target.bucket.as_deref().unwrap_or("")),
             None => self.target.display(),
         };
-        AuditEvent {
-            store: "s3".into(),
+        let attempt = Attempt {
+            store: Store::S3,
             client_addr: self
                 .session
                 .client_addr()
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
             client_identity: Some(self.verified.access_key.clone()),
-            resource: rejection.resource.as_ref().map(ToString::to_string),
-            token: presented.as_ref().map(Token::unsigned_form),
-            token_signed: presented.as_ref().is_some_and(Token::is_signed),
-            revision: rejection.revision.map(|r| r.get()),
-            fence: match rejection.reason {
-                RejectReason::Stale { fence } => Some(fence),
-                _ => None,
-            },
-            reason: rejection.reason.label().into(),
-            detail: rejection.detail.clone(),
+            token: header(&self.headers, TOKEN_HEADER).and_then(|t| Token::parse(t).ok()),
             operation: OperationSummary {
                 command: self.operation.name(),
                 objects: vec![object.chars().take(200).collect()],
@@ -226,7 +218,8 @@ impl WriteSession<'_> {
                     .unwrap_or(0),
             },
             request_id: self.request_id.clone(),
-        }
+        };
+        attempt.refused(rejection)
     }
 
     /// The client's headers that go upstream: without its signature, framing, the token, and

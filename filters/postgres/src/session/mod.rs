@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencegate_core::{AuditEvent, OperationSummary, RejectReason, Rejection, Token};
+use fencegate_core::{Attempt, OperationSummary, RejectReason, Rejection, Store, Token};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
@@ -88,25 +88,15 @@ impl Shared {
             command = %summary.command,
             "postgres write refused"
         );
-        let event = AuditEvent {
-            store: "postgres".to_owned(),
+        let attempt = Attempt {
+            store: Store::Postgres,
             client_addr: self.peer.to_string(),
             client_identity: Some(self.user.clone()),
-            resource: rejection.resource.as_ref().map(|r| r.to_string()),
-            token: token.map(|t| t.unsigned_form()).or_else(|| {
-                match (&rejection.resource, &rejection.revision) {
-                    (Some(r), Some(v)) => Some(format!("fg1~{v}~{r}")),
-                    _ => None,
-                }
-            }),
-            token_signed: token.is_some_and(Token::is_signed),
-            revision: rejection.revision.map(|r| r.get()),
-            fence,
-            reason: rejection.reason.label().to_owned(),
-            detail: rejection.detail.clone(),
+            token: token.cloned(),
             operation: summary,
             request_id,
         };
+        let event = attempt.refused(rejection);
         if let Err(e) = self.gateway.sink.refused(event).await {
             tracing::error!(conn = self.conn, error = %e, "could not write the audit record of a refusal");
         }

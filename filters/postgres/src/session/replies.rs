@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fencegate_core::{RejectReason, Rejection};
 use tokio::io::{AsyncWriteExt, WriteHalf};
 use tokio::net::tcp::OwnedReadHalf;
 
@@ -13,7 +12,8 @@ use super::pending::{on_reply, Expect};
 use super::Shared;
 use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
-use crate::message::FrameReader;
+use crate::message::{self, ErrorFields, FrameReader};
+use crate::sqlstate;
 use crate::tls::ClientStream;
 
 /// upstream -> client.
@@ -51,20 +51,25 @@ pub(super) async fn relay_replies(
             let _ = client.shutdown().await;
             return Ok(());
         };
-        let outcome = on_reply(&mut shared.lock(), &frame);
+        let mut outcome = on_reply(&mut shared.lock(), &frame);
         if outcome.applied {
             shared.gateway.sink.applied("postgres");
         }
-        if let Some((info, fence)) = outcome.stale {
+        if let Some((info, fence)) = outcome.stale.take() {
             let fence = fence.unwrap_or(0);
-            let rejection = Rejection::new(
-                RejectReason::Stale { fence },
-                format!(
-                    "token revision {} is below the fence {fence}",
-                    info.token.revision()
-                ),
-            )
-            .with_token(info.token.resource().clone(), info.token.revision());
+            let policy = &shared.gateway.policy;
+            let target = format!("resource {}", info.token.resource());
+            let rejection = policy.stale(&info.token, fence, &target);
+            // A fence above every revision the authority issued is not the client's lost lock:
+            // the client gets the gateway's wording instead of the guard's.
+            if policy.issued.get().is_some_and(|issued| fence > issued) {
+                outcome.replace = Some(message::error_response(&ErrorFields {
+                    severity: "ERROR",
+                    code: sqlstate::STALE.to_owned(),
+                    message: format!("fencegate: {}", rejection.detail),
+                    detail: Some(format!("fence={fence}")),
+                }));
+            }
             shared
                 .audit(&rejection, Some(&info.token), info.summary)
                 .await;
