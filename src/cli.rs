@@ -34,6 +34,10 @@ pub enum Command {
     /// PostgreSQL gateway tools.
     #[command(subcommand)]
     Postgres(PostgresCommand),
+    /// S3 manifest-mode maintenance, run against the store with the gateway's upstream
+    /// credentials (the config's `[s3]` section and its `upstream_secret_env`).
+    #[command(subcommand)]
+    S3(S3Command),
     /// The cluster's token signing keys: list, rotate, retire.
     #[command(subcommand)]
     TokenKey(TokenKeyCommand),
@@ -150,6 +154,44 @@ pub enum PostgresCommand {
     },
     /// Print fence.sql, to review it or install it with your own tools.
     PrintSql,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum S3Command {
+    /// Remove physical objects that no manifest names and that are older than --grace.
+    Gc {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Keep unreferenced objects younger than this: it must exceed the longest time a
+        /// writer may take between its physical write and its commit (e.g. 24h, 90m).
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        grace: Duration,
+        /// Only this bucket's manifests (default: every manifest-mode rule's).
+        #[arg(long)]
+        bucket: Option<String>,
+        /// Count what would be removed; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Copy the committed view of BUCKET's manifest-mode keys under --prefix to plain keys
+    /// (`<to-prefix><key without prefix>`), for readers that cannot use the gateway. Keys
+    /// already under the destination that the view does not name are left alone.
+    Export {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The manifest-mode bucket to read.
+        #[arg(long)]
+        bucket: String,
+        /// Only logical keys starting with this prefix.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// Destination prefix; it must not be under a fencing rule.
+        #[arg(long)]
+        to_prefix: String,
+        /// Destination bucket (default: --bucket).
+        #[arg(long)]
+        to_bucket: Option<String>,
+    },
 }
 
 /// Where `fencegate audit` finds the log.

@@ -132,9 +132,30 @@ pub struct NodeConfig {
     /// Raft RPC address, served with mutual TLS. Required unless `[security] insecure`.
     #[serde(default)]
     pub peer: Option<SocketAddr>,
-    /// Where the Raft log, vote and snapshots live (relative paths: to the working directory).
+    /// The node's data: the audit log (unless `[audit] dir`), and the Raft log unless
+    /// `raft_dir` is set (relative paths: to the working directory).
     #[serde(default = "default_data_dir")]
     pub data_dir: PathBuf,
+    /// Where the Raft log, vote and snapshots live (`authority.redb`). Default: `data_dir`.
+    /// Give it its own volume so nothing else written on the node can fill it.
+    #[serde(default)]
+    pub raft_dir: Option<PathBuf>,
+    /// Free bytes the Raft directory's volume (and the audit directory's) must have at start;
+    /// when both share a volume, what the audit log may still grow (`[audit]
+    /// max_total_bytes` minus its size) is reserved on top. The node refuses to start short
+    /// of it; while it runs, an audit volume below it makes the audit log act as over its
+    /// budget (tokenless and malformed refusals only counted, alarm on).
+    #[serde(default = "default_min_free_bytes")]
+    pub min_free_bytes: u64,
+}
+
+impl NodeConfig {
+    /// The directory of the Raft log: `raft_dir`, or `data_dir`.
+    pub fn raft_dir(&self) -> PathBuf {
+        self.raft_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.clone())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -229,6 +250,9 @@ fn default_api() -> SocketAddr {
 }
 fn default_data_dir() -> PathBuf {
     PathBuf::from("./data")
+}
+fn default_min_free_bytes() -> u64 {
+    64 * 1024 * 1024
 }
 // Fast failover (see README, "Failover time"): a follower campaigns after openraft's leader
 // lease (= max) plus its own timeout in [min, max), i.e. 750-900 ms without a heartbeat. The
@@ -589,6 +613,13 @@ mod tests {
             "mode = \"enforce\"\nresource = \"billing\"\n",
         );
         assert!(parse_insecure(&fixed).is_ok());
+        let bare = "[node]\n\n[redis]\nlisten = \"127.0.0.1:6380\"\n";
+        let err = parse_insecure(bare).unwrap_err().to_string();
+        assert!(
+            err.starts_with("test.toml:3: redis:") && err.contains("no protect rules"),
+            "{err}"
+        );
+        assert!(parse_insecure(&format!("{bare}protect = []\n")).is_ok());
         let pg = "[node]\n\n[postgres]\nlisten = \"127.0.0.1:6433\"\n";
         let err = parse_insecure(pg).unwrap_err().to_string();
         assert!(

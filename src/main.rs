@@ -5,8 +5,10 @@ mod cli;
 mod cli_audit;
 mod cli_certs;
 mod cli_postgres;
+mod cli_s3;
 mod client;
 mod config;
+mod disk;
 mod fence_reset;
 mod lock_run;
 mod metrics;
@@ -72,6 +74,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Snapshot(command) => snapshot(command).await,
         Command::Audit(command) => cli_audit::run(command),
         Command::Postgres(command) => cli_postgres::run(command).await,
+        Command::S3(command) => cli_s3::run(command).await,
         Command::TokenKey(command) => token_key(command).await,
         Command::Certs(CertsCommand::Init { dir, nodes }) => {
             cli_certs::init(&dir, &nodes)?;

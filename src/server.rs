@@ -8,6 +8,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::auth::{CredentialError, Credentials};
+use crate::api::health::GatewayHealth;
 use crate::api::{self, ApiState};
 use crate::authority::network::Network;
 use crate::authority::{Authority, AuthorityError};
@@ -37,6 +38,8 @@ pub enum ServeError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Credentials(#[from] CredentialError),
+    #[error(transparent)]
+    Disk(#[from] crate::disk::DiskError),
     #[error("audit log: {0}")]
     Audit(#[from] crate::audit::AuditError),
     #[error(transparent)]
@@ -129,12 +132,14 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         accept_plain: false,
         issued: IssuedRevision::default(),
     };
+    crate::disk::check(&config)?;
     let metrics = Arc::new(Metrics::default());
     let audit = crate::audit::AuditWriter::start(
         &config.audit,
         &config.node.data_dir,
         &config.node.id.to_string(),
         metrics.fences.clone(),
+        config.node.min_free_bytes,
     )?;
     let (peer_http, api_http) = match &secrets.tls {
         Some(tls) => (tls.peer_client()?, tls.api_client()?),
@@ -157,8 +162,11 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     // The gateways start once the authority has opened its state, so the key ring already
     // holds the keys from its last snapshot (and the operator's key) when the first client
     // presents a token.
+    let mut gateways = Vec::new();
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis, policy.clone(), audit.sink())?;
+        let checked = gateway.clone();
+        gateways.push(GatewayHealth::new("redis", move || checked.health()));
         let listener = gateway.bind().await?;
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
@@ -196,6 +204,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
             redis: config.redis.clone(),
             audit: audit.sink(),
         }),
+        gateways: Arc::new(gateways),
     };
     let mut app = api::router(state.clone(), secrets.credentials.clone());
     let peer_app = api::peer_router(state);
@@ -209,6 +218,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         tls = secrets.tls.is_some(),
         credentials = secrets.credentials.as_ref().map_or(0, |c| c.len()),
         data_dir = %config.node.data_dir.display(),
+        raft_dir = %config.node.raft_dir().display(),
         "node started"
     );
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -455,9 +455,10 @@ async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
 
 /// With the default security (TLS, credentials, the cluster's own key), a typed or forged token
 /// is refused by all three gateways before any store I/O: no data, no fence, one `forged`
-/// audit record each.
+/// audit record each. A genuine token for another resource is refused the same way, as
+/// `out_of_scope`, in all three stores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_gateway_refuses_unsigned_and_forged_tokens_before_the_store() {
+async fn every_gateway_refuses_unsigned_forged_and_out_of_scope_tokens_before_the_store() {
     use support::postgres_server::{cli, PgServer};
     use support::s3_server::{run_client, wait_for_port, MotoServer};
 
@@ -555,6 +556,38 @@ async fn every_gateway_refuses_unsigned_and_forged_tokens_before_the_store() {
         assert_eq!(results[0]["status"], 403, "s3: {results}");
     }
 
+    // A real, current, correctly signed token for another resource is refused as out of scope
+    // by every store's gateway: holding one lock does not let a client write under another.
+    let other = real["token"].as_str().unwrap();
+    let answer = fenced_set(redis_port, other, "vault:k").await;
+    assert!(
+        answer.starts_with("BADFENCE") && answer.contains("scope"),
+        "redis: {answer}"
+    );
+    let dsn = format!(
+        "host=127.0.0.1 port={pg_port} user=postgres dbname=postgres options='-c fencegate.token={other}'"
+    );
+    let (client, connection) = tokio_postgres::connect(&dsn, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let e = client
+        .execute("INSERT INTO ledger VALUES (1, 'other')", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(e.code().map(|c| c.code()), Some("FG005"), "postgres: {e:?}");
+    let results = run_client(
+        &format!("http://127.0.0.1:{s3_port}"),
+        "AKIDVAULT",
+        "vault-secret",
+        json!([{"op": "put", "bucket": "vault", "key": "k", "body": "other", "token": other}]),
+    );
+    assert_eq!(results[0]["status"], 403, "s3: {results}");
+    assert!(
+        results[0].to_string().contains("FencingTokenOutOfScope"),
+        "s3: {results}"
+    );
+
     // Nothing reached a store: no Redis key or fence key, no row, no fence row, no object.
     let mut direct = redis::Client::open(redis.url())
         .unwrap()
@@ -584,6 +617,12 @@ async fn every_gateway_refuses_unsigned_and_forged_tokens_before_the_store() {
     };
     for store in ["redis", "postgres", "s3"] {
         assert_eq!(forged_by_store(store), 2, "{store}: {records:?}");
+        let out_of_scope: Vec<_> = records
+            .iter()
+            .filter(|r| r["store"] == store && r["reason"] == "out_of_scope")
+            .collect();
+        assert_eq!(out_of_scope.len(), 1, "{store}: {records:?}");
+        assert_eq!(out_of_scope[0]["resource"], "other", "{store}");
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod auth;
 mod fence;
 mod forward;
+pub mod health;
 mod keys;
 mod lock;
 mod ops;
@@ -36,6 +37,8 @@ pub struct ApiState {
     pub scheme: &'static str,
     /// Operators' fence resets against this node's gateway upstreams.
     pub fences: Arc<crate::fence_reset::FenceResets>,
+    /// The gateways this node runs, for `/healthz`.
+    pub gateways: Arc<Vec<health::GatewayHealth>>,
 }
 
 /// Raft RPCs carry batches of entries and snapshot chunks, and a restore carries a whole
@@ -75,7 +78,7 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         ))
         .layer(DefaultBodyLimit::max(LARGE_BODY));
     Router::new()
-        .route("/healthz", get(ops::healthz))
+        .route("/healthz", get(health::healthz))
         .route("/metrics", get(ops::metrics))
         .merge(client)
         .merge(admin)

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -87,20 +86,6 @@ pub async fn bump(State(state): State<ApiState>, original: Original) -> Result<R
         })
         .await,
     )
-}
-
-pub async fn healthz(State(state): State<ApiState>) -> Response {
-    let status = state.authority.cluster().await;
-    match status.leader_id {
-        Some(leader) => ok(json!({ "ok": true, "node_id": status.node_id, "leader_id": leader })),
-        None => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(
-                json!({ "ok": false, "node_id": status.node_id, "message": "no leader known yet" }),
-            ),
-        )
-            .into_response(),
-    }
 }
 
 pub async fn metrics(State(state): State<ApiState>) -> Response {

@@ -50,20 +50,26 @@ struct State {
     last_hash: String,
     /// Set after an I/O error: the chain's tail on disk is unknown, so nothing more is written.
     failed: Option<String>,
+    /// Free bytes the audit volume must keep (`[node] min_free_bytes`): below it the log acts
+    /// as over budget, so a flood cannot take the space the Raft log may share. 0: no check.
+    reserve: u64,
 }
 
 impl AuditWriter {
     /// Opens (or creates) the log in `config.dir(data_dir)`, recovers the chain's tail, and
-    /// starts the writer thread. Dropping every handle stops it.
+    /// starts the writer thread. Dropping every handle stops it. While the volume has less
+    /// than `reserve` bytes free, the log behaves as over its budget.
     pub fn start(
         config: &AuditConfig,
         data_dir: &Path,
         node: &str,
         counters: FenceCounters,
+        reserve: u64,
     ) -> Result<AuditHandle, AuditError> {
         let dir = config.dir(data_dir);
         let mut state = State::open(&dir, node, config.max_file_bytes)?;
         state.max_total_bytes = config.max_total_bytes;
+        state.reserve = reserve;
         tracing::info!(dir = %dir.display(), last_seq = state.last_seq, bytes = state.total_bytes, budget = state.max_total_bytes, "audit log open");
         let (queue, rx) = mpsc::channel(config.queue.max(1));
         let batch = config.batch.max(1);
@@ -111,9 +117,13 @@ fn run(
                 Err(_) => break,
             }
         }
-        let over = state.total_bytes >= state.max_total_bytes;
+        let low_disk = state.reserve > 0
+            && crate::disk::free_bytes(&state.dir).is_ok_and(|free| free < state.reserve);
+        let over = state.total_bytes >= state.max_total_bytes || low_disk;
         if over != counters.over_budget() {
-            if over {
+            if low_disk {
+                tracing::error!(reserve = state.reserve, "audit volume has less free space than [node] min_free_bytes: tokenless and malformed refusals are now only counted; free space on it");
+            } else if over {
                 tracing::error!(bytes = state.total_bytes, budget = state.max_total_bytes, "audit log over its size budget: tokenless and malformed refusals are now only counted; archive rotated files");
             } else {
                 tracing::info!("audit log back under its size budget");
@@ -211,6 +221,7 @@ impl State {
             last_seq,
             last_hash,
             failed: None,
+            reserve: 0,
         })
     }
 
@@ -390,7 +401,7 @@ mod tests {
             ..AuditConfig::default()
         };
         let handle =
-            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default(), 0).unwrap();
         let mut tasks = Vec::new();
         for n in 0..40 {
             let h = handle.clone();
@@ -407,7 +418,7 @@ mod tests {
 
         // A restart continues the chain.
         let handle =
-            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default(), 0).unwrap();
         handle.refused(event(40)).await.unwrap();
         let records = files::read_records(dir.path()).unwrap();
         assert_eq!(records.len(), 41);
@@ -424,7 +435,7 @@ mod tests {
             ..AuditConfig::default()
         };
         let handle =
-            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default(), 0).unwrap();
         for n in 0..3 {
             handle.refused(event(n)).await.unwrap();
         }
@@ -434,7 +445,7 @@ mod tests {
         let two: Vec<&str> = text.lines().take(2).collect();
         fs::write(&path, two.join("\n") + "\n").unwrap();
         let handle =
-            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default()).unwrap();
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default(), 0).unwrap();
         handle.refused(event(3)).await.unwrap();
         let err = verify(dir.path()).unwrap_err().to_string();
         assert!(err.contains("audit.head.mismatch-3"), "{err}");
@@ -464,7 +475,7 @@ mod tests {
             ..AuditConfig::default()
         };
         let counters = FenceCounters::default();
-        let handle = AuditWriter::start(&config, dir.path(), "1", counters.clone()).unwrap();
+        let handle = AuditWriter::start(&config, dir.path(), "1", counters.clone(), 0).unwrap();
         let started = std::time::Instant::now();
         let mut n = 0;
         while started.elapsed() < Duration::from_millis(2_500) {
@@ -530,7 +541,7 @@ mod tests {
             ..config
         };
         drop(handle);
-        let handle = AuditWriter::start(&big, dir.path(), "1", counters.clone()).unwrap();
+        let handle = AuditWriter::start(&big, dir.path(), "1", counters.clone(), 0).unwrap();
         let before = files::read_records(dir.path()).unwrap().len();
         handle.refused(tokenless(0, 9)).await.unwrap();
         handle.refused(event(9)).await.unwrap();
@@ -538,5 +549,28 @@ mod tests {
         assert_eq!(after.len(), before + 1);
         assert_eq!(after.last().unwrap().event.reason, "stale");
         assert!(counters.over_budget());
+    }
+
+    #[tokio::test]
+    async fn a_volume_below_the_reservation_counts_tokenless_refusals_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AuditConfig {
+            dir: Some(dir.path().to_owned()),
+            ..AuditConfig::default()
+        };
+        let counters = FenceCounters::default();
+        // No volume has this much free: as if a flood had filled it.
+        let handle =
+            AuditWriter::start(&config, dir.path(), "1", counters.clone(), u64::MAX).unwrap();
+        handle.refused(tokenless(0, 9)).await.unwrap();
+        handle.refused(event(1)).await.unwrap();
+        let records = files::read_records(dir.path()).unwrap();
+        let reasons: Vec<&str> = records.iter().map(|r| r.event.reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            ["stale"],
+            "stale refusals are evidence: still written"
+        );
+        assert!(counters.over_budget(), "the alarm is on");
     }
 }

@@ -211,14 +211,15 @@ impl Authority {
         metrics: Arc<Metrics>,
         network: Network,
     ) -> Result<Arc<Self>, AuthorityError> {
-        let dir = &config.node.data_dir;
+        let dir = &config.node.raft_dir();
         let open_err = |message: String| AuthorityError::Open {
             path: dir.display().to_string(),
             message,
         };
         std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
         let db = Arc::new(
-            Database::create(dir.join("authority.redb")).map_err(|e| open_err(e.to_string()))?,
+            Database::create(dir.join(crate::disk::RAFT_FILE))
+                .map_err(|e| open_err(e.to_string()))?,
         );
         let log = LogStore::open(db.clone()).map_err(|e| open_err(e.to_string()))?;
         let waiters = Arc::new(Waiters::default());

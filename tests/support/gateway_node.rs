@@ -12,6 +12,7 @@ use super::cluster::free_port;
 
 pub struct GatewayNode {
     child: Child,
+    env: Vec<(String, String)>,
     /// The node's config file.
     pub config: PathBuf,
     /// The audit log directory.
@@ -19,6 +20,19 @@ pub struct GatewayNode {
     /// The node's stderr.
     pub log: PathBuf,
     pub dir: TempDir,
+    /// The node's HTTP API port (plain HTTP: the node runs insecure).
+    pub api: u16,
+}
+
+/// What a test may add to the node's own sections.
+#[derive(Default)]
+pub struct NodeOptions<'a> {
+    /// Lines for `[node]` (e.g. `min_free_bytes = 1048576`).
+    pub node: &'a str,
+    /// Lines for `[audit]` (e.g. `max_total_bytes = 1048576`).
+    pub audit: &'a str,
+    /// The data and audit directories go on this volume instead of the temp dir.
+    pub volume: Option<&'a std::path::Path>,
 }
 
 impl GatewayNode {
@@ -28,38 +42,56 @@ impl GatewayNode {
     /// The node runs insecure (plain HTTP API) and, unless `gateway` has its own `[authority]`
     /// section (a test of signed tokens), accepts unsigned tokens, so tests can type them.
     pub fn start(gateway: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(&NodeOptions::default(), gateway, env)
+    }
+
+    /// Like [`GatewayNode::start`], with `options`.
+    pub fn start_with(options: &NodeOptions, gateway: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let audit_dir = dir.path().join("audit");
+        let data_root = options.volume.unwrap_or(dir.path()).to_owned();
+        let audit_dir = data_root.join("audit");
         let config = dir.path().join("fencegate.toml");
         let unsigned = if gateway.contains("[authority]") {
             ""
         } else {
             "[authority]\naccept_unsigned = true\n"
         };
+        let api = free_port();
         let text = format!(
-            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n\n[audit]\ndir = \"{audit}\"\n\n{gateway}\n\n{unsigned}\n[security]\ninsecure = true\n",
-            api = free_port(),
-            data = dir.path().join("data").display(),
+            "[node]\nid = 1\napi = \"127.0.0.1:{api}\"\ndata_dir = \"{data}\"\n{node_extra}\n\n[audit]\ndir = \"{audit}\"\n{audit_extra}\n\n{gateway}\n\n{unsigned}\n[security]\ninsecure = true\n",
+            data = data_root.join("data").display(),
             audit = audit_dir.display(),
+            node_extra = options.node,
+            audit_extra = options.audit,
         );
         std::fs::write(&config, text).unwrap();
         let log = dir.path().join("fencegate.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("FENCEGATE_LOG", "info,openraft=warn")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("start fencegate serve");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let child = spawn(&config, File::create(&log).unwrap(), &env);
         Self {
             child,
+            env,
             config,
             audit_dir,
             log,
             dir,
+            api,
         }
+    }
+
+    /// Kills the node (SIGKILL: nothing in its memory survives) and starts it again with the
+    /// same config and environment; its log goes on in the same file.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        self.child = spawn(&self.config, log, &self.env);
     }
 
     /// Polls `ready` until it is true; panics with the node's log if the node exits first or
@@ -114,6 +146,18 @@ impl GatewayNode {
     pub fn audit_records(&self) -> Vec<serde_json::Value> {
         super::audit::records(&self.audit_dir)
     }
+}
+
+fn spawn(config: &std::path::Path, log: File, env: &[(String, String)]) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_fencegate"))
+        .args(["serve", "--config"])
+        .arg(config)
+        .env("FENCEGATE_LOG", "info,openraft=warn")
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start fencegate serve")
 }
 
 impl Drop for GatewayNode {

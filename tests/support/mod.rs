@@ -8,4 +8,5 @@ pub mod gateway_node;
 pub mod postgres_server;
 pub mod redis_gateway;
 pub mod redis_server;
+pub mod s3_gateway;
 pub mod s3_server;

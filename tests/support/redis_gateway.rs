@@ -20,12 +20,18 @@ pub struct RedisGateway {
 }
 
 impl RedisGateway {
-    /// Starts a node with the default protection (every key); `extra` is appended to the
-    /// `[redis]` section, `env` given to the process.
+    /// Starts a node whose `[redis]` section has `extra` appended; unless `extra` has protect
+    /// rules of its own, every key is protected (`*`, any resource's token), `env` is given to
+    /// the process.
     pub fn start(extra: &str, env: &[(&str, &str)]) -> Self {
         let redis = RedisServer::start();
+        let every_key = if extra.contains("protect") {
+            ""
+        } else {
+            "\n[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n"
+        };
         let section = format!(
-            "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n",
+            "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n{every_key}",
             redis.addr
         );
         let mut node = GatewayNode::start(&section, env);

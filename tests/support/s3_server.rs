@@ -1,5 +1,6 @@
-//! Starts moto's S3 server (`moto[server]` from PyPI, in the repo's `.venv`) on a free loopback
-//! port, and stops it on drop; runs the boto3 client script `tests/s3/client.py`.
+//! Starts moto's S3 server (`moto[server]` from PyPI, in the repo's `.venv`, through
+//! `tests/s3/moto_atomic.py` so that each request is applied atomically as on S3) on a free
+//! loopback port, and stops it on drop; runs the boto3 client script `tests/s3/client.py`.
 //!
 //! Install once: `python3 -m venv .venv && .venv/bin/pip install 'moto[server]' boto3`.
 
@@ -78,14 +79,10 @@ impl MotoServer {
         let python = venv_python();
         let port = free_s3_port();
         let mut command = Command::new(python);
-        command.args([
-            "-m",
-            "moto.server",
-            "-H",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-        ]);
+        // moto's server applies each request atomically only through this wrapper (see its
+        // docstring: plain moto's conditional PUTs are not atomic under concurrency).
+        command.arg(repo_root().join("tests/s3/moto_atomic.py"));
+        command.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
         if let Some((cert, key)) = tls {
             command
                 .arg("--ssl-cert")

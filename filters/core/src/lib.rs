@@ -5,7 +5,7 @@
 //! (`fence <= token`), and raises the fence to that revision in the same atomic step. This crate
 //! holds the pieces every filter needs to do that the same way: resource names, the token string
 //! (parsing, encoding, signing) and the policy that decides which presented tokens are accepted.
-//! It has no network code.
+//! It has no network code (`tls` only builds TLS settings from files).
 
 #![deny(missing_docs)]
 
@@ -20,6 +20,7 @@ mod policy;
 mod resource;
 mod revision;
 mod store;
+pub mod tls;
 mod token;
 mod token_key;
 mod verdict;

@@ -4,44 +4,22 @@
 use std::io;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::rustls::{self, pki_types::CertificateDer};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 use crate::error::PostgresError;
 
 /// Builds the acceptor from PEM files: `cert` holds the chain (leaf first), `key` the private
-/// key (PKCS#8, PKCS#1 or SEC1).
+/// key (PKCS#8, PKCS#1 or SEC1). The settings are shared with the other gateways
+/// (`fencegate_core::tls`).
 pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, PostgresError> {
-    let bad = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
-        PostgresError::Config(format!("{what} {}: {e}", path.display()))
-    };
-    let certs: Vec<CertificateDer<'static>> = {
-        let file = std::fs::File::open(cert).map_err(|e| bad("tls_cert", cert, &e))?;
-        rustls_pemfile::certs(&mut io::BufReader::new(file))
-            .collect::<Result<_, _>>()
-            .map_err(|e| bad("tls_cert", cert, &e))?
-    };
-    if certs.is_empty() {
-        return Err(bad("tls_cert", cert, &"no PEM certificate in the file"));
-    }
-    let file = std::fs::File::open(key).map_err(|e| bad("tls_key", key, &e))?;
-    let key_der = rustls_pemfile::private_key(&mut io::BufReader::new(file))
-        .map_err(|e| bad("tls_key", key, &e))?
-        .ok_or_else(|| bad("tls_key", key, &"no PEM private key in the file"))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| PostgresError::Config(format!("TLS: {e}")))?
-        .with_no_client_auth()
-        .with_single_cert(certs, key_der)
-        .map_err(|e| PostgresError::Config(format!("TLS certificate and key: {e}")))?;
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    fencegate_core::tls::server_config(cert, key)
+        .map(TlsAcceptor::from)
+        .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
 /// A client connection: plain TCP, or TLS after an accepted `SSLRequest`.

@@ -221,8 +221,11 @@ mod tests {
     }
 
     #[test]
-    fn default_config_fences_every_write() {
-        let c = RedisConfig::default();
+    fn a_rule_for_every_key_fences_every_write() {
+        let c = RedisConfig {
+            protect: Some(vec![ProtectRule::every_key()]),
+            ..RedisConfig::default()
+        };
         assert_eq!(class(&c, "SET k v"), fenced(&["k"]));
         assert_eq!(class(&c, "MSET a 1 b 2"), fenced(&["a", "b"]));
         assert_eq!(class(&c, "GET k"), Class::Pass);
@@ -255,7 +258,7 @@ mod tests {
     #[test]
     fn unprotected_keys_pass() {
         let c = RedisConfig {
-            protect: vec![
+            protect: Some(vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
@@ -266,7 +269,7 @@ mod tests {
                     mode: ProtectMode::Enforce,
                     resource: Some("billing".into()),
                 },
-            ],
+            ]),
             ..RedisConfig::default()
         };
         assert_eq!(class(&c, "SET cache:x v"), Class::Pass);
@@ -313,11 +316,11 @@ mod tests {
     #[test]
     fn named_scripts_on_the_allow_list_run_with_unprotected_keys_only() {
         let c = RedisConfig {
-            protect: vec![ProtectRule {
+            protect: Some(vec![ProtectRule {
                 pattern: "billing:*".into(),
                 mode: ProtectMode::Enforce,
                 resource: Some("billing".into()),
-            }],
+            }]),
             allow_functions: vec!["counter_bump".into()],
             allow_scripts: vec!["0123456789abcdef0123456789abcdef01234567".into()],
             ..RedisConfig::default()
@@ -347,7 +350,7 @@ mod tests {
     #[test]
     fn nothing_enforced_passes_everything() {
         let c = RedisConfig {
-            protect: vec![],
+            protect: Some(vec![]),
             ..RedisConfig::default()
         };
         for text in [

@@ -3,7 +3,10 @@
 //! ```toml
 //! [redis]
 //! listen = "127.0.0.1:6380"          # where clients connect
-//! upstream = "127.0.0.1:6379"        # the Redis server the gateway relays to
+//! upstream = "127.0.0.1:6379"        # the Redis server: host:port, or rediss://host:port (TLS)
+//! upstream_ca_file = "/etc/fencegate/redis-ca.crt"  # with rediss://: the CA (PEM); absent: system roots
+//! tls_cert = "/etc/fencegate/redis.crt"  # optional PEM chain; with tls_key, clients connect
+//! tls_key = "/etc/fencegate/redis.key"   # over TLS (rustls), as [postgres] and [s3] do
 //! username = "gateway"               # optional ACL user for the upstream connection
 //! password_env = "REDIS_PASSWORD"    # optional: name of the env var holding its password
 //! max_request_bytes = 67108864       # larger requests are refused and the connection closed
@@ -16,9 +19,10 @@
 //! accept_unpersisted_fences = false  # enforce even without appendonly yes
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
-//! # rule matches are not protected. Default: one rule, `*` enforced with resource "*" (every
-//! # key, a token of any resource). An enforce rule must name its resource: fixed, or a
-//! # template of the pattern's `*` captures ({1} = what the first `*` matched).
+//! # rule matches are not protected. Required: a section without rules refuses to start
+//! # (`protect = []` says on purpose that the gateway fences nothing: a pass-through). An
+//! # enforce rule must name its resource: fixed, or a template of the pattern's `*` captures
+//! # ({1} = what the first `*` matched).
 //! [[redis.protect]]
 //! pattern = "cache:*"
 //! mode = "off"
@@ -29,6 +33,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use serde::Deserialize;
 
@@ -42,9 +47,22 @@ pub struct RedisConfig {
     /// Address the gateway listens on for Redis clients.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
-    /// The upstream Redis server, `host:port`.
+    /// The upstream Redis server: `host:port` (or `redis://host:port`), or
+    /// `rediss://host:port` for TLS, verified against `upstream_ca_file` with the host checked
+    /// against the server's certificate.
     #[serde(default = "default_upstream")]
     pub upstream: String,
+    /// With `rediss://`: the CA certificate(s) (PEM) the upstream's certificate must chain to.
+    /// Absent: the system's roots.
+    #[serde(default)]
+    pub upstream_ca_file: Option<PathBuf>,
+    /// PEM certificate chain for client TLS (with `tls_key`): clients then must connect with
+    /// TLS.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for client TLS (with `tls_cert`).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
     /// ACL user for upstream connections (with `password_env`).
     #[serde(default)]
     pub username: Option<String>,
@@ -66,9 +84,11 @@ pub struct RedisConfig {
     /// read goes over is closed.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: usize,
-    /// Protected key patterns; the first match decides.
-    #[serde(default = "default_protect")]
-    pub protect: Vec<ProtectRule>,
+    /// Protected key patterns; the first match decides. `None` (no rule in the config) is
+    /// refused by `validate`: there is no silent default; `Some(vec![])` is an explicit
+    /// pass-through that fences nothing.
+    #[serde(default)]
+    pub protect: Option<Vec<ProtectRule>>,
     /// Redis Functions (`FCALL` names) clients may call while a rule enforces. A script cannot
     /// run under the fence, so a call is accepted only when every key it declares is
     /// unprotected; the operator vouches that the function writes no key it does not declare.
@@ -105,6 +125,18 @@ pub struct ProtectRule {
     /// any resource's token may write (no scope; the built-in default rule).
     #[serde(default)]
     pub resource: Option<String>,
+}
+
+impl ProtectRule {
+    /// `*` enforced with resource `*`: every key, a token of any resource (tests and
+    /// single-purpose Redis instances; say it in the config as such a rule).
+    pub fn every_key() -> Self {
+        Self {
+            pattern: "*".to_owned(),
+            mode: ProtectMode::Enforce,
+            resource: Some(ANY_RESOURCE.to_owned()),
+        }
+    }
 }
 
 /// Which resource a protected key belongs to.
@@ -147,26 +179,22 @@ fn default_partial_request_timeout() -> u64 {
 fn default_max_buffered_bytes() -> usize {
     512 * 1024 * 1024
 }
-fn default_protect() -> Vec<ProtectRule> {
-    vec![ProtectRule {
-        pattern: "*".to_owned(),
-        mode: ProtectMode::Enforce,
-        resource: Some(ANY_RESOURCE.to_owned()),
-    }]
-}
 
 impl Default for RedisConfig {
     fn default() -> Self {
         Self {
             listen: default_listen(),
             upstream: default_upstream(),
+            upstream_ca_file: None,
+            tls_cert: None,
+            tls_key: None,
             username: None,
             password_env: None,
             max_request_bytes: default_max_request_bytes(),
             partial_request_timeout_seconds: default_partial_request_timeout(),
             idle_timeout_seconds: 0,
             max_buffered_bytes: default_max_buffered_bytes(),
-            protect: default_protect(),
+            protect: None,
             allow_functions: Vec::new(),
             allow_scripts: Vec::new(),
             accept_evictable_fences: false,
@@ -195,7 +223,25 @@ impl RedisConfig {
                 self.max_buffered_bytes, self.max_request_bytes
             )));
         }
-        if self.protect.iter().any(|r| r.pattern.is_empty()) {
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(RedisError::Config(
+                "tls_cert and tls_key go together: set both, or neither".to_owned(),
+            ));
+        }
+        let target =
+            crate::tls::UpstreamTarget::parse(&self.upstream).map_err(RedisError::Config)?;
+        if self.upstream_ca_file.is_some() && !target.tls {
+            return Err(RedisError::Config(format!(
+                "upstream_ca_file is set but upstream {:?} is not TLS; write rediss://host:port",
+                self.upstream
+            )));
+        }
+        let Some(rules) = &self.protect else {
+            return Err(RedisError::Config(
+                "no protect rules: say which keys are fenced with [[redis.protect]] rules (pattern and resource, e.g. pattern = \"billing:*\", resource = \"billing\"), or write protect = [] to run a pass-through that fences nothing".to_owned(),
+            ));
+        };
+        if rules.iter().any(|r| r.pattern.is_empty()) {
             return Err(RedisError::Config(
                 "a protect rule has an empty pattern".to_owned(),
             ));
@@ -218,7 +264,7 @@ impl RedisConfig {
                 "allow_scripts entry {sha:?} is not a SHA-1 (40 hex digits, as SCRIPT LOAD returns)"
             )));
         }
-        for (i, rule) in self.protect.iter().enumerate() {
+        for (i, rule) in rules.iter().enumerate() {
             rule.validate(i + 1)?;
         }
         if self.username.is_some() && self.password_env.is_none() {
@@ -229,9 +275,14 @@ impl RedisConfig {
         Ok(())
     }
 
+    /// The protect rules (none for a pass-through).
+    pub fn rules(&self) -> &[ProtectRule] {
+        self.protect.as_deref().unwrap_or_default()
+    }
+
     /// The mode for `key`: the first matching rule's, or `Off` when none matches.
     pub fn mode_for(&self, key: &[u8]) -> ProtectMode {
-        self.protect
+        self.rules()
             .iter()
             .find(|r| glob::matches(r.pattern.as_bytes(), key))
             .map_or(ProtectMode::Off, |r| r.mode)
@@ -240,7 +291,7 @@ impl RedisConfig {
     /// The resource `key` belongs to: from the first matching rule, if it enforces.
     pub fn scope_for(&self, key: &[u8]) -> Scope {
         let Some(rule) = self
-            .protect
+            .rules()
             .iter()
             .find(|r| glob::matches(r.pattern.as_bytes(), key))
         else {
@@ -261,7 +312,7 @@ impl RedisConfig {
 
     /// Whether any rule enforces (then keyspace-wide writes such as `FLUSHALL` are refused).
     pub fn enforces_any(&self) -> bool {
-        self.protect.iter().any(|r| r.mode == ProtectMode::Enforce)
+        self.rules().iter().any(|r| r.mode == ProtectMode::Enforce)
     }
 
     /// Whether clients may call this Redis Function (by name, case-insensitive as in Redis).
@@ -374,11 +425,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_protects_every_key() {
-        let c = RedisConfig::default();
-        assert_eq!(c.mode_for(b"anything"), ProtectMode::Enforce);
-        assert_eq!(c.mode_for(b""), ProtectMode::Enforce);
-        c.validate().unwrap();
+    fn no_rules_is_refused_and_an_empty_list_fences_nothing() {
+        let err = RedisConfig::default().validate().unwrap_err().to_string();
+        assert!(
+            err.contains("no protect rules") && err.contains("protect = []"),
+            "{err}"
+        );
+        let none: RedisConfig = toml::from_str("listen = \"127.0.0.1:7000\"\n").unwrap();
+        assert!(none.validate().is_err());
+        let pass: RedisConfig = toml::from_str("protect = []\n").unwrap();
+        pass.validate().unwrap();
+        assert_eq!(pass.mode_for(b"anything"), ProtectMode::Off);
+        assert!(!pass.enforces_any());
+        let every = RedisConfig {
+            protect: Some(vec![ProtectRule::every_key()]),
+            ..RedisConfig::default()
+        };
+        every.validate().unwrap();
+        assert_eq!(every.mode_for(b""), ProtectMode::Enforce);
+        assert_eq!(every.scope_for(b"k"), Scope::AnyResource);
     }
 
     #[test]
@@ -393,7 +458,7 @@ mod tests {
         assert_eq!(c.mode_for(b"cache:1"), ProtectMode::Off);
         assert_eq!(c.mode_for(b"x"), ProtectMode::Enforce);
         let empty: RedisConfig = toml::from_str("").unwrap();
-        assert_eq!(empty.protect, default_protect());
+        assert_eq!(empty.protect, None);
         let err = toml::from_str::<RedisConfig>("listen = \"127.0.0.1:7000\"\nupstrem = \"x\"\n")
             .unwrap_err()
             .to_string();
@@ -463,13 +528,13 @@ mod tests {
         );
         assert_eq!(c.scope_for(b"jobs:7"), Scope::Resource("jobs".into()));
         assert_eq!(c.scope_for(b"other"), Scope::AnyResource);
-        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::AnyResource);
+        assert_eq!(RedisConfig::default().scope_for(b"k"), Scope::Unprotected);
     }
 
     #[test]
     fn first_matching_rule_decides() {
         let c = RedisConfig {
-            protect: vec![
+            protect: Some(vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
@@ -480,7 +545,7 @@ mod tests {
                     mode: ProtectMode::Enforce,
                     resource: Some("billing".into()),
                 },
-            ],
+            ]),
             ..RedisConfig::default()
         };
         assert_eq!(c.mode_for(b"cache:x"), ProtectMode::Off);

@@ -111,7 +111,7 @@ mod tests {
     fn run(token: Option<&str>, at_risk: Option<&str>, text: &str) -> String {
         let table = sample_table();
         let config = RedisConfig {
-            protect: vec![
+            protect: Some(vec![
                 ProtectRule {
                     pattern: "cache:*".into(),
                     mode: ProtectMode::Off,
@@ -122,7 +122,7 @@ mod tests {
                     mode: ProtectMode::Enforce,
                     resource: Some("billing:{1}".into()),
                 },
-            ],
+            ]),
             ..RedisConfig::default()
         };
         let token = token.map(|r| Token::new(Resource::new(r).unwrap(), Revision::new(7).unwrap()));

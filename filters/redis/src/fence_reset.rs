@@ -7,7 +7,7 @@ use crate::config::RedisConfig;
 use crate::error::RedisError;
 use crate::frame::Frame;
 use crate::rewrite::FENCE_KEY_PREFIX;
-use crate::upstream::ControlConnection;
+use crate::upstream::{ControlConnection, Upstream};
 
 /// KEYS[1] the fence key; ARGV[1] the fence the operator saw ('0': none); ARGV[2] the new fence
 /// ('0': remove it). Returns {1, old} when it changed the key, {0, actual} otherwise.
@@ -23,7 +23,8 @@ pub async fn reset_fence(
     current: u64,
     to: u64,
 ) -> Result<FenceReset, RedisError> {
-    let mut connection = ControlConnection::open(config).await?;
+    let upstream = Upstream::load(config)?;
+    let mut connection = ControlConnection::open(&upstream, config).await?;
     let key = format!("{FENCE_KEY_PREFIX}{{{resource}}}");
     let reply = connection
         .request(&[

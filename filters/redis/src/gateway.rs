@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 use fencegate_core::{AuditSink, TokenPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
+use tokio_rustls::TlsAcceptor;
 
 use crate::config::RedisConfig;
 use crate::error::RedisError;
 use crate::frame::Limits;
 use crate::rewrite::ScriptMode;
 use crate::session;
-use crate::upstream::{ControlConnection, UpstreamInfo};
+use crate::upstream::{ControlConnection, Upstream, UpstreamInfo};
 
 /// One Redis gateway: a listener's shared state.
 pub struct Gateway {
@@ -23,6 +24,10 @@ pub struct Gateway {
     pub(crate) policy: TokenPolicy,
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) limits: Limits,
+    /// Where the upstream is, and its TLS settings.
+    pub(crate) upstream: Upstream,
+    /// The client side's TLS acceptor (`tls_cert`/`tls_key`).
+    pub(crate) tls: Option<TlsAcceptor>,
     /// What was learned, and when the upstream's durability was last confirmed.
     info: Mutex<Option<(Arc<UpstreamInfo>, Instant)>>,
     connections: AtomicU64,
@@ -45,15 +50,22 @@ impl Gateway {
         sink: Arc<dyn AuditSink>,
     ) -> Result<Arc<Self>, RedisError> {
         config.validate()?;
+        if config.rules().is_empty() {
+            tracing::warn!(listen = %config.listen, "[redis] protect = []: this gateway is a pass-through and fences nothing");
+        }
         let limits = Limits {
             max_frame_bytes: config.max_request_bytes,
             ..Limits::default()
         };
+        let upstream = Upstream::load(&config)?;
+        let tls = crate::tls::acceptor(&config)?;
         Ok(Arc::new(Self {
             config,
             policy,
             sink,
             limits,
+            upstream,
+            tls,
             info: Mutex::new(None),
             connections: AtomicU64::new(0),
             degraded: std::sync::Mutex::new(None),
@@ -75,7 +87,7 @@ impl Gateway {
             }
         }
         let known = guard.as_ref().map(|(info, _)| info.clone());
-        let mut control = match ControlConnection::open(&self.config).await {
+        let mut control = match ControlConnection::open(&self.upstream, &self.config).await {
             Ok(control) => control,
             Err(e) => {
                 self.set_degraded(Some(e.to_string()));
@@ -141,7 +153,7 @@ impl Gateway {
     /// Loads the fence script again (after `FUNCTION FLUSH`, `SCRIPT FLUSH` or an upstream
     /// restart).
     pub async fn reload_fence(&self) -> Result<ScriptMode, RedisError> {
-        let mut control = ControlConnection::open(&self.config).await?;
+        let mut control = ControlConnection::open(&self.upstream, &self.config).await?;
         let mode = control.load_fence().await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
         Ok(mode)
@@ -200,7 +212,7 @@ impl Gateway {
             .map_err(RedisError::io(format!("binding {addr}")))?;
         // The bound address: with port 0 in the config, this line is how the port is learned.
         let bound = listener.local_addr().unwrap_or(addr);
-        tracing::info!(listen = %bound, upstream = %self.config.upstream, "redis gateway listening");
+        tracing::info!(listen = %bound, upstream = %self.config.upstream, tls = self.tls.is_some(), "redis gateway listening");
         Ok(listener)
     }
 }

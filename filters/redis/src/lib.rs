@@ -27,7 +27,9 @@ pub mod request_parser;
 pub mod rewrite;
 pub mod scope;
 mod session;
+mod stream;
 mod text;
+mod tls;
 pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, RedisConfig, Scope};

@@ -56,7 +56,14 @@ mod tests {
         );
         assert!(check(&c, &token("jobs"), &keys(&["billing:2026-09-28:1"])).is_err());
         assert_eq!(
-            check(&RedisConfig::default(), &token("any"), &keys(&["k"])),
+            check(
+                &RedisConfig {
+                    protect: Some(vec![crate::config::ProtectRule::every_key()]),
+                    ..RedisConfig::default()
+                },
+                &token("any"),
+                &keys(&["k"])
+            ),
             Ok(())
         );
     }

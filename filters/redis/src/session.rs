@@ -22,7 +22,6 @@ use fencegate_core::{
     Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Store, Token,
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
 
@@ -34,6 +33,7 @@ use crate::gateway::Gateway;
 use crate::request_parser::RequestParser;
 use crate::rewrite::rewrite;
 use crate::scope;
+use crate::stream::{Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
 
@@ -48,14 +48,32 @@ const TARPIT: Duration = Duration::from_millis(100);
 const BUFFER: usize = 16 * 1024;
 
 /// Runs one client session to completion; errors are logged, never returned.
-pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: SocketAddr) {
+pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAddr) {
     let id = gateway.next_connection_id();
-    client.set_nodelay(true).ok();
+    socket.set_nodelay(true).ok();
+    let mut client = match &gateway.tls {
+        None => Connection::Plain(socket),
+        Some(acceptor) => {
+            // The handshake is a partial request too: bounded by the same timeout.
+            let limit = Duration::from_secs(gateway.config.partial_request_timeout_seconds);
+            match tokio::time::timeout(limit, acceptor.accept(socket)).await {
+                Ok(Ok(tls)) => Connection::Tls(Box::new(tls)),
+                Ok(Err(e)) => {
+                    tracing::debug!(conn = id, %peer, error = %e, "client TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!(conn = id, %peer, "client TLS handshake timed out");
+                    return;
+                }
+            }
+        }
+    };
     // Boxed: the connect state is dead once the session runs, so it stays out of the task.
     let ready = Box::pin(async {
         Ok::<_, RedisError>((
             gateway.info().await?,
-            upstream::connect(&gateway.config).await?,
+            upstream::connect(&gateway.upstream, &gateway.config).await?,
         ))
     });
     let (info, upstream) = match ready.await {
@@ -123,7 +141,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, mut client: TcpStream, peer: Sock
 }
 
 struct UpstreamWriter {
-    half: OwnedWriteHalf,
+    half: WriteHalf,
     /// Requests written so far (for the writer's reload-and-retry bookkeeping).
     sent: u64,
 }
@@ -188,7 +206,7 @@ struct Reader {
     info: Arc<UpstreamInfo>,
     id: u64,
     peer: SocketAddr,
-    client: OwnedReadHalf,
+    client: ReadHalf,
     buf: BytesMut,
     upstream: Arc<Mutex<UpstreamWriter>>,
     slots: mpsc::Sender<Slot>,
@@ -695,9 +713,9 @@ impl Reader {
 struct Writer {
     gateway: Arc<Gateway>,
     id: u64,
-    client: OwnedWriteHalf,
+    client: WriteHalf,
     out: BytesMut,
-    upstream: OwnedReadHalf,
+    upstream: ReadHalf,
     ubuf: BytesMut,
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
@@ -1084,7 +1102,19 @@ impl Writer {
 /// are already waiting; otherwise it is given back before waiting, and a fresh one of `BUFFER`
 /// bytes is taken once the socket is readable. Cancel safe: bytes are only read once the wait
 /// is over, and what the buffer holds is never dropped.
-async fn read(stream: &mut OwnedReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
+///
+/// A TLS stream has no readiness to wait for without reading (rustls buffers records itself),
+/// so it reads into a buffer of `BUFFER` bytes taken before the wait.
+async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
+    let stream = match stream {
+        ReadHalf::Plain(stream) => stream,
+        ReadHalf::Tls(stream) => {
+            if buf.capacity() == buf.len() {
+                buf.reserve(BUFFER);
+            }
+            return stream.read_buf(buf).await;
+        }
+    };
     if !buf.is_empty() {
         return stream.read_buf(buf).await;
     }

@@ -3,7 +3,6 @@
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 use crate::command_table::CommandTable;
 use crate::config::RedisConfig;
@@ -11,6 +10,8 @@ use crate::durability::{self, Settings};
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
 use crate::rewrite::{function_source, script_source, ScriptMode};
+use crate::stream::Connection;
+pub use crate::tls::Upstream;
 
 /// What the gateway learned from the upstream at connect time.
 #[derive(Debug, Clone)]
@@ -23,19 +24,14 @@ pub struct UpstreamInfo {
 
 /// A connection used for one request at a time (setup and reloads, not client traffic).
 pub struct ControlConnection {
-    stream: TcpStream,
+    stream: Connection,
     buf: BytesMut,
 }
 
-/// Opens a TCP connection to the upstream and authenticates it when the config says so.
-pub async fn connect(config: &RedisConfig) -> Result<TcpStream, RedisError> {
-    let mut stream = TcpStream::connect(&config.upstream)
-        .await
-        .map_err(RedisError::io(format!(
-            "connecting to upstream {}",
-            config.upstream
-        )))?;
-    stream.set_nodelay(true).ok();
+/// Opens a connection to the upstream (TLS when `rediss://`) and authenticates it when the
+/// config says so.
+pub async fn connect(upstream: &Upstream, config: &RedisConfig) -> Result<Connection, RedisError> {
+    let mut stream = upstream.open().await?;
     if let Some(password) = config.password()? {
         let mut args = vec![Bytes::from_static(b"AUTH")];
         if let Some(user) = &config.username {
@@ -55,7 +51,7 @@ pub async fn connect(config: &RedisConfig) -> Result<TcpStream, RedisError> {
 }
 
 async fn request_on(
-    stream: &mut TcpStream,
+    stream: &mut Connection,
     buf: &mut BytesMut,
     args: Vec<Bytes>,
 ) -> Result<Frame, RedisError> {
@@ -87,9 +83,9 @@ async fn request_on(
 
 impl ControlConnection {
     /// Connects and authenticates.
-    pub async fn open(config: &RedisConfig) -> Result<Self, RedisError> {
+    pub async fn open(upstream: &Upstream, config: &RedisConfig) -> Result<Self, RedisError> {
         Ok(Self {
-            stream: connect(config).await?,
+            stream: connect(upstream, config).await?,
             buf: BytesMut::new(),
         })
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 fn request(s: &mut TcpStream, wire: &[u8]) -> String {
@@ -43,6 +43,7 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
     let config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     let gateway = Gateway::new(

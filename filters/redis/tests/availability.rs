@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 struct Setup {
@@ -27,6 +27,7 @@ async fn setup(tweak: impl FnOnce(&mut RedisConfig)) -> Setup {
     let mut config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     tweak(&mut config);

@@ -31,7 +31,7 @@ async fn setup() -> Setup {
     let config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
-        protect: vec![
+        protect: Some(vec![
             ProtectRule {
                 pattern: "cache:*".into(),
                 mode: ProtectMode::Off,
@@ -42,7 +42,7 @@ async fn setup() -> Setup {
                 mode: ProtectMode::Enforce,
                 resource: Some("billing".into()),
             },
-        ],
+        ]),
         ..RedisConfig::default()
     };
     let sink = Arc::new(MemoryAuditSink::default());

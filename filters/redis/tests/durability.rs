@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
 
@@ -21,6 +21,7 @@ async fn gateway(
     let mut config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     tweak(&mut config);

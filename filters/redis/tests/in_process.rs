@@ -7,7 +7,7 @@ mod redis_server;
 use std::sync::Arc;
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
 
@@ -23,6 +23,7 @@ async fn setup() -> Setup {
     let config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     let sink = Arc::new(MemoryAuditSink::default());

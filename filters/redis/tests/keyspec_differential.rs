@@ -17,7 +17,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use fencegate_redis::classify::{classify, Class};
 use fencegate_redis::command_table::{BeginSearch, CommandTable};
 use fencegate_redis::frame::{parse, Frame, Limits};
-use fencegate_redis::RedisConfig;
+use fencegate_redis::{ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 /// Cases per write command, and a bound on the whole run.
@@ -133,7 +133,10 @@ fn key_extraction_agrees_with_command_getkeys_or_refuses() {
     };
     conn.send(&[vec![Bytes::from_static(b"COMMAND")]]);
     let table = CommandTable::from_reply(&conn.reply()).unwrap();
-    let config = RedisConfig::default();
+    let config = RedisConfig {
+        protect: Some(vec![ProtectRule::every_key()]),
+        ..RedisConfig::default()
+    };
 
     let mut writes: Vec<_> = table
         .commands()

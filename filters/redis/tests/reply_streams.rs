@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::frame::Frame;
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 const END: &[u8] = b"$6\r\nfg-end\r\n";
@@ -33,6 +33,7 @@ async fn setup() -> Setup {
     let config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: behind.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     let sink = Arc::new(MemoryAuditSink::default());

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, RedisConfig};
+use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 /// Sends fenced SETs and PINGs one at a time for `run`; returns (SET, PING) latencies.
@@ -90,6 +90,7 @@ async fn trickling_clients_do_not_slow_fenced_writes() {
     let config = RedisConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         upstream: server.addr.to_string(),
+        protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
     let gateway = Gateway::new(

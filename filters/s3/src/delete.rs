@@ -122,12 +122,15 @@ impl WriteSession<'_> {
         for entry in request.entries {
             let path = Upstream::path_and_query(Some(bucket), Some(&entry.key), "");
             let reserved = entry.key.starts_with(crate::manifest::RESERVED_PREFIX)
-                && self.shared.config.bucket_has_manifest(bucket);
+                && self.shared.config.bucket_protected(bucket);
             if reserved || !self.shared.upstream.sent_as_judged(&path) {
                 let rejection = if reserved {
                     Rejection::new(
                         RejectReason::Unsupported,
-                        format!("{bucket}/{} is the gateway's own manifest-mode storage; clients cannot delete it", entry.key),
+                        format!(
+                            "{bucket}/{} is the gateway's own storage; clients cannot delete it",
+                            entry.key
+                        ),
                     )
                 } else {
                     normalized_path_rejection(&format!("{bucket}/{}", entry.key))

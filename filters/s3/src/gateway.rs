@@ -44,6 +44,17 @@ pub(crate) struct Upload {
     created: Instant,
 }
 
+impl Upload {
+    /// An object-mode upload recovered from its stamp in the store (its age starts now).
+    pub(crate) fn recalled(revision: u64) -> Self {
+        Self {
+            revision,
+            physical: None,
+            created: Instant::now(),
+        }
+    }
+}
+
 /// `(bucket, key, upload id)`: an upload is completed only through the key it was created for.
 pub(crate) type UploadKey = (String, String, String);
 

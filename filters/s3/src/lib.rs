@@ -9,7 +9,7 @@
 //!   mode's view, log entry, batch planning and listing), [`error_xml`], [`multi_delete`].
 //! - I/O: `proxy` (the pingora service; reads stream through), `gateway` (shared state and the
 //!   upstream client), `respond`, `body` (verifying bodies as they stream), `session` (one
-//!   write request: rule, token, refusal, audit), `replace` and `delete` (object mode),
+//!   write request: rule, token, refusal, audit), `replace`, `delete` and `upload_stamp` (object mode),
 //!   `manifest_store`, `manifest_write` and `manifest_read` (manifest mode).
 
 #![deny(missing_docs)]
@@ -34,6 +34,7 @@ mod respond;
 pub mod rewrite;
 mod session;
 pub mod sigv4_verify;
+pub mod upload_stamp;
 pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, S3Config};

@@ -140,13 +140,15 @@ impl Maintenance {
         Ok(report)
     }
 
-    /// Copies every key the manifest of `resource` names to `dest_bucket`/`dest_prefix<key>`
-    /// as a plain object; returns how many. The destination must not be under a fencing rule
-    /// (these copies bypass the gateway).
+    /// Copies every key under `prefix` that the manifest of `resource` names to
+    /// `dest_bucket`/`dest_prefix<key without prefix>` as a plain object; returns how many.
+    /// The destination must not be under a fencing rule (these copies bypass the gateway):
+    /// every destination key is checked before the first copy.
     pub async fn export(
         &self,
         bucket: &str,
         resource: &str,
+        prefix: &str,
         dest_bucket: &str,
         dest_prefix: &str,
     ) -> Result<usize, S3Error> {
@@ -154,23 +156,30 @@ impl Maintenance {
         let Some(manifest) = manifest else {
             return Ok(0);
         };
-        let mut copied = 0;
+        let mut copies = Vec::new();
         for (key, entry) in &manifest.manifest.keys {
-            let dest_key = format!("{dest_prefix}{key}");
-            if self
-                .shared
-                .config
-                .rule_for(dest_bucket, Some(&dest_key))
-                .is_some_and(|r| r.mode.fenced())
+            let Some(rest) = key.strip_prefix(prefix) else {
+                continue;
+            };
+            let dest_key = format!("{dest_prefix}{rest}");
+            if dest_key.starts_with(RESERVED_PREFIX)
+                || self
+                    .shared
+                    .config
+                    .rule_for(dest_bucket, Some(&dest_key))
+                    .is_some_and(|r| r.mode.fenced())
             {
                 return Err(S3Error::Config(format!(
-                    "export destination {dest_bucket}/{dest_key} is protected by a fencing rule; export to an unprotected bucket or prefix"
+                    "export destination {dest_bucket}/{dest_key} is protected by a fencing rule (or is the gateway's own storage); nothing was copied: export to an unprotected bucket or prefix"
                 )));
             }
-            let path = Upstream::path_and_query(Some(dest_bucket), Some(&dest_key), "");
+            copies.push((key, &entry.physical, dest_key));
+        }
+        for (key, physical, dest_key) in &copies {
+            let path = Upstream::path_and_query(Some(dest_bucket), Some(dest_key), "");
             let headers = vec![(
                 "x-amz-copy-source".to_owned(),
-                format!("/{}/{}", encode_path(bucket), encode_path(&entry.physical)),
+                format!("/{}/{}", encode_path(bucket), encode_path(physical)),
             )];
             let response = self
                 .shared
@@ -182,9 +191,8 @@ impl Maintenance {
                     response.status
                 )));
             }
-            copied += 1;
         }
-        Ok(copied)
+        Ok(copies.len())
     }
 
     /// Every key under `prefix` with its LastModified (ListObjectsV2, all pages).

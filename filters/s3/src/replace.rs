@@ -15,6 +15,7 @@ use crate::rewrite::{
     FENCE_REVISION_HEADER,
 };
 use crate::session::{xml_text, SendError, WriteSession};
+use crate::upload_stamp::UploadStamp;
 use crate::upstream::Upstream;
 
 impl WriteSession<'_> {
@@ -28,10 +29,15 @@ impl WriteSession<'_> {
     ) {
         let target = format!("{bucket}/{key}");
         if let Some(upload_id) = &upload_id {
-            let created = self
+            // From memory, or after a restart (or on another node) from the upload's stamp.
+            let created = match self
                 .shared
-                .upload(&(bucket.to_owned(), key.to_owned(), upload_id.clone()))
-                .map(|upload| upload.revision);
+                .recall_upload(&(bucket.to_owned(), key.to_owned(), upload_id.clone()))
+                .await
+            {
+                Ok(upload) => upload.map(|upload| upload.revision),
+                Err(e) => return self.upstream_failed(e).await,
+            };
             let revision = token.revision().get();
             let rejection = match created {
                 None => Some(Rejection::new(
@@ -158,11 +164,9 @@ impl WriteSession<'_> {
             if (200..300).contains(&response.status) {
                 self.shared.audit.applied("s3");
                 if let Some(upload_id) = &upload_id {
-                    self.shared.forget_upload(&(
-                        bucket.to_owned(),
-                        key.to_owned(),
-                        upload_id.clone(),
-                    ));
+                    self.shared
+                        .unstamp_upload(&(bucket.to_owned(), key.to_owned(), upload_id.clone()))
+                        .await;
                 }
             }
             return self.relay(response).await;
@@ -284,10 +288,10 @@ impl WriteSession<'_> {
             Ok(response) => {
                 if response.status == 200 {
                     if let Some(upload_id) = xml_text(&response.body, "UploadId") {
-                        let upload = (bucket.to_owned(), key.to_owned(), upload_id);
+                        let upload = (bucket.to_owned(), key.to_owned(), upload_id.clone());
                         if !self
                             .shared
-                            .track_upload(upload, token.revision().get(), None)
+                            .track_upload(upload.clone(), token.revision().get(), None)
                         {
                             // Not tracked means its completion would be refused: say so now.
                             return self
@@ -298,11 +302,44 @@ impl WriteSession<'_> {
                                 )
                                 .await;
                         }
+                        let stamp = UploadStamp {
+                            key: key.to_owned(),
+                            upload_id,
+                            revision: token.revision().get(),
+                            resource: token.resource().to_string(),
+                        };
+                        if let Err(e) = self.shared.stamp_upload(bucket, &stamp).await {
+                            // Without its stamp the upload could not be completed after a
+                            // restart: abort it and let the client start again.
+                            tracing::warn!(request_id = %self.request_id, error = %e, "upload stamp not written; aborting the upload");
+                            self.shared.forget_upload(&upload);
+                            self.abort_upload(bucket, key, &stamp.upload_id).await;
+                            return self
+                                .error(
+                                    503,
+                                    "ServiceUnavailable",
+                                    "the gateway could not record the upload's fencing revision in the store; the upload was aborted, retry",
+                                )
+                                .await;
+                        }
                     }
                 }
                 self.relay(response).await;
             }
             Err(e) => self.upstream_failed(e).await,
+        }
+    }
+
+    /// Aborts an upload the gateway created but cannot stand behind (best effort).
+    async fn abort_upload(&self, bucket: &str, key: &str, upload_id: &str) {
+        let query = format!("uploadId={}", crate::sigv4_verify::aws_encode(upload_id));
+        let path = Upstream::path_and_query(Some(bucket), Some(key), &query);
+        if let Err(e) = self
+            .shared
+            .send("DELETE", &path, Vec::new(), Bytes::new().into(), None)
+            .await
+        {
+            tracing::warn!(request_id = %self.request_id, error = %e, "aborting the upload failed");
         }
     }
 }

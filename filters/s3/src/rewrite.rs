@@ -17,6 +17,9 @@ pub const FENCE_REVISION_HEADER: &str = "x-amz-meta-fencegate-revision";
 pub const FENCE_RESOURCE_HEADER: &str = "x-amz-meta-fencegate-resource";
 /// The token carrier.
 pub const TOKEN_HEADER: &str = "fencing-token";
+/// The token carrier for clients that cannot add a header (the aws CLI): the SigV4 session
+/// token, used when `Fencing-Token` is absent. Never sent upstream.
+pub const SESSION_TOKEN_HEADER: &str = "x-amz-security-token";
 
 /// What an S3 request does, as far as fencing is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use crate::error::S3Error;
 use crate::error_xml::S3ErrorBody;
 use crate::gateway::{Shared, UpstreamResponse};
 use crate::respond::{respond, respond_body, respond_error};
-use crate::rewrite::{Operation, Target, TOKEN_HEADER};
+use crate::rewrite::{Operation, Target, SESSION_TOKEN_HEADER, TOKEN_HEADER};
 use crate::sigv4_verify::Verified;
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
@@ -63,10 +63,11 @@ impl WriteSession<'_> {
         if key
             .as_deref()
             .is_some_and(|k| k.starts_with(crate::manifest::RESERVED_PREFIX))
-            && self.shared.config.bucket_has_manifest(&bucket)
+            && self.shared.config.bucket_protected(&bucket)
         {
+            // Manifests, physical objects and upload stamps: the gateway's word.
             let detail = format!(
-                "{} is the gateway's own manifest-mode storage; clients cannot write it",
+                "{} is the gateway's own storage; clients cannot write it",
                 self.target.display()
             );
             self.refuse(Rejection::new(RejectReason::Unsupported, detail), None)
@@ -112,6 +113,17 @@ impl WriteSession<'_> {
             }
             Operation::CreateMultipartUpload => self.create_upload(&bucket, &key, &token).await,
             Operation::DeleteObject => self.fenced_delete(&bucket, &key, &token).await,
+            Operation::AbortMultipartUpload => {
+                if self.relay_through(&bucket, Some(&key)).await {
+                    // The upload is gone: so is its stamp.
+                    let upload_id = crate::gateway::query_pairs(&self.raw_query)
+                        .into_iter()
+                        .find(|(k, _)| k == "uploadId")
+                        .map(|(_, v)| v)
+                        .unwrap_or_default();
+                    self.shared.unstamp_upload(&(bucket, key, upload_id)).await;
+                }
+            }
             // UploadPart(Copy) and AbortMultipartUpload are inert until completion, but still
             // need a valid token for the rule's resource: a tokenless client must not be able
             // to abort the holder's upload or swap its parts.
@@ -126,12 +138,19 @@ impl WriteSession<'_> {
         self.refuse(rejection, None).await;
     }
 
+    /// The token the client presented: the `Fencing-Token` header, else the SigV4 session
+    /// token (`x-amz-security-token`, which `AWS_SESSION_TOKEN` sets), for clients such as the
+    /// aws CLI that cannot add a header. Both are covered by the client's signature.
+    pub(crate) fn presented_token(&self) -> Option<&str> {
+        header(&self.headers, TOKEN_HEADER).or_else(|| header(&self.headers, SESSION_TOKEN_HEADER))
+    }
+
     pub(crate) fn token(&self, rule: &ProtectRule) -> Result<Token, Rejection> {
-        let Some(presented) = header(&self.headers, TOKEN_HEADER) else {
+        let Some(presented) = self.presented_token() else {
             return Err(Rejection::new(
                 RejectReason::Missing,
                 format!(
-                    "a write to protected {} needs a Fencing-Token header",
+                    "a write to protected {} needs a Fencing-Token header (or the token as the session token, AWS_SESSION_TOKEN)",
                     self.target.display()
                 ),
             ));
@@ -207,7 +226,7 @@ impl WriteSession<'_> {
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
             client_identity: Some(self.verified.access_key.clone()),
-            token: header(&self.headers, TOKEN_HEADER).and_then(|t| Token::parse(t).ok()),
+            token: self.presented_token().and_then(|t| Token::parse(t).ok()),
             operation: OperationSummary {
                 command: self.operation.name(),
                 objects: vec![object.chars().take(200).collect()],
@@ -261,6 +280,11 @@ impl WriteSession<'_> {
 
     /// Streams a request through, re-signed, without fencing.
     pub(crate) async fn pass_through(&mut self, bucket: &str, key: Option<&str>) {
+        self.relay_through(bucket, key).await;
+    }
+
+    /// [`WriteSession::pass_through`], telling whether the store answered 2xx.
+    pub(crate) async fn relay_through(&mut self, bucket: &str, key: Option<&str>) -> bool {
         let path = Upstream::path_and_query(Some(bucket), key, &self.raw_query);
         let headers = self.upstream_headers(true);
         let len = self.body_length();
@@ -288,10 +312,18 @@ impl WriteSession<'_> {
                 {
                     // Unprotected: nothing to remember.
                 }
+                let applied = response.succeeded();
                 self.relay(response).await;
+                applied
             }
-            Err(SendError::Body(e)) => self.body_failed(e).await,
-            Err(SendError::Upstream(e)) => self.upstream_failed(e).await,
+            Err(SendError::Body(e)) => {
+                self.body_failed(e).await;
+                false
+            }
+            Err(SendError::Upstream(e)) => {
+                self.upstream_failed(e).await;
+                false
+            }
         }
     }
 

@@ -374,7 +374,7 @@ fn gc_keeps_what_the_manifest_names_and_export_copies_it() {
         h.direct(json!([{"op": "list", "bucket": "ledger", "prefix": ".fencegate/data/"}]));
     assert_eq!(physical[0]["keys"].as_array().unwrap().len(), 2);
     let exported = runtime
-        .block_on(maintenance.export("ledger", "job", "open", "export/"))
+        .block_on(maintenance.export("ledger", "job", "", "open", "export/"))
         .unwrap();
     assert_eq!(exported, 2);
     let reads = h.run(json!([
@@ -386,7 +386,7 @@ fn gc_keeps_what_the_manifest_names_and_export_copies_it() {
     let bodies: Vec<&Value> = reads.iter().map(|r| &r["body"]).collect();
     assert_eq!(bodies, ["second", "other key", "second", "other key"]);
     assert!(runtime
-        .block_on(maintenance.export("ledger", "job", "fenced", "copy/"))
+        .block_on(maintenance.export("ledger", "job", "", "fenced", "copy/"))
         .is_err());
 }
 

@@ -2,6 +2,11 @@
 //! each round, in a versioned bucket so every applied write is kept): the final object carries
 //! the highest token that wrote it, and the version history never goes down (no lower token's
 //! write was applied after a higher one).
+//!
+//! This relies on the store applying each conditional PUT atomically, as S3 does. Plain moto
+//! does not (it checks If-Match, then writes, then sets the metadata, with no lock), which
+//! made this test flaky once; the harness runs moto through `tests/s3/moto_atomic.py`, which
+//! applies one request at a time. The assertions are the ones S3 guarantees, unchanged.
 
 mod harness;
 
