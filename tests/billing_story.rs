@@ -181,12 +181,42 @@ impl World {
         (answer.status().as_u16(), answer.text().await.unwrap())
     }
 
-    /// The resource's manifest as stored (S3 manifest mode), read behind the gateway's back.
+    /// The resource's committed view as stored (S3 manifest mode), read behind the gateway's
+    /// back: the checkpoint, if any, then each log entry after it until a free position.
     async fn s3_manifest(&self) -> Option<Value> {
         let (status, body) = self
-            .s3_raw(&format!(".fencegate/manifest/{RESOURCE}"), false)
+            .s3_raw(&format!(".fencegate/checkpoint/{RESOURCE}"), false)
             .await;
-        (status == 200).then(|| serde_json::from_str(&body).unwrap())
+        let mut view: Value = match status {
+            200 => serde_json::from_str(&body).unwrap(),
+            _ => serde_json::json!({"fence": 0, "position": 0, "keys": {}}),
+        };
+        let mut position = view["position"].as_u64().unwrap();
+        loop {
+            let (status, body) = self
+                .s3_raw(
+                    &format!(".fencegate/log/{RESOURCE}/{:020}", position + 1),
+                    false,
+                )
+                .await;
+            if status != 200 {
+                break;
+            }
+            position += 1;
+            let entry: Value = serde_json::from_str(&body).unwrap();
+            let fence = entry["fence"].as_u64().unwrap();
+            view["fence"] = fence.max(view["fence"].as_u64().unwrap()).into();
+            view["position"] = position.into();
+            for change in entry["changes"].as_array().unwrap() {
+                let key = change["key"].as_str().unwrap().to_owned();
+                let keys = view["keys"].as_object_mut().unwrap();
+                match change.get("put") {
+                    Some(put) => keys.insert(key, put.clone()),
+                    None => keys.remove(&key),
+                };
+            }
+        }
+        (position > 0).then_some(view)
     }
 
     /// A logical S3 object resolved through the manifest, straight from the S3 server:

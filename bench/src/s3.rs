@@ -241,7 +241,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             format!("Machine: {}", machine::describe()),
             format!("{moto_version} (`moto.server`, Python, one process); fencegate {} ({})", env!("CARGO_PKG_VERSION"), machine::git_head()),
             "Client: SigV4 by the S3 filter's aws-sigv4 signer (`UNSIGNED-PAYLOAD`, header auth) over reqwest keep-alive connections, the same on both paths; the gateway verifies each signature and re-signs upstream".into(),
-            format!("Each writer rewrites its own object (`obj-<n>`, 4 KiB, new bytes each time) for {:.0} s; all writers hold one token (`Fencing-Token: {TOKEN}`) of one resource; object mode: bucket `bench`; manifest mode: bucket `ledger`, all writers committing into one manifest (one manifest object per resource, group commit per node)", run.as_secs_f64()),
+            format!("Each writer rewrites its own object (`obj-<n>`, 4 KiB, new bytes each time) for {:.0} s; all writers hold one token (`Fencing-Token: {TOKEN}`) of one resource; object mode: bucket `bench`; manifest mode: bucket `ledger`, all writers committing into one resource's commit log (one log entry per group commit, a checkpoint every 64 entries; `docs/S3_MANIFEST.md`)", run.as_secs_f64()),
             format!("{reps} repetitions, direct and gateway interleaved; medians. Upstream requests = lines in moto's request log during the run / PUTs completed"),
         ],
         headers: ["direct".into(), "gateway".into()],

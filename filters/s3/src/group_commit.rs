@@ -1,20 +1,30 @@
-//! Manifest mode, group commit: concurrent commits into one manifest from this node share one
-//! conditional PUT. Each commit queues its change, then waits for the resource's leader lock;
-//! whoever holds it takes every queued change, plans them in order over the manifest read
-//! ([`crate::manifest::plan_commit`]: a stale token is refused, the others raise the fence and
-//! apply), and writes the result once with `If-Match`. Answers are given only after that write
+//! Manifest mode, group commit: concurrent commits into one resource's log from this node
+//! share one log entry. Each commit queues its change, then waits for the resource's leader
+//! lock; whoever holds it first lingers while this node still has buffered physical writes of
+//! the resource under way (they are about to queue; bounded by [`GROUP_LINGER`]), then takes
+//! every queued change, plans them in order over the view ([`crate::manifest::Batch`]: a stale
+//! token is refused, the others raise the fence and apply) and appends the result as one entry
+//! with `If-None-Match: *` on the next position. Answers are given only after that write
 //! succeeds, so a refusal always rests on a fence the store holds. One node therefore sends at
-//! most one manifest write per resource at a time; other nodes still race through `If-Match`.
+//! most one log append per resource at a time; other nodes race for positions through
+//! `If-None-Match`, and the loser catches up and re-plans.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use fencegate_core::{Rejection, Token};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::error::S3Error;
 use crate::gateway::Shared;
-use crate::manifest::{plan_commit, Change, CommitPlan, Manifest};
+use crate::manifest::{Batch, Change, CommitPlan};
 use crate::rewrite::ClientConditions;
+
+/// The longest a leader waits for this node's physical writes under way to join its batch. A
+/// write that takes longer joins the next batch; a write is counted only once its body is
+/// buffered, so only store latency is waited for, never a slow client.
+pub(crate) const GROUP_LINGER: Duration = Duration::from_millis(50);
 
 /// How a commit ended.
 #[derive(Debug, Clone)]
@@ -35,11 +45,28 @@ pub(crate) struct Pending {
     reply: oneshot::Sender<Result<CommitDone, String>>,
 }
 
-/// The queue and leader lock of one manifest.
+/// The queue and leader lock of one resource's log.
 #[derive(Default)]
 pub(crate) struct Committer {
     queue: Mutex<Vec<Pending>>,
     leader: tokio::sync::Mutex<()>,
+    /// Buffered physical writes under way that will queue a change.
+    writing: AtomicUsize,
+    /// Woken when one of them queues (or gives up).
+    arrived: Notify,
+    /// A checkpoint is being written.
+    checkpointing: AtomicBool,
+}
+
+/// A physical write under way that the next batch should wait for (see [`GROUP_LINGER`]);
+/// dropping it (queued, or failed) stops the wait.
+pub(crate) struct Writing(Arc<Committer>);
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        self.0.writing.fetch_sub(1, Ordering::AcqRel);
+        self.0.arrived.notify_waiters();
+    }
 }
 
 impl Shared {
@@ -53,8 +80,16 @@ impl Shared {
             .clone()
     }
 
-    /// Commits `change` into the manifest of `resource`, together with whatever else is
-    /// queued for it.
+    /// Announces a physical write of `resource` whose change will be committed next.
+    pub(crate) fn writing(&self, bucket: &str, resource: &str) -> Writing {
+        let committer = self.committer(bucket, resource);
+        committer.writing.fetch_add(1, Ordering::AcqRel);
+        Writing(committer)
+    }
+
+    /// Commits `change` into the log of `resource`, together with whatever else is queued
+    /// for it. `writing` is this change's announcement, released once it is queued.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn commit_grouped(
         &self,
         bucket: &str,
@@ -63,6 +98,7 @@ impl Shared {
         target: String,
         change: Change,
         conditions: ClientConditions,
+        writing: Option<Writing>,
     ) -> Result<CommitDone, S3Error> {
         let committer = self.committer(bucket, resource);
         let (reply, mut answer) = oneshot::channel();
@@ -73,14 +109,20 @@ impl Shared {
             conditions,
             reply,
         });
+        drop(writing);
         let leader = committer.leader.lock().await;
         // An earlier leader may have committed this change already.
         if let Ok(done) = answer.try_recv() {
             return done.map_err(S3Error::Upstream);
         }
+        linger(&committer).await;
         let batch = std::mem::take(&mut *committer.queue.lock().expect("poisoned"));
         self.commit_batch(bucket, resource, batch).await;
         drop(leader);
+        if !committer.checkpointing.swap(true, Ordering::AcqRel) {
+            self.checkpoint_if_due(bucket, resource).await;
+            committer.checkpointing.store(false, Ordering::Release);
+        }
         answer
             .await
             .map_err(|_| S3Error::Upstream("the commit was abandoned; retry".into()))?
@@ -94,13 +136,14 @@ impl Shared {
                 Ok(current) => current,
                 Err(e) => return answer_all(batch, |_| Err(e.to_string())),
             };
-            let mut working: Option<Manifest> = current.as_ref().map(|l| (*l.manifest).clone());
+            let empty = crate::manifest::Manifest::default();
+            let base = current.as_ref().map_or(&empty, |l| &*l.manifest);
+            let position = base.position + 1;
+            let mut planned = Batch::new(base);
             let mut decided = Vec::with_capacity(batch.len());
-            let mut changed = false;
             let mut recheck = false;
             for pending in &batch {
-                let plan = plan_commit(
-                    working.as_ref(),
+                let plan = planned.plan(
                     &pending.token,
                     &pending.target,
                     &pending.change,
@@ -108,32 +151,27 @@ impl Shared {
                 );
                 decided.push(match plan {
                     CommitPlan::Refuse(rejection) => CommitDone::Refused(rejection),
-                    // A client precondition judged on a cached copy is checked on a fresh one.
+                    // A client precondition judged on a cached view is checked on a fresh one.
                     CommitPlan::PreconditionFailed | CommitPlan::NoSuchKey if !revalidate => {
                         recheck = true;
                         break;
                     }
                     CommitPlan::PreconditionFailed => CommitDone::PreconditionFailed,
                     CommitPlan::NoSuchKey => CommitDone::NoSuchKey,
-                    CommitPlan::Commit(next) => {
-                        working = Some(next);
-                        changed = true;
-                        CommitDone::Committed
-                    }
+                    CommitPlan::Commit => CommitDone::Committed,
                 });
             }
             if recheck {
                 revalidate = true;
                 continue;
             }
-            if !changed {
+            let Some(entry) = planned.into_entry() else {
                 return answer_each(batch, decided);
-            }
-            let next = working.expect("a change was planned");
-            match self
-                .commit_manifest(bucket, resource, current.as_ref(), next)
-                .await
-            {
+            };
+            // The view is not needed past planning: dropping it lets the append update the
+            // cached view in place.
+            drop(current);
+            match self.append(bucket, resource, position, &entry).await {
                 Ok(Some(_)) => {
                     for done in &decided {
                         if matches!(done, CommitDone::Committed) {
@@ -147,6 +185,21 @@ impl Shared {
             }
         }
         answer_all(batch, |_| Ok(CommitDone::Busy))
+    }
+}
+
+/// Waits, at most [`GROUP_LINGER`], until no announced physical write is still under way.
+async fn linger(committer: &Committer) {
+    let deadline = tokio::time::Instant::now() + GROUP_LINGER;
+    loop {
+        // Registered before the count is read, so a drop in between still wakes it.
+        let arrived = committer.arrived.notified();
+        if committer.writing.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if tokio::time::timeout_at(deadline, arrived).await.is_err() {
+            return;
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! - Pure: [`sigv4_verify`] and [`chunked`] (checking what the client sent), [`rewrite`]
 //!   (which operation, which object, object mode's conditional write), [`manifest`] (manifest
-//!   mode's document, commit plan and listing), [`error_xml`], [`multi_delete`].
+//!   mode's view, log entry, batch planning and listing), [`error_xml`], [`multi_delete`].
 //! - I/O: `proxy` (the pingora service; reads stream through), `gateway` (shared state and the
 //!   upstream client), `respond`, `body` (verifying bodies as they stream), `session` (one
 //!   write request: rule, token, refusal, audit), `replace`, `delete` and `upload_stamp` (object mode),

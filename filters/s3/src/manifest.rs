@@ -1,34 +1,55 @@
-//! Manifest mode, the pure part: the manifest document, how one change is committed into it,
-//! and how a listing is read from it. No I/O; golden-tested.
+//! Manifest mode, the pure part: the committed view of a resource, how a batch of changes is
+//! planned over it and recorded as one log entry, and how a listing is read from it. No I/O;
+//! golden-tested. The layout and its limits are described in `docs/S3_MANIFEST.md`.
 //!
 //! Layout in the protected bucket, for a rule with resource `R`:
-//! - `.fencegate/manifest/R`: one JSON document `{fence, seq, keys: {logical key -> entry}}`.
-//!   It is replaced only with `If-Match` on the ETag the gateway read (`If-None-Match: *` for
-//!   the first commit), so the store decides every commit. `seq` grows on every commit, so the
-//!   body, and with it the ETag, is never reused: an old ETag cannot match again.
+//! - `.fencegate/log/R/<position>` (20 digits, from 1): one [`LogEntry`] per commit, written
+//!   with `If-None-Match: *`. The store lets exactly one writer create a position, so the log
+//!   is the commit order and that create is the compare-and-set: a writer plans its entry over
+//!   the view at `position - 1` and loses the create if anyone else committed in between.
+//!   Entries are never rewritten or deleted (a deleted position could be created again by a
+//!   node that had not seen it).
+//! - `.fencegate/checkpoint/R`: the whole view ([`Manifest`]) at some position, rewritten every
+//!   [`CHECKPOINT_EVERY`] commits off the commit path, `If-Match` on the checkpoint it replaces.
+//!   Only an optimisation: the view is the checkpoint plus the entries after it.
 //! - `.fencegate/data/R/<revision>-<uuid>`: the immutable objects the entries point at, written
 //!   with `If-None-Match: *` before the commit that names them. A refused commit leaves its
 //!   object unreferenced, for garbage collection; readers never see it.
+//! - `.fencegate/manifest/R`: the first layout's single manifest object; converted once (see
+//!   [`Legacy`]).
 //!
-//! The fence is the manifest's `fence`: a commit with a token below it is refused, an equal or
+//! The fence is the view's `fence`: a commit with a token below it is refused, an equal or
 //! higher one raises it to the token. New keys, overwrites, copies, multipart completions and
 //! deletes are all commits, so a stale holder cannot create a key, rewrite identical bytes or
-//! delete one. Limit of this first layout: every commit rewrites the whole manifest (cost
-//! O(keys) per commit; one resource holding ~100k keys writes ~10 MB per commit).
+//! delete one. A commit writes one entry holding only its own changes: O(1) in the number of
+//! keys.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use fencegate_core::{Rejection, Token};
 use serde::{Deserialize, Serialize};
 
 use crate::rewrite::ClientConditions;
 
-/// Keys under this prefix are the gateway's own (manifests and physical objects): clients can
-/// neither read nor write them through the gateway.
+/// Keys under this prefix are the gateway's own (log, checkpoint, physical objects): clients
+/// can neither read nor write them through the gateway.
 pub const RESERVED_PREFIX: &str = ".fencegate/";
 
-/// The manifest object of `resource`.
-pub fn manifest_key(resource: &str) -> String {
+/// A checkpoint is written once the log has grown this many entries past the last one.
+pub const CHECKPOINT_EVERY: u64 = 64;
+
+/// The log entry of `resource` at `position` (from 1).
+pub fn log_key(resource: &str, position: u64) -> String {
+    format!("{RESERVED_PREFIX}log/{resource}/{position:020}")
+}
+
+/// The checkpoint object of `resource`.
+pub fn checkpoint_key(resource: &str) -> String {
+    format!("{RESERVED_PREFIX}checkpoint/{resource}")
+}
+
+/// The single manifest object of the first layout (read only to convert it).
+pub fn legacy_manifest_key(resource: &str) -> String {
     format!("{RESERVED_PREFIX}manifest/{resource}")
 }
 
@@ -37,13 +58,13 @@ pub fn physical_key(resource: &str, revision: u64, id: &str) -> String {
     format!("{RESERVED_PREFIX}data/{resource}/{revision:020}-{id}")
 }
 
-/// The manifest of one resource.
+/// The committed view of one resource at a log position (also the checkpoint's body).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     /// The highest revision that committed.
     pub fence: u64,
-    /// Grows on every commit, so no two manifest bodies (and ETags) are alike.
-    pub seq: u64,
+    /// The last log entry this view includes (0: none).
+    pub position: u64,
     /// Logical key -> the committed object.
     pub keys: BTreeMap<String, Entry>,
 }
@@ -63,6 +84,44 @@ pub struct Entry {
     pub revision: u64,
 }
 
+/// One commit: the fence after it and the keys it changes, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// The fence after this commit (the highest revision committed so far).
+    pub fence: u64,
+    /// The changes, applied in order.
+    pub changes: Vec<LogChange>,
+}
+
+/// One key's change in a log entry: `put` names the new object, `None` removes the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogChange {
+    /// The logical key.
+    pub key: String,
+    /// The object it now names (`None`: deleted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub put: Option<Entry>,
+}
+
+impl Manifest {
+    /// Applies the entry at `position` (the caller applies entries in order, from
+    /// `self.position + 1`).
+    pub fn apply(&mut self, position: u64, entry: &LogEntry) {
+        self.fence = self.fence.max(entry.fence);
+        self.position = position;
+        for change in &entry.changes {
+            match &change.put {
+                Some(put) => {
+                    self.keys.insert(change.key.clone(), put.clone());
+                }
+                None => {
+                    self.keys.remove(&change.key);
+                }
+            }
+        }
+    }
+}
+
 /// What one commit changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -80,62 +139,147 @@ impl Change {
     }
 }
 
-/// The decision for one commit attempt over the manifest as read.
+/// The decision for one change of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CommitPlan {
-    /// The manifest's fence is above the token.
+    /// The fence (as committed, or as raised earlier in the batch) is above the token.
     Refuse(Rejection),
     /// The client's own precondition fails on the committed entry.
     PreconditionFailed,
-    /// The client asked `If-Match` on a key the manifest does not name.
+    /// The client asked `If-Match` on a key the view does not name.
     NoSuchKey,
-    /// Write this manifest, conditional on the ETag of the one read.
-    Commit(Manifest),
+    /// The change is part of the batch's log entry.
+    Commit,
 }
 
-/// Plans committing `change` with `token` over `current` (`None`: no manifest yet).
-pub fn plan_commit(
-    current: Option<&Manifest>,
-    token: &Token,
-    target: &str,
-    change: &Change,
-    client: &ClientConditions,
-) -> CommitPlan {
-    let revision = token.revision().get();
-    let fence = current.map_or(0, |m| m.fence);
-    if fence > revision {
-        return CommitPlan::Refuse(Rejection::stale(
-            token,
-            fence,
-            &format!("the manifest of {target}"),
-            None,
-        ));
+/// The changes planned over one view, in order, to become one log entry. Planning reads the
+/// view and the batch's own earlier changes, never copies the view: O(changes).
+#[derive(Debug)]
+pub struct Batch<'m> {
+    base: &'m Manifest,
+    fence: u64,
+    changes: Vec<LogChange>,
+    /// Key -> index of its latest change in `changes`.
+    index: HashMap<String, usize>,
+}
+
+impl<'m> Batch<'m> {
+    /// An empty batch over `base`.
+    pub fn new(base: &'m Manifest) -> Self {
+        Self {
+            base,
+            fence: base.fence,
+            changes: Vec::new(),
+            index: HashMap::new(),
+        }
     }
-    let existing = current.and_then(|m| m.keys.get(change.key()));
-    match existing {
-        Some(entry) => {
-            if matches!(change, Change::Put(..)) && client.if_none_match_fails(&entry.etag) {
-                return CommitPlan::PreconditionFailed;
+
+    /// The entry `key` names after the changes planned so far.
+    fn current(&self, key: &str) -> Option<&Entry> {
+        match self.index.get(key) {
+            Some(&at) => self.changes[at].put.as_ref(),
+            None => self.base.keys.get(key),
+        }
+    }
+
+    /// Plans `change` with `token` after the changes already planned.
+    pub fn plan(
+        &mut self,
+        token: &Token,
+        target: &str,
+        change: &Change,
+        client: &ClientConditions,
+    ) -> CommitPlan {
+        let revision = token.revision().get();
+        let fence = self.fence;
+        if fence > revision {
+            return CommitPlan::Refuse(Rejection::stale(
+                token,
+                fence,
+                &format!("the manifest of {target}"),
+                None,
+            ));
+        }
+        match self.current(change.key()) {
+            Some(entry) => {
+                if matches!(change, Change::Put(..)) && client.if_none_match_fails(&entry.etag) {
+                    return CommitPlan::PreconditionFailed;
+                }
+                if client.if_match_fails(&entry.etag) {
+                    return CommitPlan::PreconditionFailed;
+                }
             }
-            if client.if_match_fails(&entry.etag) {
-                return CommitPlan::PreconditionFailed;
-            }
+            None if client.if_match.is_some() => return CommitPlan::NoSuchKey,
+            None => {}
         }
-        None if client.if_match.is_some() => return CommitPlan::NoSuchKey,
-        None => {}
+        self.fence = revision;
+        let (key, put) = match change {
+            Change::Put(key, entry) => (key.clone(), Some(entry.clone())),
+            Change::Delete(key) => (key.clone(), None),
+        };
+        self.index.insert(key.clone(), self.changes.len());
+        self.changes.push(LogChange { key, put });
+        CommitPlan::Commit
     }
-    let mut next = current.cloned().unwrap_or_default();
-    next.fence = revision;
-    next.seq += 1;
-    match change {
-        Change::Put(key, entry) => {
-            next.keys.insert(key.clone(), entry.clone());
-        }
-        Change::Delete(key) => {
-            next.keys.remove(key);
-        }
+
+    /// The log entry to write, `None` when nothing was planned.
+    pub fn into_entry(self) -> Option<LogEntry> {
+        (!self.changes.is_empty()).then_some(LogEntry {
+            fence: self.fence,
+            changes: self.changes,
+        })
     }
-    CommitPlan::Commit(next)
+}
+
+/// The first layout's manifest object, as found at [`legacy_manifest_key`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Legacy {
+    /// Not converted yet: its view (becomes the checkpoint at position 0).
+    Unconverted(Manifest),
+    /// Already replaced by the conversion marker, which carries the same view.
+    Converted(Manifest),
+}
+
+/// The first layout's document.
+#[derive(Deserialize)]
+struct LegacyDocument {
+    fence: u64,
+    #[allow(dead_code)]
+    seq: u64,
+    keys: BTreeMap<String, Entry>,
+}
+
+/// What replaces a converted first-layout manifest. It has no top-level `fence`, so a gateway
+/// of the first layout fails closed on it ("unreadable; refusing to commit over it") instead of
+/// committing where this layout no longer looks.
+#[derive(Serialize, Deserialize)]
+struct ConversionMarker {
+    converted_to_log: Manifest,
+    note: String,
+}
+
+impl Legacy {
+    /// Parses the object at [`legacy_manifest_key`].
+    pub fn parse(body: &[u8]) -> Result<Self, String> {
+        if let Ok(marker) = serde_json::from_slice::<ConversionMarker>(body) {
+            return Ok(Self::Converted(marker.converted_to_log));
+        }
+        let old: LegacyDocument = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        Ok(Self::Unconverted(Manifest {
+            fence: old.fence,
+            position: 0,
+            keys: old.keys,
+        }))
+    }
+
+    /// The marker body that replaces a first-layout manifest holding `view`.
+    pub fn marker(view: &Manifest) -> Vec<u8> {
+        serde_json::to_vec(&ConversionMarker {
+            converted_to_log: view.clone(),
+            note: "converted to the commit-log layout (.fencegate/log/, .fencegate/checkpoint/); gateways older than the conversion must not serve this bucket".into(),
+        })
+        .expect("a marker serializes")
+    }
 }
 
 /// A ListObjects(V2) request's parameters.
@@ -255,77 +399,98 @@ mod tests {
     fn manifest(keys: &[&str]) -> Manifest {
         Manifest {
             fence: 5,
-            seq: 9,
+            position: 9,
             keys: keys.iter().map(|k| ((*k).into(), entry(k))).collect(),
         }
     }
 
-    #[test]
-    fn golden_first_commit_raises_the_fence() {
-        let plan = plan_commit(
-            None,
-            &token(7),
-            "b/k",
-            &Change::Put("k".into(), entry("p")),
-            &ClientConditions::default(),
-        );
-        let CommitPlan::Commit(next) = plan else {
-            panic!("{plan:?}")
-        };
-        assert_eq!(
-            serde_json::to_string(&next).unwrap(),
-            r#"{"fence":7,"seq":1,"keys":{"k":{"physical":"p","etag":"\"p\"","size":1,"modified":"2026-12-01T00:00:00.000Z","revision":1}}}"#
-        );
+    fn none() -> ClientConditions {
+        ClientConditions::default()
     }
 
     #[test]
-    fn lower_is_refused_equal_commits_and_seq_always_grows() {
-        let current = manifest(&["k"]);
-        let plan = plan_commit(
-            Some(&current),
-            &token(4),
+    fn golden_first_commit_raises_the_fence_in_one_entry() {
+        let empty = Manifest::default();
+        let mut batch = Batch::new(&empty);
+        let plan = batch.plan(
+            &token(7),
             "b/k",
-            &Change::Delete("k".into()),
-            &ClientConditions::default(),
+            &Change::Put("k".into(), entry("p")),
+            &none(),
         );
-        let CommitPlan::Refuse(rejection) = plan else {
-            panic!("{plan:?}")
+        assert_eq!(plan, CommitPlan::Commit);
+        let plan = batch.plan(&token(7), "b/gone", &Change::Delete("gone".into()), &none());
+        assert_eq!(plan, CommitPlan::Commit);
+        let log = batch.into_entry().unwrap();
+        assert_eq!(
+            serde_json::to_string(&log).unwrap(),
+            r#"{"fence":7,"changes":[{"key":"k","put":{"physical":"p","etag":"\"p\"","size":1,"modified":"2026-12-01T00:00:00.000Z","revision":1}},{"key":"gone"}]}"#
+        );
+        let mut view = empty.clone();
+        view.apply(1, &log);
+        assert_eq!((view.fence, view.position), (7, 1));
+        assert_eq!(view.keys.keys().collect::<Vec<_>>(), ["k"]);
+    }
+
+    #[test]
+    fn lower_is_refused_equal_commits() {
+        let current = manifest(&["k"]);
+        let mut batch = Batch::new(&current);
+        let CommitPlan::Refuse(rejection) =
+            batch.plan(&token(4), "b/k", &Change::Delete("k".into()), &none())
+        else {
+            panic!()
         };
         assert_eq!(rejection.reason, RejectReason::Stale { fence: 5 });
-        // A stale write to a key the manifest has never named is refused just the same.
+        // A stale write to a key the view has never named is refused just the same.
         assert!(matches!(
-            plan_commit(
-                Some(&current),
+            batch.plan(
                 &token(4),
                 "b/new",
                 &Change::Put("new".into(), entry("x")),
-                &ClientConditions::default()
+                &none()
             ),
             CommitPlan::Refuse(_)
         ));
-        let CommitPlan::Commit(next) = plan_commit(
-            Some(&current),
-            &token(5),
-            "b/k",
-            &Change::Delete("k".into()),
-            &ClientConditions::default(),
-        ) else {
-            panic!()
-        };
-        assert_eq!((next.fence, next.seq), (5, 10));
+        assert_eq!(
+            batch.plan(&token(5), "b/k", &Change::Delete("k".into()), &none()),
+            CommitPlan::Commit
+        );
+        let log = batch.into_entry().unwrap();
+        let mut next = current.clone();
+        next.apply(10, &log);
+        assert_eq!((next.fence, next.position), (5, 10));
         assert!(next.keys.is_empty());
     }
 
     #[test]
-    fn client_conditions_apply_to_the_committed_entry() {
+    fn a_raise_earlier_in_the_batch_refuses_a_later_lower_token() {
+        let current = manifest(&[]);
+        let mut batch = Batch::new(&current);
+        let put = |k: &str| Change::Put(k.into(), entry(k));
+        assert_eq!(
+            batch.plan(&token(9), "b/a", &put("a"), &none()),
+            CommitPlan::Commit
+        );
+        assert!(matches!(
+            batch.plan(&token(6), "b/b", &put("b"), &none()),
+            CommitPlan::Refuse(_)
+        ));
+        assert_eq!(batch.into_entry().unwrap().fence, 9);
+        assert!(Batch::new(&current).into_entry().is_none());
+    }
+
+    #[test]
+    fn client_conditions_apply_to_the_committed_entry_and_earlier_changes() {
         let current = manifest(&["k"]);
         let put = Change::Put("k".into(), entry("p2"));
         let none_match = ClientConditions {
             if_none_match: Some("*".into()),
             if_match: None,
         };
+        let mut batch = Batch::new(&current);
         assert_eq!(
-            plan_commit(Some(&current), &token(6), "b/k", &put, &none_match),
+            batch.plan(&token(6), "b/k", &put, &none_match),
             CommitPlan::PreconditionFailed
         );
         let wrong = ClientConditions {
@@ -333,12 +498,11 @@ mod tests {
             if_none_match: None,
         };
         assert_eq!(
-            plan_commit(Some(&current), &token(6), "b/k", &put, &wrong),
+            batch.plan(&token(6), "b/k", &put, &wrong),
             CommitPlan::PreconditionFailed
         );
         assert_eq!(
-            plan_commit(
-                Some(&current),
+            batch.plan(
                 &token(6),
                 "b/x",
                 &Change::Put("x".into(), entry("p")),
@@ -346,6 +510,58 @@ mod tests {
             ),
             CommitPlan::NoSuchKey
         );
+        // A key created earlier in the same batch exists for the next change.
+        assert_eq!(
+            batch.plan(
+                &token(6),
+                "b/x",
+                &Change::Put("x".into(), entry("p")),
+                &none()
+            ),
+            CommitPlan::Commit
+        );
+        assert_eq!(
+            batch.plan(
+                &token(6),
+                "b/x",
+                &Change::Put("x".into(), entry("q")),
+                &none_match
+            ),
+            CommitPlan::PreconditionFailed
+        );
+        let deleted = ClientConditions {
+            if_match: Some("\"k\"".into()),
+            if_none_match: None,
+        };
+        assert_eq!(
+            batch.plan(&token(6), "b/k", &Change::Delete("k".into()), &none()),
+            CommitPlan::Commit
+        );
+        assert_eq!(
+            batch.plan(&token(6), "b/k", &Change::Delete("k".into()), &deleted),
+            CommitPlan::NoSuchKey
+        );
+    }
+
+    #[test]
+    fn legacy_manifests_convert_and_the_marker_fails_closed_for_old_gateways() {
+        let old = br#"{"fence":4,"seq":12,"keys":{"k":{"physical":"p","etag":"\"p\"","size":1,"modified":"2026-12-01T00:00:00.000Z","revision":1}}}"#;
+        let Legacy::Unconverted(view) = Legacy::parse(old).unwrap() else {
+            panic!()
+        };
+        assert_eq!((view.fence, view.position, view.keys.len()), (4, 0, 1));
+        let marker = Legacy::marker(&view);
+        assert_eq!(Legacy::parse(&marker).unwrap(), Legacy::Converted(view));
+        // What a gateway of the first layout parses the marker as: it has no fence.
+        #[derive(Deserialize)]
+        #[allow(dead_code)]
+        struct FirstLayout {
+            fence: u64,
+            seq: u64,
+            keys: BTreeMap<String, Entry>,
+        }
+        assert!(serde_json::from_slice::<FirstLayout>(&marker).is_err());
+        assert!(Legacy::parse(b"{}").is_err());
     }
 
     #[test]
@@ -397,11 +613,13 @@ mod tests {
     }
 
     #[test]
-    fn physical_keys_sort_by_revision() {
+    fn golden_keys() {
         assert_eq!(
             physical_key("job", 42, "u1"),
             ".fencegate/data/job/00000000000000000042-u1"
         );
-        assert_eq!(manifest_key("job"), ".fencegate/manifest/job");
+        assert_eq!(log_key("job", 3), ".fencegate/log/job/00000000000000000003");
+        assert_eq!(checkpoint_key("job"), ".fencegate/checkpoint/job");
+        assert_eq!(legacy_manifest_key("job"), ".fencegate/manifest/job");
     }
 }

@@ -1,8 +1,9 @@
 //! Manifest mode, reads: a GET/HEAD of a logical key is proxied (streaming, ranges and
-//! conditional GETs handled by the store) to the physical object its manifest names, after a
-//! cheap revalidation of the manifest (a conditional GET: 304 when unchanged); a key the
-//! manifest does not name is `404 NoSuchKey` even if a stale holder's physical object exists.
-//! ListObjects(V2) under a manifest-mode prefix is answered from the manifest.
+//! conditional GETs handled by the store) to the physical object the resource's view names,
+//! after a cheap revalidation of the cached view (one GET of the next log position: 404 when
+//! nothing was committed since); a key the view does not name is `404 NoSuchKey` even if a
+//! stale holder's physical object exists. ListObjects(V2) under a manifest-mode prefix is
+//! answered from the view.
 
 use bytes::Bytes;
 use quick_xml::escape::escape;

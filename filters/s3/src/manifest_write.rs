@@ -1,9 +1,9 @@
 //! Manifest mode, writes: every change is an immutable physical object (written with
 //! `If-None-Match: *` under a fresh key holding the writer's revision) plus a commit into the
-//! resource's manifest ([`crate::manifest::plan_commit`], sent by
-//! [`Shared::commit_manifest`](crate::session::Shared) with `If-Match`). A commit the store
-//! refuses is re-planned on the fresh manifest, bounded by `max_attempts`; a token below the
-//! manifest's fence is refused (412, audited once) and its physical object stays unreferenced.
+//! resource's log ([`crate::manifest::Batch`], appended by [`crate::group_commit`] with
+//! `If-None-Match: *` on the next position). A commit that loses its position is re-planned on
+//! the caught-up view, bounded by `max_attempts`; a token below the fence is refused (412,
+//! audited once) and its physical object stays unreferenced.
 
 use bytes::Bytes;
 use fencegate_core::{RejectReason, Rejection, Token};
@@ -12,7 +12,7 @@ use crate::body::{header, BodyReader, Payload, MAX_XML_BODY};
 use crate::config::{ProtectMode, ProtectRule};
 use crate::error::S3Error;
 use crate::gateway::{query_pairs, UpstreamResponse};
-use crate::group_commit::CommitDone;
+use crate::group_commit::{CommitDone, Writing};
 use crate::manifest::{physical_key, Change, Entry, RESERVED_PREFIX};
 use crate::respond::respond;
 use crate::rewrite::{ClientConditions, Operation};
@@ -114,6 +114,7 @@ impl WriteSession<'_> {
                 format!("{bucket}/{key}"),
                 change,
                 conditions.clone(),
+                None,
             )
             .await
     }
@@ -167,6 +168,7 @@ impl WriteSession<'_> {
 
     /// Commits `key -> physical` and answers with `response` (the physical write's answer),
     /// or answers the refusal.
+    #[allow(clippy::too_many_arguments)]
     async fn commit_and_answer(
         &mut self,
         bucket: &str,
@@ -175,6 +177,7 @@ impl WriteSession<'_> {
         token: &Token,
         entry: Entry,
         response: UpstreamResponse,
+        writing: Option<Writing>,
     ) {
         let conditions = ClientConditions {
             if_match: header(&self.headers, "if-match").map(str::to_owned),
@@ -182,10 +185,19 @@ impl WriteSession<'_> {
         };
         let physical = entry.physical.clone();
         let change = Change::Put(key.to_owned(), entry);
-        match self
-            .commit(bucket, resource, token, key, change, &conditions)
-            .await
-        {
+        let committed = self
+            .shared
+            .commit_grouped(
+                bucket,
+                resource,
+                token,
+                format!("{bucket}/{key}"),
+                change,
+                conditions,
+                writing,
+            )
+            .await;
+        match committed {
             Ok(CommitDone::Committed) => {
                 let response = with_logical_key(response, &physical, key);
                 self.relay(response).await
@@ -255,9 +267,13 @@ impl WriteSession<'_> {
         headers.retain(|(n, _)| !checksums.iter().any(|(c, _)| c == n));
         headers.extend(checksums);
         headers.push(("if-none-match".into(), "*".into()));
+        let mut writing = None;
         let (result, size) = match payload {
             Payload::Buffered(body) => {
                 let len = body.len() as u64;
+                // Whole body in hand: only the store's latency is left before the commit, so
+                // a concurrent batch may wait for it.
+                writing = Some(self.shared.writing(bucket, resource));
                 let sent = self
                     .shared
                     .send("PUT", &path, headers, body.into(), Some(len))
@@ -268,13 +284,17 @@ impl WriteSession<'_> {
             Payload::Stream(len) => (self.stream(&mut reader, &path, headers, len).await, len),
         };
         let response = match result {
-            Ok(response) => response,
-            Err(SendError::Body(e)) => return self.body_failed(e).await,
-            Err(SendError::Upstream(e)) => return self.upstream_failed(e).await,
+            Ok(response) if response.succeeded() => response,
+            failed => {
+                // Nothing to commit: stop any batch waiting for this write.
+                drop(writing);
+                return match failed {
+                    Ok(response) => self.relay(response).await,
+                    Err(SendError::Body(e)) => self.body_failed(e).await,
+                    Err(SendError::Upstream(e)) => self.upstream_failed(e).await,
+                };
+            }
         };
-        if !response.succeeded() {
-            return self.relay(response).await;
-        }
         let entry = Entry {
             physical,
             etag: response.header("etag").unwrap_or_default().to_owned(),
@@ -282,7 +302,7 @@ impl WriteSession<'_> {
             modified: now_s3(),
             revision,
         };
-        self.commit_and_answer(bucket, key, resource, token, entry, response)
+        self.commit_and_answer(bucket, key, resource, token, entry, response, writing)
             .await
     }
 
@@ -360,7 +380,7 @@ impl WriteSession<'_> {
             Ok(entry) => entry,
             Err(e) => return self.upstream_failed(e).await,
         };
-        self.commit_and_answer(bucket, key, resource, token, entry, response)
+        self.commit_and_answer(bucket, key, resource, token, entry, response, None)
             .await
     }
 
@@ -511,7 +531,7 @@ impl WriteSession<'_> {
             Ok(entry) => entry,
             Err(e) => return self.upstream_failed(e).await,
         };
-        self.commit_and_answer(bucket, key, resource, token, entry, response)
+        self.commit_and_answer(bucket, key, resource, token, entry, response, None)
             .await
     }
 }

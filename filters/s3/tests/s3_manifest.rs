@@ -17,11 +17,57 @@ fn ok(results: &[Value]) {
     assert!(results.iter().all(|r| r["ok"] == true), "{results:?}");
 }
 
-/// The manifest as stored, read behind the gateway's back.
+/// The committed view as stored, read behind the gateway's back and replayed here: the
+/// checkpoint (if any), then every log entry after its position, in order.
 fn manifest(h: &Harness) -> Value {
-    let got =
-        h.direct(json!([{"op": "get_json", "bucket": "ledger", "key": ".fencegate/manifest/job"}]));
-    got[0]["json"].clone()
+    let checkpoint = h.direct(
+        json!([{"op": "get_json", "bucket": "ledger", "key": ".fencegate/checkpoint/job"}]),
+    );
+    let mut view = if checkpoint[0]["ok"] == true {
+        checkpoint[0]["json"].clone()
+    } else {
+        json!({"fence": 0, "position": 0, "keys": {}})
+    };
+    let listed =
+        h.direct(json!([{"op": "list", "bucket": "ledger", "prefix": ".fencegate/log/job/"}]));
+    let positions: Vec<String> = listed[0]["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_owned())
+        .collect();
+    for (n, key) in positions.iter().enumerate() {
+        let position = n as u64 + 1;
+        assert!(
+            key.ends_with(&format!("{position:020}")),
+            "log positions have no gaps: {positions:?}"
+        );
+        if position <= view["position"].as_u64().unwrap() {
+            continue;
+        }
+        let entry = h.direct(json!([{"op": "get_json", "bucket": "ledger", "key": key}]))[0]
+            ["json"]
+            .clone();
+        let fence = entry["fence"]
+            .as_u64()
+            .unwrap()
+            .max(view["fence"].as_u64().unwrap());
+        view["fence"] = json!(fence);
+        view["position"] = json!(position);
+        for change in entry["changes"].as_array().unwrap() {
+            let key = change["key"].as_str().unwrap();
+            let keys = view["keys"].as_object_mut().unwrap();
+            match change.get("put") {
+                Some(put) => {
+                    keys.insert(key.to_owned(), put.clone());
+                }
+                None => {
+                    keys.remove(key);
+                }
+            }
+        }
+    }
+    view
 }
 
 fn assert_stale(r: &Value) {
@@ -196,8 +242,8 @@ fn boto3_works_unchanged_on_logical_keys() {
         {"op": "presigned_get", "bucket": "ledger", "key": "c"},
         {"op": "delete_many", "bucket": "ledger", "keys": ["a/2", "b/1"], "token": t},
         {"op": "list_pages", "bucket": "ledger"},
-        {"op": "get", "bucket": "ledger", "key": ".fencegate/manifest/job"},
-        {"op": "put", "bucket": "ledger", "key": ".fencegate/manifest/job", "body": "{}", "token": t},
+        {"op": "get", "bucket": "ledger", "key": ".fencegate/log/job/00000000000000000001"},
+        {"op": "put", "bucket": "ledger", "key": ".fencegate/log/job/00000000000000000099", "body": "{}", "token": t},
     ]));
     print("boto3", &results);
     assert_eq!(results[0]["body"], "body of a/1");
@@ -342,4 +388,101 @@ fn gc_keeps_what_the_manifest_names_and_export_copies_it() {
     assert!(runtime
         .block_on(maintenance.export("ledger", "job", "", "fenced", "copy/"))
         .is_err());
+}
+
+/// Two gateway nodes commit into one resource's log at the same time (12 writes each, same
+/// token): every log position is held by exactly one commit, no gap, and both nodes and the
+/// stored log show all 24 keys. Past 64 commits a checkpoint is written, and a node that
+/// never saw the resource reads the same view from it.
+#[test]
+fn two_nodes_committing_at_once_never_share_a_log_position() {
+    let h = Harness::start();
+    let other = h.second_node();
+    let t = token(5);
+    let puts = |node: &str| {
+        Value::Array(
+            (0..12)
+                .map(|i| json!({"op": "put", "bucket": "ledger", "key": format!("{node}/{i:02}"), "body": format!("{node} {i}"), "token": t}))
+                .collect(),
+        )
+    };
+    let (first, second) = std::thread::scope(|s| {
+        let a = s.spawn(|| h.run(puts("a")));
+        let b = s.spawn(|| other.run(puts("b")));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    ok(&first);
+    ok(&second);
+    let m = manifest(&h);
+    println!("log positions after the race: {}", m["position"]);
+    assert_eq!(m["keys"].as_object().unwrap().len(), 24, "{m}");
+    assert_eq!(m["fence"], 5);
+    for node_reads in [
+        h.run(json!([{"op": "list_pages", "bucket": "ledger", "prefix": "b/"}])),
+        other.run(json!([{"op": "list_pages", "bucket": "ledger", "prefix": "a/"}])),
+    ] {
+        assert_eq!(node_reads[0]["keys"].as_array().unwrap().len(), 12);
+    }
+    // 64 more commits from one writer (no grouping): a checkpoint appears.
+    let steps: Vec<Value> = (0..64)
+        .map(|i| json!({"op": "put", "bucket": "ledger", "key": format!("c/{i:02}"), "body": "c", "token": t}))
+        .collect();
+    ok(&h.run(Value::Array(steps)));
+    let checkpoint = h.direct(
+        json!([{"op": "get_json", "bucket": "ledger", "key": ".fencegate/checkpoint/job"}]),
+    );
+    println!("checkpoint position: {}", checkpoint[0]["json"]["position"]);
+    assert!(checkpoint[0]["json"]["position"].as_u64().unwrap() >= 64);
+    let m = manifest(&h);
+    assert_eq!(m["keys"].as_object().unwrap().len(), 88);
+    let cold = h.second_node();
+    let read = cold.run(json!([
+        {"op": "list_pages", "bucket": "ledger"},
+        {"op": "get", "bucket": "ledger", "key": "a/03"},
+    ]));
+    assert_eq!(read[0]["keys"].as_array().unwrap().len(), 88);
+    assert_eq!(read[1]["body"], "a 3");
+    assert!(h.audit.events().is_empty() && other.audit.events().is_empty());
+}
+
+/// A bucket written by the first layout (one manifest object) is converted on first use: its
+/// keys read back, its fence still refuses a stale token (audited once), and the old object is
+/// replaced by a marker that a gateway of the first layout cannot commit over.
+#[test]
+fn a_first_layout_manifest_is_converted_on_first_use() {
+    let h = Harness::start();
+    let first_layout = json!({"fence": 8, "seq": 3, "keys": {"old/k": {
+        "physical": ".fencegate/data/job/00000000000000000008-first", "etag": "\"x\"", "size": 9,
+        "modified": "2026-11-30T00:00:00.000Z", "revision": 8}}});
+    ok(&h.direct(json!([
+        {"op": "put", "bucket": "ledger", "key": ".fencegate/data/job/00000000000000000008-first", "body": "old bytes"},
+        {"op": "put", "bucket": "ledger", "key": ".fencegate/manifest/job", "body": first_layout.to_string()},
+    ])));
+    let results = h.run(json!([
+        {"op": "get", "bucket": "ledger", "key": "old/k"},
+        {"op": "put", "bucket": "ledger", "key": "new", "body": "stale", "token": token(7)},
+        {"op": "put", "bucket": "ledger", "key": "new", "body": "current", "token": token(8)},
+        {"op": "list_pages", "bucket": "ledger"},
+    ]));
+    print("converted", &results);
+    assert_eq!(results[0]["body"], "old bytes");
+    assert_stale(&results[1]);
+    assert_eq!(results[2]["ok"], true);
+    assert_eq!(results[3]["keys"], json!(["new", "old/k"]));
+    let stored = h.direct(json!([
+        {"op": "get_json", "bucket": "ledger", "key": ".fencegate/manifest/job"},
+        {"op": "get_json", "bucket": "ledger", "key": ".fencegate/checkpoint/job"},
+    ]));
+    assert!(stored[0]["json"].get("fence").is_none(), "{}", stored[0]);
+    assert_eq!(stored[0]["json"]["converted_to_log"]["fence"], 8);
+    assert_eq!(
+        (
+            stored[1]["json"]["position"].clone(),
+            stored[1]["json"]["fence"].clone()
+        ),
+        (json!(0), json!(8))
+    );
+    let m = manifest(&h);
+    assert_eq!(m["keys"]["new"]["revision"], 8);
+    assert_eq!(h.audit.events().len(), 1);
 }
