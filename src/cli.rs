@@ -343,6 +343,11 @@ pub enum LockCommand {
         #[command(flatten)]
         endpoint: EndpointArg,
     },
+    /// List held locks: resource, revision, lease number, holder, ttl left (JSON).
+    List {
+        #[command(flatten)]
+        endpoint: EndpointArg,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -195,6 +195,13 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
             let path = format!("/v1/leases/{lease_id}");
             (endpoint, Method::DELETE, path, None, REQUEST_TIMEOUT)
         }
+        LockCommand::List { endpoint } => (
+            endpoint,
+            Method::GET,
+            "/v1/locks".to_owned(),
+            None,
+            REQUEST_TIMEOUT,
+        ),
         LockCommand::Status { resource, endpoint } => {
             let path = format!("/v1/locks/{resource}");
             (endpoint, Method::GET, path, None, REQUEST_TIMEOUT)

@@ -307,11 +307,19 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     Ok(())
 }
 
+/// Waits for SIGINT or SIGTERM. SIGHUP is caught so that it does not kill the node (its default
+/// action, exit 129, which `Restart=on-failure` treated as clean); reload is not built yet.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let mut hup = signal(SignalKind::hangup()).expect("installing a SIGHUP handler");
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return,
+            _ = term.recv() => return,
+            _ = hup.recv() => tracing::warn!(
+                "SIGHUP: reload is not supported yet; restart the node to apply config changes"
+            ),
+        }
     }
 }

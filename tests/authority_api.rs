@@ -394,3 +394,54 @@ async fn a_retried_acquire_returns_the_same_lease_and_token() {
     assert_eq!(status, StatusCode::CONFLICT, "{held}");
     assert_eq!(held["revision"], first["revision"]);
 }
+
+/// `lock list` shows every held lock with its revision, lease number, holder and ttl left, and
+/// never a lease handle (the holder's credential); a released lock leaves the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_list_shows_held_locks_without_lease_handles() {
+    let cluster = Cluster::start(3, "").await;
+    let leader = cluster.wait_for_leader(&[1, 2, 3]).await;
+    let mut grants = Vec::new();
+    for (resource, holder) in [("list:a", "worker-1"), ("list:b", "worker-2")] {
+        let (status, grant) = cluster
+            .call(
+                leader,
+                Method::POST,
+                &format!("/v1/locks/{resource}"),
+                Some(json!({ "ttl_ms": 30_000, "holder": holder })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{grant}");
+        grants.push(grant);
+    }
+    let endpoints = cluster.endpoints();
+    let (code, out) = cluster.cli(&["lock", "list", "--endpoint", &endpoints]);
+    assert_eq!(code, 0, "{out}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    let locks = listed["locks"].as_array().expect("a locks array");
+    assert_eq!(locks.len(), 2, "{listed}");
+    for ((lock, grant), (resource, holder)) in locks
+        .iter()
+        .zip(&grants)
+        .zip([("list:a", "worker-1"), ("list:b", "worker-2")])
+    {
+        assert_eq!(lock["resource"], resource, "{listed}");
+        assert_eq!(lock["holder"], holder, "{listed}");
+        assert_eq!(lock["revision"], grant["revision"], "{listed}");
+        let handle = grant["lease_id"].as_str().unwrap();
+        let number: u64 = handle.split('.').next().unwrap().parse().unwrap();
+        assert_eq!(lock["lease"], number, "{listed}");
+        assert!(!out.contains(handle), "lease handle leaked: {out}");
+        let left = lock["ttl_ms"].as_u64().unwrap();
+        assert!(left > 0 && left <= 30_000, "{listed}");
+    }
+
+    cluster
+        .release(leader, grants[0]["lease_id"].as_str().unwrap())
+        .await;
+    let (code, out) = cluster.cli(&["lock", "list", "--endpoint", &endpoints]);
+    assert_eq!(code, 0, "{out}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(listed["locks"].as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed["locks"][0]["resource"], "list:b", "{listed}");
+}

@@ -7,6 +7,7 @@ mod forward;
 pub mod health;
 mod keys;
 mod lock;
+mod lock_list;
 mod members;
 mod ops;
 mod raft_rpc;
@@ -54,6 +55,7 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         needs,
     };
     let client = Router::new()
+        .route("/v1/locks", get(lock_list::list))
         .route(
             "/v1/locks/{*resource}",
             post(lock::acquire).get(lock::status),

@@ -6,6 +6,7 @@
 //! nothing.
 
 mod lease_clock;
+mod lock_list;
 pub mod log_store;
 pub mod membership;
 pub mod network;
