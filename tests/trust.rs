@@ -630,23 +630,9 @@ async fn every_gateway_refuses_unsigned_forged_and_out_of_scope_tokens_before_th
 /// guard itself refuses a typed token, also on a connection that bypasses the gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
-    use support::postgres_server::{cli, PgServer};
+    use support::postgres_server::{cli, code as sqlstate};
 
-    let pg = PgServer::start();
-    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
-    assert_eq!(code, 0, "install: {out}{err}");
-    pg.psql_as("postgres", "CREATE TABLE ledger (id int PRIMARY KEY)");
-    let (code, out, err) = cli(&[
-        "postgres",
-        "protect",
-        "--dsn",
-        &pg.dsn("postgres"),
-        "--table",
-        "ledger",
-        "--resource",
-        "vault",
-    ]);
-    assert_eq!(code, 0, "protect: {out}{err}");
+    let pg = protected_ledger();
     let cluster = Cluster::start(1, "").await;
     let grant = cluster.acquire(1, "vault", 60_000).await;
     let token = grant["token"].as_str().unwrap();
@@ -655,8 +641,6 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    let sqlstate =
-        |e: tokio_postgres::Error| e.code().map(|c| c.code().to_owned()).unwrap_or_default();
     let typed =
         "BEGIN; SELECT fencegate.guard('fg1~999~vault'); INSERT INTO ledger VALUES (1); COMMIT";
     // Before the sync the store has no key: it cannot tell a typed token from a real one.
@@ -682,14 +666,14 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         .batch_execute(&typed.replace("VALUES (1)", "VALUES (2)"))
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(e), "FG004");
+    assert_eq!(sqlstate(&e), "FG004");
     let _ = direct.batch_execute("ROLLBACK").await;
     // Tokenless: refused by the table's trigger.
     let e = direct
         .batch_execute("INSERT INTO ledger VALUES (3)")
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(e), "FG002");
+    assert_eq!(sqlstate(&e), "FG002");
     // The cluster's own token passes the guard... but 999 was already let in before the sync:
     // the fence is 999 and a real token below it is stale, as the store must say.
     let e = direct
@@ -698,7 +682,7 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         ))
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(e), "FG001");
+    assert_eq!(sqlstate(&e), "FG001");
     let _ = direct.batch_execute("ROLLBACK").await;
     let rows = pg.psql_as(
         "postgres",
@@ -788,23 +772,9 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
 /// direct connection judges with exactly the cluster's keys, with no `sync-keys` run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
-    use support::postgres_server::{cli, PgServer};
+    use support::postgres_server::code as sqlstate;
 
-    let pg = PgServer::start();
-    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
-    assert_eq!(code, 0, "install: {out}{err}");
-    pg.psql_as("postgres", "CREATE TABLE ledger (id int PRIMARY KEY)");
-    let (code, out, err) = cli(&[
-        "postgres",
-        "protect",
-        "--dsn",
-        &pg.dsn("postgres"),
-        "--table",
-        "ledger",
-        "--resource",
-        "vault",
-    ]);
-    assert_eq!(code, 0, "protect: {out}{err}");
+    let pg = protected_ledger();
     let pg_port = free_port();
     let owner_dsn = pg.dsn("postgres");
     let section = |_: u64| {
@@ -848,13 +818,12 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
             "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
         )
     };
-    let sqlstate = |e: tokio_postgres::Error| e.code().map(|c| c.code().to_owned());
     // A typed token is refused by the store itself; the cluster's token writes.
     let e = direct
         .batch_execute(&guarded("fg1~999~vault", 1))
         .await
         .unwrap_err();
-    assert_eq!(sqlstate(e).as_deref(), Some("FG004"));
+    assert_eq!(sqlstate(&e), "FG004");
     let _ = direct.batch_execute("ROLLBACK").await;
     let old_token = first["token"].as_str().unwrap().to_owned();
     direct.batch_execute(&guarded(&old_token, 2)).await.unwrap();
@@ -873,11 +842,7 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
         .batch_execute(&guarded(&old_token, 3))
         .await
         .unwrap_err();
-    assert_eq!(
-        sqlstate(e).as_deref(),
-        Some("FG004"),
-        "a retired key's token"
-    );
+    assert_eq!(sqlstate(&e), "FG004", "a retired key's token");
     let _ = direct.batch_execute("ROLLBACK").await;
     let lease = first["lease_id"].as_str().unwrap();
     cluster.release(1, lease).await;
@@ -894,4 +859,27 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "2,4");
+}
+
+/// A PostgreSQL server with the fence schema installed and table `ledger` protected for
+/// resource `vault`.
+fn protected_ledger() -> support::postgres_server::PgServer {
+    use support::postgres_server::{cli, PgServer};
+
+    let pg = PgServer::start();
+    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(code, 0, "install: {out}{err}");
+    pg.psql_as("postgres", "CREATE TABLE ledger (id int PRIMARY KEY)");
+    let (code, out, err) = cli(&[
+        "postgres",
+        "protect",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--table",
+        "ledger",
+        "--resource",
+        "vault",
+    ]);
+    assert_eq!(code, 0, "protect: {out}{err}");
+    pg
 }

@@ -108,6 +108,12 @@ impl TokenPolicy {
     pub fn stale(&self, token: &Token, fence: u64, target: &str) -> Rejection {
         Rejection::stale(token, fence, target, self.issued.get())
     }
+
+    /// Whether `fence` is above every revision the node's authority has applied: a store's
+    /// fence no token of this cluster can pass (the authority was reset below the store).
+    pub fn fence_above_issued(&self, fence: u64) -> bool {
+        self.issued.get().is_some_and(|issued| fence > issued)
+    }
 }
 
 #[cfg(test)]

@@ -1014,15 +1014,16 @@ impl Writer {
     /// store's when the fence is above every revision the authority issued: that is an
     /// authority reset, not the client's lost lock, and the client is told so.
     async fn audit_stale(&mut self, attempt: &Attempt, fence: u64) -> Option<Frame> {
-        let token = attempt.token.as_ref()?;
         let policy = &self.gateway.policy;
-        let rejection = policy.stale(token, fence, &format!("resource {}", token.resource()));
+        // Fenced calls always carry the token; the refusal is audited even if one did not.
+        let rejection = match &attempt.token {
+            Some(token) => policy.stale(token, fence, &format!("resource {}", token.resource())),
+            None => Rejection::new(RejectReason::Stale { fence }, "below the store's fence"),
+        };
         let restated = policy
-            .issued
-            .get()
-            .is_some_and(|issued| fence > issued)
+            .fence_above_issued(fence)
             .then(|| Frame::error(&decide::refusal_text(&rejection.reason, &rejection.detail)));
-        tracing::info!(conn = self.id, resource = %token.resource(), revision = %token.revision(), fence, command = %attempt.operation.command, "stale write refused by the store");
+        tracing::info!(conn = self.id, resource = ?rejection.resource, revision = ?rejection.revision, fence, command = %attempt.operation.command, "stale write refused by the store");
         self.audit(attempt.refused(&rejection)).await;
         restated
     }

@@ -63,7 +63,7 @@ pub(super) async fn relay_replies(
             let rejection = policy.stale(&info.token, fence, &target);
             // A fence above every revision the authority issued is not the client's lost lock:
             // the client gets the gateway's wording instead of the guard's.
-            if policy.issued.get().is_some_and(|issued| fence > issued) {
+            if policy.fence_above_issued(fence) {
                 outcome.replace = Some(message::error_response(&ErrorFields {
                     severity: "ERROR",
                     code: sqlstate::STALE.to_owned(),
