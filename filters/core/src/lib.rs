@@ -20,6 +20,7 @@ mod policy;
 mod resource;
 mod revision;
 mod store;
+pub mod stream;
 pub mod tls;
 mod token;
 mod token_key;

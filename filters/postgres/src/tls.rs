@@ -2,12 +2,9 @@
 //! a stream that is either plain TCP or TLS over it (the client's, and the upstream's: see
 //! [`crate::upstream`]).
 
-use std::io;
 use std::path::Path;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use fencegate_core::stream::MaybeTls;
 use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
@@ -23,53 +20,6 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, PostgresError> {
         .map_err(|e| PostgresError::Config(e.to_string()))
 }
 
-/// A connection that is plain TCP, or TLS over it after an `SSLRequest` was accepted.
-pub enum MaybeTls<T> {
-    /// Plain TCP.
-    Plain(TcpStream),
-    /// TLS over the TCP connection.
-    Tls(Box<T>),
-}
-
-/// A client connection: TLS, if any, terminated by the gateway.
-pub type ClientStream = MaybeTls<TlsStream<TcpStream>>;
-
-impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<T> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Self::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<T> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Self::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Self::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(s) => Pin::new(s).poll_flush(cx),
-            Self::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Self::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Self::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
+/// A client connection: plain TCP, or TLS terminated by the gateway after an `SSLRequest` was
+/// accepted.
+pub type ClientStream = MaybeTls<TcpStream, Box<TlsStream<TcpStream>>>;

@@ -12,10 +12,10 @@ use tokio_rustls::TlsConnector;
 
 use crate::config::{PostgresConfig, UpstreamTls};
 use crate::error::PostgresError;
-use crate::tls::MaybeTls;
+use fencegate_core::stream::MaybeTls;
 
 /// An upstream connection.
-pub type UpstreamStream = MaybeTls<TlsStream<TcpStream>>;
+pub type UpstreamStream = MaybeTls<TcpStream, Box<TlsStream<TcpStream>>>;
 
 /// `SSLRequest`: length 8, code 80877103.
 const SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];

@@ -33,7 +33,7 @@ use crate::gateway::Gateway;
 use crate::request_parser::RequestParser;
 use crate::rewrite::rewrite;
 use crate::scope;
-use crate::stream::{Connection, ReadHalf, WriteHalf};
+use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
 
@@ -86,8 +86,8 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         }
     };
     tracing::debug!(conn = id, %peer, "session started");
-    let (client_r, client_w) = client.into_split();
-    let (up_r, up_w) = upstream.into_split();
+    let (client_r, client_w) = stream::split(client);
+    let (up_r, up_w) = stream::split(upstream);
     let up_w = Arc::new(Mutex::new(UpstreamWriter {
         half: up_w,
         sent: 0,
