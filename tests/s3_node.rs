@@ -8,7 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::s3_server::{free_s3_port, run_client, wait_for_port, MotoServer};
+use support::free_port;
+use support::s3_server::{run_client, wait_for_port, MotoServer};
 
 #[test]
 fn node_serves_s3_and_audits_refusals() {
@@ -16,7 +17,7 @@ fn node_serves_s3_and_audits_refusals() {
     let created = moto.direct(json!([{"op": "create_bucket", "bucket": "billing"}]));
     assert_eq!(created[0]["ok"], true, "{created}");
     let dir = tempfile::tempdir().unwrap();
-    let (api, s3) = (free_s3_port(), free_s3_port());
+    let (api, s3) = (free_port(), free_port());
     let audit_dir = dir.path().join("audit");
     let config = dir.path().join("fencegate.toml");
     std::fs::write(

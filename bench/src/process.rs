@@ -1,18 +1,13 @@
 //! Servers under test: real processes on free loopback ports, killed on drop.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
+/// Ports from the test kit: outside the ephemeral range, each handed out once.
+pub use fencegate_testkit::free_port;
 
 /// A child process that is killed when dropped.
 pub struct Server {

@@ -2,7 +2,6 @@
 //! data directory, and stops them on drop.
 
 use std::fs::File;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -53,14 +52,7 @@ pub struct Cluster {
     extra: String,
 }
 
-/// A port nobody listens on right now.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use fencegate_testkit::free_port;
 
 impl Cluster {
     /// Starts `n` nodes forming one cluster; `extra` is appended to each node's `[authority]`.

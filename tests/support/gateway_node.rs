@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::cluster::free_port;
+use super::free_port;
 
 pub struct GatewayNode {
     child: Child,

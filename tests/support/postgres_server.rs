@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use super::cluster::free_port;
+use super::free_port;
 use super::gateway_node::GatewayNode;
 
 /// Users the harness creates, with the login each one uses (see `pg_hba.conf` below).

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::free_port;
 use super::gateway_node::GatewayNode;
-use super::s3_server::{free_s3_port, run_client, wait_for_port, MotoServer};
+use super::s3_server::{run_client, wait_for_port, MotoServer};
 
 pub const ACCESS_KEY: &str = "AKIDNODE";
 pub const SECRET: &str = "node-client-secret";
@@ -65,7 +66,7 @@ impl S3Node {
             created.as_array().unwrap().iter().all(|r| r["ok"] == true),
             "{created}"
         );
-        let port = free_s3_port();
+        let port = free_port();
         let node = GatewayNode::start(&section(port, &moto.endpoint), ENV);
         let mut node = Self {
             node,
@@ -79,7 +80,7 @@ impl S3Node {
 
     /// Another node (its own authority, audit log and caches) in front of the same moto.
     pub fn second_node(&self) -> SecondNode {
-        let port = free_s3_port();
+        let port = free_port();
         let mut node = GatewayNode::start(&section(port, &self.moto.endpoint), ENV);
         node.wait_ready(
             "its S3 gateway accepted connections",

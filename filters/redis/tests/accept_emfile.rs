@@ -1,11 +1,8 @@
 //! One EMFILE on accept used to end the Redis gateway for good while the process lived on. In
 //! its own test binary: it lowers the whole process's open-file limit for a moment.
 
-#[path = "../../../tests/support/fd_limit.rs"]
-mod fd_limit;
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::fd_limit;
+use fencegate_testkit::redis_server;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

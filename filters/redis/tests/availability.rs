@@ -2,9 +2,7 @@
 //! have a deadline and a global budget, trickled bytes cost linear time, and the audit identity
 //! comes only from an accepted AUTH. Against a real `redis-server`, gateway in-process.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -4,8 +4,7 @@
 //! The config mirrors a real deployment: `cache:*` unprotected, `billing:*` enforced. A holder
 //! with token 9 has written, so billing's fence is 9; the "stale" client holds token 5.
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::sync::Arc;
 

@@ -2,9 +2,7 @@
 //! append-only file, the gateway refuses to enforce and says why; with `noeviction` and AOF it
 //! runs. Against real `redis-server`s.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

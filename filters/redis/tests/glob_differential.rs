@@ -2,9 +2,7 @@
 //! MATCH`): a key the gateway thinks unprotected but an operator's `KEYS billing:*` lists is a
 //! hole. Unusual patterns, each checked against the real server's `KEYS` over a set of keys.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};

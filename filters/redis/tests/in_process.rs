@@ -1,8 +1,7 @@
 //! The gateway run in-process against a real `redis-server`, with an in-memory audit sink.
 //! (The done-means tests at the workspace root go through the real `fencegate serve` process.)
 
-#[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::sync::Arc;
 

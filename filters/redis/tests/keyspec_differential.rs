@@ -4,9 +4,7 @@
 //! keys Redis names, or refuse the command as UNFENCEABLE. Anything else is a way around the
 //! fence.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};

@@ -3,9 +3,7 @@
 //! reply streams must be byte-for-byte equal. Plus the desyncs found by trying (issue 13):
 //! after them a refused write was relayed an unrelated `+OK`.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -3,9 +3,7 @@
 //! must not change. Prints p50/p99 before and during. `FENCEGATE_TRICKLE_SECS` sets how long
 //! the trickle runs (default 10; the measurement uses 60).
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

@@ -3,15 +3,15 @@
 
 #![allow(dead_code)]
 
-#[path = "../../../../tests/support/s3_server.rs"]
-pub mod s3_server;
+pub use fencegate_testkit::s3_server;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use fencegate_core::{MemoryAuditSink, TokenKey, TokenPolicy};
 use fencegate_s3::{GatewayHandle, ProtectMode, ProtectRule, S3Config, S3Gateway};
-use s3_server::{free_s3_port, run_client, wait_for_port, MotoServer};
+use fencegate_testkit::free_port;
+use s3_server::{run_client, wait_for_port, MotoServer};
 use serde_json::Value;
 
 pub const ACCESS_KEY: &str = "AKIDFENCEGATETEST";
@@ -74,7 +74,7 @@ impl Harness {
 
     /// Starts another gateway node with the same config in front of the same moto.
     pub fn second_node(&self) -> Node {
-        let port = free_s3_port();
+        let port = free_port();
         let mut config = self.config.clone();
         config.listen = format!("127.0.0.1:{port}").parse().unwrap();
         let audit = Arc::new(MemoryAuditSink::default());
@@ -206,7 +206,7 @@ impl Harness {
         std::fs::write(&clients, format!("# test clients\n{ACCESS_KEY} {SECRET}\n")).unwrap();
         // The same value every time, so concurrent tests setting it agree.
         std::env::set_var(UPSTREAM_SECRET_ENV, "gateway-upstream-secret");
-        let port = free_s3_port();
+        let port = free_port();
         let rule = |bucket: &str, prefix: &str, mode, resource: Option<&str>| ProtectRule {
             bucket: bucket.into(),
             prefix: prefix.into(),

@@ -4,13 +4,15 @@
 //!
 //! Install once: `python3 -m venv .venv && .venv/bin/pip install 'moto[server]' boto3`.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::port::free_port;
+
 const INSTALL: &str =
-    "python3 -m venv /work/main/.venv && /work/main/.venv/bin/pip install 'moto[server]' boto3 \
+    "from the repository's root: python3 -m venv .venv && .venv/bin/pip install 'moto[server]' boto3 \
      (or set FENCEGATE_VENV to a venv that has them)";
 
 /// A running moto S3 server, killed when dropped.
@@ -18,15 +20,6 @@ pub struct MotoServer {
     child: Child,
     /// `http://127.0.0.1:<port>`.
     pub endpoint: String,
-}
-
-/// A free loopback port (bound, then released for the server to take).
-pub fn free_s3_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind 127.0.0.1:0")
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The repository root (the directory holding `tests/s3/client.py`).
@@ -77,7 +70,7 @@ impl MotoServer {
 
     fn start_inner(tls: Option<(&Path, &Path)>) -> Self {
         let python = venv_python();
-        let port = free_s3_port();
+        let port = free_port();
         let mut command = Command::new(python);
         // moto's server applies each request atomically only through this wrapper (see its
         // docstring: plain moto's conditional PUTs are not atomic under concurrency).

@@ -1,10 +1,12 @@
 //! Starts a real `redis-server` on a free loopback port in a temp dir, and stops it on drop.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::port::free_port;
 
 /// A running `redis-server`, killed when dropped.
 pub struct RedisServer {
@@ -12,15 +14,6 @@ pub struct RedisServer {
     /// Where it listens.
     pub addr: SocketAddr,
     _dir: tempfile::TempDir,
-}
-
-/// A free loopback port (bound, then released for the server to take).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind 127.0.0.1:0")
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl RedisServer {
