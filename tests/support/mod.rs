@@ -11,3 +11,4 @@ pub mod redis_gateway;
 pub mod redis_server;
 pub mod s3_gateway;
 pub mod s3_server;
+pub mod tmpfs;
