@@ -155,9 +155,33 @@ pub struct Line {
 /// Every complete line of every file, in chain order. A last line without its newline (a write
 /// cut by a crash, never acknowledged) is left out.
 pub fn lines(dir: &Path) -> Result<Vec<Line>, AuditError> {
+    // A rotation between listing and reading would show the new active file in place of the
+    // old one: read again (bounded) until the listing is the same after the reads.
+    let mut files = list(dir)?;
+    for _ in 0..5 {
+        let (out, missing) = read_lines(&files)?;
+        let after = list(dir)?;
+        if after == files && !missing {
+            return Ok(out);
+        }
+        files = after;
+    }
+    Ok(read_lines(&files)?.0)
+}
+
+/// The complete lines of `files`, and whether one of them was gone (rotated away meanwhile).
+fn read_lines(files: &[LogFile]) -> Result<(Vec<Line>, bool), AuditError> {
     let mut out = Vec::new();
-    for file in list(dir)? {
-        let text = fs::read_to_string(&file.path).map_err(io_error(&file.path))?;
+    let mut missing = false;
+    for file in files {
+        let text = match fs::read_to_string(&file.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                missing = true;
+                continue;
+            }
+            Err(e) => return Err(io_error(&file.path)(e)),
+        };
         let complete = match text.rfind('\n') {
             Some(end) => &text[..=end],
             None => "",
@@ -170,7 +194,7 @@ pub fn lines(dir: &Path) -> Result<Vec<Line>, AuditError> {
             });
         }
     }
-    Ok(out)
+    Ok((out, missing))
 }
 
 /// Every line of the log with its entry, in order; the first unparseable line is an error.

@@ -311,6 +311,48 @@ mod tests {
         assert_eq!(prune(dir.path(), 1).unwrap().from, None);
     }
 
+    /// `verify` and `prune` run against a log the node is writing and rotating: every verify
+    /// passes and the log stays whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn verify_and_prune_while_the_writer_rotates() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = AuditConfig {
+            dir: Some(dir.path().to_owned()),
+            max_file_bytes: 1_500,
+            batch: 2,
+            ..AuditConfig::default()
+        };
+        let handle =
+            AuditWriter::start(&config, dir.path(), "1", FenceCounters::default(), 0).unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let checker = {
+            let (dir, done) = (dir.path().to_owned(), done.clone());
+            std::thread::spawn(move || {
+                let (mut verified, mut pruned) = (0, 0);
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Err(e) = verify(&dir) {
+                        panic!("verify failed while the writer rotates: {e}");
+                    }
+                    verified += 1;
+                    if verified % 5 == 0 {
+                        pruned += prune(&dir, 3).unwrap().removed.len();
+                    }
+                }
+                (verified, pruned)
+            })
+        };
+        for n in 0..300 {
+            handle.refused(event(n)).await.unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (verified, pruned) = checker.join().unwrap();
+        println!("{verified} verifies and {pruned} files pruned while 300 records were written");
+        assert!(verified > 0 && pruned > 0, "{verified} {pruned}");
+        let report = verify(dir.path()).unwrap();
+        let from = report.from.map_or(0, |f| f.seq);
+        assert_eq!(from + report.records, 300);
+    }
+
     /// A log written before checkpoints: rotated files without them.
     fn old_log(dir: &Path, files: usize, per_file: u64) {
         let mut prev = GENESIS_HASH.to_owned();

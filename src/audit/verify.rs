@@ -54,6 +54,9 @@ pub enum VerifyError {
 
 /// Verifies the log in `dir`.
 pub fn verify(dir: &Path) -> Result<Report, VerifyError> {
+    // The head before the lines: the writer rewrites it only after the records it names are
+    // on disk, so read first it never leads the lines read after it, even while the node writes.
+    let head = read_head(dir)?;
     let lines = lines(dir)?;
     let mut files: Vec<&PathBuf> = lines.iter().map(|l| &l.path).collect();
     files.dedup();
@@ -177,7 +180,7 @@ pub fn verify(dir: &Path) -> Result<Report, VerifyError> {
             problem: "the writer found the log shorter than its recorded head at startup (records were removed from the end)".into(),
         }));
     }
-    if let Some(head) = read_head(dir)? {
+    if let Some(head) = head {
         // The head may lag the log (a crash between the batch's fsync and the head's), never
         // lead it: a head beyond the last record means records were cut off the end. A head
         // before the oldest remaining file (pruned) cannot be checked.
