@@ -1,6 +1,7 @@
 //! `GET /healthz`: 200 while this node knows a leader, every gateway it runs can serve
-//! protected writes and its audit log can be written; 503 with the reason otherwise (a readiness probe, not a liveness one: a
-//! degraded gateway recovers on its own once its upstream does).
+//! protected writes and its audit log can be written; 503 with the reason otherwise (a
+//! readiness probe, not a liveness one: a degraded gateway recovers on its own once its
+//! upstream does, the audit log once its volume takes writes).
 
 use std::sync::Arc;
 
