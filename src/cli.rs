@@ -250,6 +250,15 @@ pub enum AuditCommand {
         #[command(flatten)]
         source: AuditSource,
     },
+    /// Remove the oldest rotated files, keeping the newest N and the active file; the log
+    /// then verifies from the oldest kept file's checkpoint. Refuses a log that does not verify.
+    Prune {
+        /// How many rotated files to keep (besides the active file).
+        #[arg(long)]
+        keep: usize,
+        #[command(flatten)]
+        source: AuditSource,
+    },
 }
 
 #[derive(Debug, Args)]

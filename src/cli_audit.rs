@@ -1,4 +1,4 @@
-//! `fencegate audit tail|query|verify`.
+//! `fencegate audit tail|query|verify|prune`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use fencegate_core::now_millis;
 
+use crate::audit::prune::prune;
 use crate::audit::query::{human, Filter};
 use crate::audit::read_records;
 use crate::audit::verify::{verify, VerifyError};
@@ -47,8 +48,23 @@ pub fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
             let dir = dir(&source)?;
             match verify(&dir) {
                 Ok(report) => {
+                    let from = match (&report.from, &report.mark) {
+                        (None, _) => String::new(),
+                        (Some(from), Some(mark)) if mark.seq == from.seq => format!(
+                            ", verified from checkpoint at seq {} (older files removed by `audit prune` at {})",
+                            from.seq, mark.time
+                        ),
+                        (Some(from), Some(mark)) => format!(
+                            ", verified from checkpoint at seq {} (the last `audit prune`, at {}, kept the log from seq {})",
+                            from.seq, mark.time, mark.seq
+                        ),
+                        (Some(from), None) => format!(
+                            ", verified from checkpoint at seq {} (the files before it were removed, but not by `audit prune`: nothing records that this was intended)",
+                            from.seq
+                        ),
+                    };
                     println!(
-                        "audit log {}: ok, {} record(s) in {} file(s), head {}",
+                        "audit log {}: ok, {} record(s) in {} file(s){from}, head {}",
                         dir.display(),
                         report.records,
                         report.files,
@@ -62,6 +78,28 @@ pub fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
                 }
                 Err(e) => Err(e.into()),
             }
+        }
+        AuditCommand::Prune { keep, source } => {
+            let dir = dir(&source)?;
+            let pruned = prune(&dir, keep)?;
+            match pruned.from {
+                None => println!(
+                    "audit log {}: nothing to prune ({keep} rotated file(s) or fewer)",
+                    dir.display()
+                ),
+                Some(from) => {
+                    for path in &pruned.removed {
+                        println!("removed {}", path.display());
+                    }
+                    println!(
+                        "audit log {}: removed {} file(s); it now verifies from checkpoint at seq {}",
+                        dir.display(),
+                        pruned.removed.len(),
+                        from.seq
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

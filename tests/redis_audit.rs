@@ -1,10 +1,18 @@
 //! Done-means 7 of the Redis filter: the audit log written by refusals verifies, its CLI
 //! answers, the counters count, and an edited line is named by `fencegate audit verify`.
+//! Retention (issue 15, done-means 5): `audit prune --keep 2` on a log the node rotated, then
+//! `audit verify` passes from the kept checkpoint and an edited kept record still fails. Disk
+//! faults (issue 17, done-means 4): with the audit log on a full volume, refusals still refuse,
+//! the node reports it, what was written still verifies, and writing resumes once space returns.
 
 mod support;
 
+use std::time::{Duration, Instant};
+
 use redis::aio::MultiplexedConnection;
+use support::gateway_node::NodeOptions;
 use support::redis_gateway::RedisGateway;
+use support::tmpfs::Tmpfs;
 
 async fn connect(url: &str) -> MultiplexedConnection {
     redis::Client::open(url)
@@ -280,4 +288,282 @@ async fn a_tokenless_flood_is_aggregated_in_the_audit_log() {
         gw.node.audit_dir.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{out}{err}");
+}
+
+/// A write with the stale token `fg1~3~ledger` after `fg1~4~ledger` fenced the store: refused.
+async fn refused_as_stale(old: &mut MultiplexedConnection, value: &str) {
+    let e = cmd::<()>(old, &["SET", "balance", value])
+        .await
+        .expect_err("a stale write is refused");
+    assert_eq!(e.code(), Some("FENCED"), "{e}");
+}
+
+/// Two connections: `old` fenced with revision 3, `new` with 4 (which wrote balance = 10).
+async fn old_and_new(gw: &RedisGateway) -> (MultiplexedConnection, MultiplexedConnection) {
+    let mut old = connect(&gw.url()).await;
+    let mut new = connect(&gw.url()).await;
+    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
+        .await
+        .unwrap();
+    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
+        .await
+        .unwrap();
+    cmd::<()>(&mut new, &["SET", "balance", "10"])
+        .await
+        .unwrap();
+    (old, new)
+}
+
+#[tokio::test]
+async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
+    // A small rotate size, so the node rotates every two or three records.
+    let gw = RedisGateway::start_with(
+        &NodeOptions {
+            audit: "max_file_bytes = 1500",
+            ..NodeOptions::default()
+        },
+        "",
+        &[],
+    );
+    let (mut old, _new) = old_and_new(&gw).await;
+    for n in 0..20 {
+        refused_as_stale(&mut old, &n.to_string()).await;
+    }
+    let dir = gw.node.audit_dir.to_str().unwrap().to_owned();
+    let rotated = |dir: &str| -> Vec<std::path::PathBuf> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                name.starts_with("audit-") && name.ends_with(".jsonl")
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let before = rotated(&dir);
+    assert!(before.len() >= 5, "the node rotated: {before:?}");
+
+    let (code, out, err) = gw.cli(&["audit", "prune", "--keep", "2", "--dir", &dir]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("it now verifies from checkpoint at seq"),
+        "{out}"
+    );
+    println!("$ fencegate audit prune --keep 2\n{out}");
+    let kept = rotated(&dir);
+    assert_eq!(kept, before[before.len() - 2..]);
+    assert!(
+        gw.node.audit_dir.join("audit.jsonl").exists(),
+        "never the active file"
+    );
+
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("verified from checkpoint at seq")
+            && out.contains("older files removed by `audit prune`"),
+        "{out}"
+    );
+    println!("$ fencegate audit verify\n{out}");
+
+    // The node writes on after the prune; the log still verifies.
+    for n in 20..25 {
+        refused_as_stale(&mut old, &n.to_string()).await;
+    }
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 0, "{out}{err}");
+
+    // Editing a kept record fails and names it.
+    let text = std::fs::read_to_string(&kept[0]).unwrap();
+    assert!(text.starts_with("{\"checkpoint\""), "{text}");
+    let edited: Vec<String> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| {
+            if i == 1 {
+                l.replace("\"fence\":4", "\"fence\":2")
+            } else {
+                l.to_owned()
+            }
+        })
+        .collect();
+    assert_ne!(edited.join("\n") + "\n", text);
+    std::fs::write(&kept[0], edited.join("\n") + "\n").unwrap();
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 1, "{out}{err}");
+    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        err.contains(&format!("{name}:2: record seq")) && err.contains("was altered"),
+        "{err}"
+    );
+    println!("$ fencegate audit verify   (after editing a kept record)\n{err}exit code {code}");
+}
+
+/// `/healthz`: status and body.
+async fn healthz(gw: &RedisGateway) -> (u16, serde_json::Value) {
+    let reply = reqwest::get(format!("http://127.0.0.1:{}/healthz", gw.node.api))
+        .await
+        .unwrap();
+    let status = reply.status().as_u16();
+    (status, reply.json().await.unwrap())
+}
+
+/// Polls `/healthz` until `done` holds (bounded: 15 s).
+async fn healthz_until(
+    gw: &RedisGateway,
+    what: &str,
+    done: impl Fn(u16, &serde_json::Value) -> bool,
+) -> (u16, serde_json::Value) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, body) = healthz(gw).await;
+        if done(status, &body) {
+            return (status, body);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/healthz never {what}; last {status} {body}\n{}",
+            gw.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A metric's value on `/metrics` (0 when absent).
+async fn metric(gw: &RedisGateway, name: &str) -> f64 {
+    let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", gw.node.api))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// Fills the volume at `dir` with one file until it refuses even one more byte.
+fn fill(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let chunk = vec![0u8; 1 << 16];
+    for size in [1 << 16, 4096, 512, 1] {
+        // Bounded: the volume is small.
+        for _ in 0..1_000_000 {
+            match file.write(&chunk[..size]) {
+                Ok(n) if n > 0 => {}
+                _ => break,
+            }
+        }
+    }
+    let err = file.write(&chunk[..1]).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(28), "ENOSPC: {err}");
+    path
+}
+
+#[tokio::test]
+async fn a_full_audit_volume_still_refuses_reports_it_and_writing_resumes() {
+    let test = "a_full_audit_volume_still_refuses_reports_it_and_writing_resumes";
+    let Some(volume) = Tmpfs::mount_or_skip("1m", test) else {
+        return;
+    };
+    // The audit log alone on a 1 MB volume (the Raft log elsewhere), no free-space reservation:
+    // here the disk really fills up.
+    let gw = RedisGateway::start_with(
+        &NodeOptions {
+            node: "min_free_bytes = 0",
+            audit_volume: Some(volume.path()),
+            ..NodeOptions::default()
+        },
+        "",
+        &[],
+    );
+    let dir = gw.node.audit_dir.to_str().unwrap().to_owned();
+    let (mut old, mut new) = old_and_new(&gw).await;
+    refused_as_stale(&mut old, "before").await;
+    assert_eq!(gw.audit_records().len(), 1);
+    assert_eq!(healthz(&gw).await.0, 200);
+
+    let filler = fill(volume.path());
+    // A value that must appear nowhere in the node's log.
+    const VALUE: &str = "value-while-full-4711";
+    for _ in 0..10 {
+        refused_as_stale(&mut old, VALUE).await;
+    }
+    let mut tokenless = connect(&gw.url()).await;
+    assert!(
+        cmd::<()>(&mut tokenless, &["SET", "balance", VALUE])
+            .await
+            .is_err(),
+        "a tokenless write is refused"
+    );
+    // The current holder's writes are not held up by the audit log.
+    cmd::<()>(&mut new, &["SET", "balance", "11"])
+        .await
+        .unwrap();
+    let mut direct = connect(&format!("redis://{}/", gw.redis.addr)).await;
+    let balance: String = cmd(&mut direct, &["GET", "balance"]).await.unwrap();
+    assert_eq!(balance, "11", "no refused write reached the store");
+
+    // The node reports it: /healthz, metrics, one log line without data values.
+    let (status, body) = healthz_until(&gw, "reported the audit log", |_, b| {
+        b["audit"]["ok"] == false
+    })
+    .await;
+    println!("while full: /healthz {status} {body}");
+    assert_eq!(status, 503);
+    let reason = body["audit"]["reason"].as_str().unwrap();
+    assert!(reason.contains("No space left on device"), "{reason}");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("audit log cannot be written"),
+        "{body}"
+    );
+    let failing = metric(&gw, "fencegate_audit_write_failing").await;
+    let errors = metric(&gw, "fencegate_audit_write_errors_total").await;
+    let unrecorded = metric(&gw, "fencegate_audit_unrecorded_refusals_total").await;
+    println!("while full: fencegate_audit_write_failing {failing}, fencegate_audit_write_errors_total {errors}, fencegate_audit_unrecorded_refusals_total {unrecorded}");
+    assert_eq!(failing, 1.0);
+    assert!(errors >= 1.0 && unrecorded >= 1.0);
+    let log = gw.log_text();
+    assert!(log.contains("audit log cannot be written"), "{log}");
+    assert!(
+        !log.contains(VALUE),
+        "a data value in the node's log:\n{log}"
+    );
+
+    // Nothing already written is corrupted, and no failed write left half a record behind.
+    let active = std::fs::read(gw.node.audit_dir.join("audit.jsonl")).unwrap();
+    assert_eq!(
+        active.last(),
+        Some(&b'\n'),
+        "the active file ends with a whole line"
+    );
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 0, "{out}{err}");
+    println!("while full: $ fencegate audit verify\n{out}");
+    let written = gw.audit_records().len();
+    assert!(
+        written < 12,
+        "{written} records: some refusals could not be recorded"
+    );
+
+    // Space returns: the node says so by itself, and the chain goes on.
+    std::fs::remove_file(filler).unwrap();
+    let (status, body) = healthz_until(&gw, "healthy again", |s, _| s == 200).await;
+    println!("space back: /healthz {status} {body}");
+    refused_as_stale(&mut old, "after").await;
+    assert_eq!(gw.audit_records().len(), written + 1);
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 0, "{out}{err}");
+    println!("space back: $ fencegate audit verify\n{out}");
+    assert_eq!(metric(&gw, "fencegate_audit_write_failing").await, 0.0);
+    assert!(gw.log_text().contains("audit log writable again"));
+    let balance: String = cmd(&mut direct, &["GET", "balance"]).await.unwrap();
+    assert_eq!(balance, "11");
 }

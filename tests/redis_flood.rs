@@ -12,7 +12,6 @@ mod support;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,6 +21,7 @@ use fencegate_redis::frame::{parse, Frame, Limits};
 use serde_json::{json, Value};
 use support::gateway_node::{GatewayNode, NodeOptions};
 use support::redis_server::RedisServer;
+use support::tmpfs::Tmpfs;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MIB: u64 = 1024 * 1024;
@@ -59,53 +59,6 @@ const WRITES: &[&str] = &[
     "DEL k",
     "EXPIRE k 10",
 ];
-
-/// A 50 MB tmpfs, unmounted on drop (also when the test fails).
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn mount() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=50m", "tmpfs"])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(out) if out.status.success() => Self { dir },
-            Ok(out) => panic!(
-                "cannot mount a 50 MB tmpfs at {} (this measurement needs root for `mount -t tmpfs`): {}",
-                dir.path().display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            Err(e) => panic!(
-                "cannot run `mount` to make a 50 MB tmpfs at {} (needs root and util-linux): {e}",
-                dir.path().display()
-            ),
-        }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let ok = Command::new("umount")
-            .arg(self.dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            // Busy (a process still has a file open): detach it now, freed when closed.
-            let _ = Command::new("umount")
-                .arg("-l")
-                .arg(self.dir.path())
-                .status();
-        }
-    }
-}
 
 // The field types differ between platforms.
 #[allow(clippy::unnecessary_cast)]
@@ -279,7 +232,7 @@ fn metric(text: &str, name: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "an 80-second measurement that mounts a tmpfs (root); run with --ignored --nocapture"]
 async fn a_tokenless_flood_on_a_small_volume_leaves_the_lock_service_and_fenced_writes_alone() {
-    let volume = Tmpfs::mount();
+    let volume = Tmpfs::mount("50m");
     let redis = RedisServer::start();
     let section = format!(
         "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n",
@@ -295,6 +248,7 @@ async fn a_tokenless_flood_on_a_small_volume_leaves_the_lock_service_and_fenced_
             node: &node_lines,
             audit: &audit_lines,
             volume: Some(volume.path()),
+            ..NodeOptions::default()
         },
         &section,
         &[],

@@ -1,6 +1,7 @@
-//! `GET /healthz`: 200 while this node knows a leader and every gateway it runs can serve
-//! protected writes; 503 with the reason otherwise (a readiness probe, not a liveness one: a
-//! degraded gateway recovers on its own once its upstream does).
+//! `GET /healthz`: 200 while this node knows a leader, every gateway it runs can serve
+//! protected writes and its audit log can be written; 503 with the reason otherwise (a
+//! readiness probe, not a liveness one: a degraded gateway recovers on its own once its
+//! upstream does, the audit log once its volume takes writes).
 
 use std::sync::Arc;
 
@@ -48,11 +49,20 @@ pub async fn healthz(State(state): State<ApiState>) -> Response {
         };
         gateways.insert(gateway.name.to_owned(), entry);
     }
+    // Refusals still refuse while the audit log cannot be written, but leave no record.
+    let audit = match state.metrics.fences.write_failure() {
+        None => json!({ "ok": true }),
+        Some(reason) => {
+            problems.push(format!("audit log cannot be written: {reason}"));
+            json!({ "ok": false, "reason": reason })
+        }
+    };
     let mut body = json!({
         "ok": problems.is_empty(),
         "node_id": status.node_id,
         "leader_id": status.leader_id,
         "gateways": Value::Object(gateways),
+        "audit": audit,
     });
     if problems.is_empty() {
         return (StatusCode::OK, axum::Json(body)).into_response();

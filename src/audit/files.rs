@@ -1,4 +1,5 @@
-//! The log's files, in chain order, and reading their lines.
+//! The log's files, in chain order, and reading their lines: records, and the checkpoint each
+//! file after the first starts with.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -14,7 +15,12 @@ pub const ACTIVE: &str = "audit.jsonl";
 /// deleting the *last* records is detected too. It may lag the log after a crash, never lead it.
 pub const HEAD: &str = "audit.head";
 
-/// The recorded head of the chain.
+/// A rotation being made: the next active file, holding only its checkpoint line until it is
+/// renamed to [`ACTIVE`] (a crash between the two renames of a rotation leaves it behind; the
+/// writer finishes the rotation at startup).
+pub const NEXT: &str = "audit.jsonl.next";
+
+/// A position in the chain: the head file's content, and a file's starting checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Head {
     /// Seq of the last record known durable.
@@ -43,6 +49,56 @@ pub fn read_head(dir: &Path) -> Result<Option<Head>, AuditError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io_error(&path)(e)),
     }
+}
+
+/// One line of a file: a record, or a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+// Nearly every entry is a record: boxing it would cost an allocation per line for nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum Entry {
+    /// A refusal's record.
+    Record(AuditRecord),
+    /// The first line of a file after the first: the chain's head where the previous file
+    /// ended. The file's first record follows it; once older files are pruned, verification
+    /// starts from the oldest file's checkpoint.
+    Checkpoint(Head),
+}
+
+/// How a checkpoint is written: `{"checkpoint":{"seq":N,"hash":"..."}}`.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckpointLine {
+    checkpoint: Head,
+}
+
+impl Entry {
+    /// Parses one line (without its newline).
+    pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
+        if text.starts_with("{\"checkpoint\"") {
+            let line: CheckpointLine = serde_json::from_str(text)?;
+            return Ok(Self::Checkpoint(line.checkpoint));
+        }
+        serde_json::from_str(text).map(Self::Record)
+    }
+
+    /// The chain's position after this entry.
+    pub fn position(&self) -> Head {
+        match self {
+            Self::Record(r) => Head {
+                seq: r.seq,
+                hash: r.hash.clone(),
+            },
+            Self::Checkpoint(c) => c.clone(),
+        }
+    }
+}
+
+/// The checkpoint line for `head`, with its newline.
+pub fn checkpoint_line(head: &Head) -> String {
+    let line = CheckpointLine {
+        checkpoint: head.clone(),
+    };
+    serde_json::to_string(&line).expect("a checkpoint always serializes") + "\n"
 }
 
 /// One file of the log.
@@ -99,9 +155,33 @@ pub struct Line {
 /// Every complete line of every file, in chain order. A last line without its newline (a write
 /// cut by a crash, never acknowledged) is left out.
 pub fn lines(dir: &Path) -> Result<Vec<Line>, AuditError> {
+    // A rotation between listing and reading would show the new active file in place of the
+    // old one: read again (bounded) until the listing is the same after the reads.
+    let mut files = list(dir)?;
+    for _ in 0..5 {
+        let (out, missing) = read_lines(&files)?;
+        let after = list(dir)?;
+        if after == files && !missing {
+            return Ok(out);
+        }
+        files = after;
+    }
+    Ok(read_lines(&files)?.0)
+}
+
+/// The complete lines of `files`, and whether one of them was gone (rotated away meanwhile).
+fn read_lines(files: &[LogFile]) -> Result<(Vec<Line>, bool), AuditError> {
     let mut out = Vec::new();
-    for file in list(dir)? {
-        let text = fs::read_to_string(&file.path).map_err(io_error(&file.path))?;
+    let mut missing = false;
+    for file in files {
+        let text = match fs::read_to_string(&file.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                missing = true;
+                continue;
+            }
+            Err(e) => return Err(io_error(&file.path)(e)),
+        };
         let complete = match text.rfind('\n') {
             Some(end) => &text[..=end],
             None => "",
@@ -114,19 +194,32 @@ pub fn lines(dir: &Path) -> Result<Vec<Line>, AuditError> {
             });
         }
     }
-    Ok(out)
+    Ok((out, missing))
 }
 
-/// Every record of the log, in order; the first unparseable line is an error.
-pub fn read_records(dir: &Path) -> Result<Vec<AuditRecord>, AuditError> {
+/// Every line of the log with its entry, in order; the first unparseable line is an error.
+pub fn entries(dir: &Path) -> Result<Vec<(Line, Entry)>, AuditError> {
     lines(dir)?
         .into_iter()
-        .map(|line| {
-            serde_json::from_str(&line.text).map_err(|e| AuditError::Parse {
+        .map(|line| match Entry::parse(&line.text) {
+            Ok(entry) => Ok((line, entry)),
+            Err(e) => Err(AuditError::Parse {
                 path: line.path.clone(),
                 line: line.number,
                 message: e.to_string(),
-            })
+            }),
         })
         .collect()
+}
+
+/// Every record of the log, in order (checkpoints left out); the first unparseable line is an
+/// error.
+pub fn read_records(dir: &Path) -> Result<Vec<AuditRecord>, AuditError> {
+    Ok(entries(dir)?
+        .into_iter()
+        .filter_map(|(_, entry)| match entry {
+            Entry::Record(r) => Some(r),
+            Entry::Checkpoint(_) => None,
+        })
+        .collect())
 }

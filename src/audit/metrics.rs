@@ -35,6 +35,14 @@ pub struct FenceCounters {
     over_budget: Gauge,
     /// Refusals counted but not written because the log was over budget.
     suppressed: Counter,
+    /// 1 while the audit log cannot be written (disk full, read-only, I/O errors).
+    write_failing: Gauge,
+    /// Why, for `/healthz` (an I/O error and the file; never a record's content).
+    write_failure: Arc<std::sync::Mutex<Option<String>>>,
+    /// Batches whose write or fsync failed.
+    write_errors: Counter,
+    /// Refusals that stood but whose record could not be written.
+    unrecorded: Counter,
 }
 
 impl FenceCounters {
@@ -65,6 +73,46 @@ impl FenceCounters {
             "Tokenless or malformed refusals not written because the audit log was over its size budget",
             self.suppressed.clone(),
         );
+        self.register_write_failure(registry);
+    }
+
+    /// Registers the audit log's write-failure metrics (see [`FenceCounters::set_write_failure`]).
+    fn register_write_failure(&self, registry: &mut Registry) {
+        registry.register(
+            "audit_write_failing",
+            "1 while the audit log cannot be written (disk full, read-only, I/O error): refusals still refuse but leave no record; /healthz names the reason",
+            self.write_failing.clone(),
+        );
+        registry.register(
+            "audit_write_errors",
+            "Audit log batches whose write or fsync failed",
+            self.write_errors.clone(),
+        );
+        registry.register(
+            "audit_unrecorded_refusals",
+            "Refusals that stood but whose audit record could not be written",
+            self.unrecorded.clone(),
+        );
+    }
+
+    /// Sets why the audit log cannot be written (`None`: it can).
+    pub fn set_write_failure(&self, failure: Option<String>) {
+        self.write_failing.set(i64::from(failure.is_some()));
+        *self.write_failure.lock().unwrap_or_else(|p| p.into_inner()) = failure;
+    }
+
+    /// Why the audit log cannot be written, if it cannot.
+    pub fn write_failure(&self) -> Option<String> {
+        self.write_failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Counts one failed batch and the refusals it held.
+    pub fn write_error(&self, refusals: u64) {
+        self.write_errors.inc();
+        self.unrecorded.inc_by(refusals);
     }
 
     /// Notes the fence a store reported in a refusal.

@@ -5,10 +5,14 @@
 //! [`fencegate_core::AuditSink`]): the queue is bounded, so a full queue makes submitters wait
 //! (backpressure) instead of dropping; records are written and fsync'd in batches, and a
 //! submission resolves only after its batch is on disk. Files rotate by size; the chain goes on
-//! across files.
+//! across files, and each file after the first starts with a checkpoint (the chain's head where
+//! the previous file ended), so the oldest files can be pruned (`prune`) and the rest still
+//! verifies from its oldest checkpoint. A write the disk refuses fails its batch without
+//! touching what is on disk; the node reports it and writing resumes once the disk takes it.
 //!
-//! Files in the audit directory: `audit.jsonl` (being written) and `audit-<first seq>.jsonl`
-//! (rotated, first seq zero-padded to 20 digits so names sort in chain order).
+//! Files in the audit directory: `audit.jsonl` (being written), `audit-<first seq>.jsonl`
+//! (rotated, first seq zero-padded to 20 digits so names sort in chain order), `audit.head`
+//! (the chain's head) and `audit.pruned` (where the last prune left the log starting).
 //!
 //! A flood of tokenless or malformed requests cannot fill the disk: such refusals are
 //! aggregated per client and second (`aggregate`), and the directory has a size budget
@@ -17,6 +21,7 @@
 mod aggregate;
 mod files;
 mod metrics;
+pub mod prune;
 pub mod query;
 pub mod verify;
 mod writer;

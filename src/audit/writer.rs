@@ -1,5 +1,13 @@
 //! The single writer: a bounded queue, batched writes with one fsync per batch, the hash chain,
-//! and size-based rotation.
+//! size-based rotation (each new file starts with a checkpoint of the chain's head), and what
+//! happens when the disk refuses a write.
+//!
+//! A write that fails (disk full, read-only volume, I/O error) fails its batch: the refusals in
+//! it still refuse, their submitters get the error, and the node reports it (the
+//! `fencegate_audit_write_failing` gauge, `/healthz`, one log line). Nothing acknowledged is
+//! touched: before the next write, the active file is cut back to its last acknowledged byte, so
+//! a batch that was half written never becomes part of the chain, and the chain goes on from
+//! the last record on disk once the volume takes writes again.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -13,12 +21,22 @@ use fencegate_core::{
 use tokio::sync::{mpsc, oneshot};
 
 use super::aggregate::{Admit, Aggregator};
-use super::files::{self, rotated_name, ACTIVE};
+use super::files::{self, checkpoint_line, rotated_name, Entry, Head, ACTIVE, NEXT};
 use super::{io_error, AuditConfig, AuditError, FenceCounters};
 
 struct Submission {
     event: AuditEvent,
     done: oneshot::Sender<Result<(), AuditSinkError>>,
+}
+
+/// What the writer thread receives.
+// Nearly every message is a refusal: boxing it would cost an allocation per refusal.
+#[allow(clippy::large_enum_variant)]
+enum Message {
+    Refusal(Submission),
+    /// While the log cannot be written: try again without a refusal waiting, so that the node
+    /// reports the log healthy as soon as the volume takes writes again.
+    Probe,
 }
 
 /// Starts the writer thread; see [`AuditWriter::start`].
@@ -27,7 +45,7 @@ pub struct AuditWriter;
 /// What filters hold to submit refusals and count applied writes. Cheap to clone.
 #[derive(Clone)]
 pub struct AuditHandle {
-    queue: mpsc::Sender<Submission>,
+    queue: mpsc::Sender<Message>,
     counters: FenceCounters,
     aggregator: Arc<Mutex<Aggregator>>,
 }
@@ -43,13 +61,15 @@ struct State {
     total_bytes: u64,
     max_total_bytes: u64,
     file: File,
+    /// Bytes of the active file that are acknowledged (written and fsync'd).
     file_bytes: u64,
     /// Seq of the first record in the active file (for its name when rotated).
     file_first_seq: Option<u64>,
     last_seq: u64,
     last_hash: String,
-    /// Set after an I/O error: the chain's tail on disk is unknown, so nothing more is written.
-    failed: Option<String>,
+    /// Why the last write failed, until one succeeds. While set, the active file may hold
+    /// bytes of the failed batch after `file_bytes`; they are cut before the next write.
+    failure: Option<String>,
     /// Free bytes the audit volume must keep (`[node] min_free_bytes`): below it the log acts
     /// as over budget, so a flood cannot take the space the Raft log may share. 0: no check.
     reserve: u64,
@@ -79,8 +99,9 @@ impl AuditWriter {
             .spawn(move || run(state, rx, batch, thread_counters))
             .map_err(io_error(&dir))?;
         let aggregator = Arc::new(Mutex::new(Aggregator::default()));
-        // Writes each second's aggregates once the second is over, even if no refusal follows.
-        let (weak, ticking) = (queue.downgrade(), aggregator.clone());
+        // Writes each second's aggregates once the second is over, even if no refusal follows,
+        // and asks the writer to retry while the log cannot be written.
+        let (weak, ticking, failing) = (queue.downgrade(), aggregator.clone(), counters.clone());
         std::thread::Builder::new()
             .name("audit-aggregate".into())
             .spawn(move || loop {
@@ -89,9 +110,14 @@ impl AuditWriter {
                 let due = lock(&ticking).take_due(now_millis() / 1000);
                 for event in due {
                     let (done, _) = oneshot::channel();
-                    if queue.blocking_send(Submission { event, done }).is_err() {
+                    let message = Message::Refusal(Submission { event, done });
+                    if queue.blocking_send(message).is_err() {
                         return;
                     }
+                }
+                if failing.write_failure().is_some() {
+                    // A full queue has refusals that will retry anyway.
+                    let _ = queue.try_send(Message::Probe);
                 }
             })
             .map_err(io_error(&dir))?;
@@ -103,19 +129,26 @@ impl AuditWriter {
     }
 }
 
-fn run(
-    mut state: State,
-    mut rx: mpsc::Receiver<Submission>,
-    batch: usize,
-    counters: FenceCounters,
-) {
+fn run(mut state: State, mut rx: mpsc::Receiver<Message>, batch: usize, counters: FenceCounters) {
     while let Some(first) = rx.blocking_recv() {
-        let mut submissions = vec![first];
-        while submissions.len() < batch {
-            match rx.try_recv() {
-                Ok(s) => submissions.push(s),
-                Err(_) => break,
+        let mut submissions = Vec::new();
+        let mut next = Some(first);
+        while let Some(message) = next.take() {
+            if let Message::Refusal(s) = message {
+                submissions.push(s);
             }
+            if submissions.len() < batch {
+                next = rx.try_recv().ok();
+            }
+        }
+        if submissions.is_empty() {
+            state.probe();
+            report_failure(&state, &counters);
+            continue;
+        }
+        if state.total_bytes >= state.max_total_bytes {
+            // Files may have been pruned or archived since: count again before alarming.
+            state.total_bytes = dir_bytes(&state.dir);
         }
         let low_disk = state.reserve > 0
             && crate::disk::free_bytes(&state.dir).is_ok_and(|free| free < state.reserve);
@@ -124,7 +157,7 @@ fn run(
             if low_disk {
                 tracing::error!(reserve = state.reserve, "audit volume has less free space than [node] min_free_bytes: tokenless and malformed refusals are now only counted; free space on it");
             } else if over {
-                tracing::error!(bytes = state.total_bytes, budget = state.max_total_bytes, "audit log over its size budget: tokenless and malformed refusals are now only counted; archive rotated files");
+                tracing::error!(bytes = state.total_bytes, budget = state.max_total_bytes, "audit log over its size budget: tokenless and malformed refusals are now only counted; prune or archive rotated files (`fencegate audit prune --keep N`)");
             } else {
                 tracing::info!("audit log back under its size budget");
             }
@@ -145,9 +178,10 @@ fn run(
             submissions = kept;
         }
         let result = state.append(submissions.iter().map(|s| &s.event));
-        if let Err(e) = &result {
-            tracing::error!(error = %e, records = submissions.len(), "audit log write failed; refusals are not being logged");
+        if result.is_err() {
+            counters.write_error(submissions.len() as u64);
         }
+        report_failure(&state, &counters);
         for s in submissions {
             // An operator's fence reset is audited but is not a refusal.
             if result.is_ok() && s.event.reason != crate::fence_reset::RESET_REASON {
@@ -159,10 +193,40 @@ fn run(
     }
 }
 
+/// Publishes the writer's failure state; logs when it changes (once, not per refusal: a flood
+/// against a full disk must not flood the log too).
+fn report_failure(state: &State, counters: &FenceCounters) {
+    let before = counters.write_failure();
+    if before == state.failure {
+        return;
+    }
+    match (&before, &state.failure) {
+        (None, Some(failure)) => {
+            tracing::error!(error = %failure, "audit log cannot be written: refusals still refuse but leave no audit record until it can; free space on its volume or make it writable (writing resumes by itself)")
+        }
+        (Some(_), None) => tracing::info!(
+            last_seq = state.last_seq,
+            "audit log writable again; the chain goes on"
+        ),
+        _ => {}
+    }
+    counters.set_write_failure(state.failure.clone());
+}
+
 impl State {
     fn open(dir: &Path, node: &str, max_file_bytes: u64) -> Result<Self, AuditError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
         let active = dir.join(ACTIVE);
+        let next = dir.join(NEXT);
+        if next.exists() {
+            if active.exists() {
+                // A rotation cut before its first rename: the old file is still the active one.
+                fs::remove_file(&next).map_err(io_error(&next))?;
+            } else {
+                // Cut between its renames: finish it.
+                fs::rename(&next, &active).map_err(io_error(&active))?;
+            }
+        }
         if let Ok(text) = fs::read(&active) {
             // A crash mid-write leaves a line without its newline; it was never acknowledged.
             if let Some(end) = text.iter().rposition(|&b| b == b'\n') {
@@ -183,23 +247,26 @@ impl State {
                 f.set_len(0).map_err(io_error(&active))?;
             }
         }
-        let records = files::read_records(dir)?;
-        let (last_seq, last_hash) = records
-            .last()
-            .map_or((0, GENESIS_HASH.to_owned()), |r| (r.seq, r.hash.clone()));
-        let in_active: Vec<&AuditRecord> = {
-            let active_lines = fs::read_to_string(&active).unwrap_or_default();
-            let n = active_lines.lines().count();
-            records.iter().rev().take(n).collect()
-        };
+        let entries = files::entries(dir)?;
+        let last = entries.last().map_or_else(
+            || Head {
+                seq: 0,
+                hash: GENESIS_HASH.to_owned(),
+            },
+            |(_, e)| e.position(),
+        );
+        let file_first_seq = entries.iter().find_map(|(line, e)| match e {
+            Entry::Record(r) if line.path == active => Some(r.seq),
+            _ => None,
+        });
         if let Some(head) = files::read_head(dir)? {
-            let known = records.iter().find(|r| r.seq == head.seq);
-            if head.seq > last_seq || known.is_some_and(|r| r.hash != head.hash) {
+            let known = entries.iter().find(|(_, e)| e.position().seq == head.seq);
+            if head.seq > last.seq || known.is_some_and(|(_, e)| e.position().hash != head.hash) {
                 // Records were removed from the end while the node was down. Keep the evidence:
                 // the head is about to be overwritten by the next batch.
                 let kept = dir.join(format!("{}.mismatch-{}", files::HEAD, head.seq));
                 fs::copy(dir.join(files::HEAD), &kept).map_err(io_error(&kept))?;
-                tracing::error!(head_seq = head.seq, last_seq, kept = %kept.display(), "the audit log ends before its recorded head: records were removed; `fencegate audit verify` will report it");
+                tracing::error!(head_seq = head.seq, last_seq = last.seq, kept = %kept.display(), "the audit log ends before its recorded head: records were removed; `fencegate audit verify` will report it");
             }
         }
         let file = OpenOptions::new()
@@ -217,10 +284,10 @@ impl State {
             max_total_bytes: u64::MAX,
             file,
             file_bytes,
-            file_first_seq: in_active.last().map(|r| r.seq),
-            last_seq,
-            last_hash,
-            failed: None,
+            file_first_seq,
+            last_seq: last.seq,
+            last_hash: last.hash,
+            failure: None,
             reserve: 0,
         })
     }
@@ -229,17 +296,81 @@ impl State {
         &mut self,
         events: impl Iterator<Item = &'a AuditEvent>,
     ) -> Result<(), AuditSinkError> {
-        if let Some(e) = &self.failed {
-            return Err(AuditSinkError::Io(e.clone()));
+        if self.failure.is_some() {
+            if let Err(e) = self.recover() {
+                self.failure = Some(e.to_string());
+                return Err(AuditSinkError::Io(e.to_string()));
+            }
         }
-        let result = self.try_append(events);
-        if let Err(e) = &result {
-            self.failed = Some(e.to_string());
+        if let Err(e) = self.write_records(events) {
+            self.failure = Some(e.to_string());
+            // Cut what the batch left right away when the volume lets us (a full one does), so
+            // readers meanwhile see no half record; otherwise before the next write.
+            let _ = self.recover();
+            return Err(AuditSinkError::Io(e.to_string()));
         }
-        result.map_err(|e| AuditSinkError::Io(e.to_string()))
+        // The records are on disk whatever happens to the head (which may lag, never lead).
+        self.failure = self.write_head().err().map(|e| e.to_string());
+        Ok(())
     }
 
-    fn try_append<'a>(
+    /// While the log cannot be written: tries to, without a record (the head file is
+    /// rewritten unchanged, a real write on the same volume).
+    fn probe(&mut self) {
+        if self.failure.is_some() {
+            self.failure = self
+                .recover()
+                .and_then(|()| self.write_head())
+                .err()
+                .map(|e| e.to_string());
+        }
+    }
+
+    fn write_head(&self) -> Result<(), AuditError> {
+        files::write_head(
+            &self.dir,
+            &Head {
+                seq: self.last_seq,
+                hash: self.last_hash.clone(),
+            },
+        )
+    }
+
+    /// After a failed write: finishes a rotation cut between its renames, reopens the active
+    /// file and cuts it back to its last acknowledged byte (what a failed batch may have left
+    /// after it was never acknowledged, so it must not become part of the chain).
+    fn recover(&mut self) -> Result<(), AuditError> {
+        let active = self.dir.join(ACTIVE);
+        let next = self.dir.join(NEXT);
+        if !active.exists() && next.exists() {
+            fs::rename(&next, &active).map_err(io_error(&active))?;
+            sync_dir(&self.dir)?;
+        }
+        // Not `create`: a missing active file was removed by someone, and recreating it
+        // would break the chain silently.
+        let file = OpenOptions::new()
+            .append(true)
+            .open(&active)
+            .map_err(io_error(&active))?;
+        let len = file.metadata().map_err(io_error(&active))?.len();
+        if len < self.file_bytes {
+            return Err(AuditError::Io {
+                path: active,
+                source: std::io::Error::other(format!(
+                    "the file is {len} bytes but {} were acknowledged: it was cut by something else; restart the node and run `fencegate audit verify`",
+                    self.file_bytes
+                )),
+            });
+        }
+        if len > self.file_bytes {
+            file.set_len(self.file_bytes).map_err(io_error(&active))?;
+            file.sync_all().map_err(io_error(&active))?;
+        }
+        self.file = file;
+        Ok(())
+    }
+
+    fn write_records<'a>(
         &mut self,
         events: impl Iterator<Item = &'a AuditEvent>,
     ) -> Result<(), AuditError> {
@@ -255,9 +386,6 @@ impl State {
             hash.clone_from(&record.hash);
             text.push_str(&serde_json::to_string(&record).expect("a record always serializes"));
             text.push('\n');
-            if self.file_first_seq.is_none() {
-                self.file_first_seq = Some(seq);
-            }
         }
         let path = self.dir.join(ACTIVE);
         self.file
@@ -266,33 +394,52 @@ impl State {
         self.file.sync_data().map_err(io_error(&path))?;
         self.file_bytes += text.len() as u64;
         self.total_bytes += text.len() as u64;
+        self.file_first_seq.get_or_insert(self.last_seq + 1);
         self.last_seq = seq;
         self.last_hash = hash;
-        files::write_head(
-            &self.dir,
-            &files::Head {
-                seq: self.last_seq,
-                hash: self.last_hash.clone(),
-            },
-        )
+        Ok(())
     }
 
+    /// Renames the active file to `audit-<first seq>.jsonl` and starts a new one with the
+    /// checkpoint of the chain's head. The new file is made complete (checkpoint written and
+    /// fsync'd) before the old one is renamed, so a failure at any step leaves either the old
+    /// active file or the new one, never a file without its checkpoint.
     fn rotate(&mut self) -> Result<(), AuditError> {
         let Some(first) = self.file_first_seq else {
             return Ok(());
         };
         let active = self.dir.join(ACTIVE);
+        let next = self.dir.join(NEXT);
         let rotated = self.dir.join(rotated_name(first));
+        let checkpoint = checkpoint_line(&Head {
+            seq: self.last_seq,
+            hash: self.last_hash.clone(),
+        });
+        let made = (|| {
+            let mut file = OpenOptions::new().create(true).append(true).open(&next)?;
+            file.set_len(0)?;
+            file.write_all(checkpoint.as_bytes())?;
+            file.sync_all()?;
+            Ok(file)
+        })();
+        let file = match made {
+            Ok(file) => file,
+            Err(e) => {
+                let _ = fs::remove_file(&next);
+                return Err(io_error(&next)(e));
+            }
+        };
         fs::rename(&active, &rotated).map_err(io_error(&rotated))?;
-        self.file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&active)
-            .map_err(io_error(&active))?;
-        sync_dir(&self.dir)?;
-        self.file_bytes = 0;
+        // From here on the new file is the one written; `recover` finishes a rename cut here.
+        self.file = file;
+        self.file_bytes = checkpoint.len() as u64;
         self.file_first_seq = None;
-        tracing::info!(rotated = %rotated.display(), "audit log rotated");
+        self.total_bytes += checkpoint.len() as u64;
+        fs::rename(&next, &active).map_err(io_error(&active))?;
+        sync_dir(&self.dir)?;
+        // Files may have been pruned since the last count.
+        self.total_bytes = dir_bytes(&self.dir);
+        tracing::info!(rotated = %rotated.display(), checkpoint_seq = self.last_seq, "audit log rotated");
         Ok(())
     }
 }
@@ -334,10 +481,10 @@ impl AuditSink for AuditHandle {
             for aggregate in due {
                 let (done, _) = oneshot::channel();
                 self.queue
-                    .send(Submission {
+                    .send(Message::Refusal(Submission {
                         event: aggregate,
                         done,
-                    })
+                    }))
                     .await
                     .map_err(|_| AuditSinkError::Closed)?;
             }
@@ -349,7 +496,7 @@ impl AuditSink for AuditHandle {
             let (done, wait) = oneshot::channel();
             // `send` waits while the queue is full: backpressure, never a silent drop.
             self.queue
-                .send(Submission { event, done })
+                .send(Message::Refusal(Submission { event, done }))
                 .await
                 .map_err(|_| AuditSinkError::Closed)?;
             wait.await.map_err(|_| AuditSinkError::Closed)?
@@ -415,6 +562,22 @@ mod tests {
         assert!(files.len() > 2, "rotation happened: {files:?}");
         let report = verify(dir.path()).unwrap();
         assert_eq!(report.records, 40);
+        // Every file after the first starts with the checkpoint of where the previous ended.
+        let mut ended = None;
+        for file in &files {
+            let text = fs::read_to_string(&file.path).unwrap();
+            let first = Entry::parse(text.lines().next().unwrap()).unwrap();
+            match (&ended, first) {
+                (None, Entry::Record(r)) => assert_eq!(r.seq, 1),
+                (Some(end), Entry::Checkpoint(c)) => assert_eq!(&c, end),
+                (end, first) => panic!("{:?} starts with {first:?} after {end:?}", file.path),
+            }
+            ended = Some(
+                Entry::parse(text.lines().last().unwrap())
+                    .unwrap()
+                    .position(),
+            );
+        }
 
         // A restart continues the chain.
         let handle =
@@ -449,6 +612,81 @@ mod tests {
         handle.refused(event(3)).await.unwrap();
         let err = verify(dir.path()).unwrap_err().to_string();
         assert!(err.contains("audit.head.mismatch-3"), "{err}");
+    }
+
+    /// What the writer does when the disk refuses a write, with the failure made by hand: a
+    /// batch fails half written, the log stays unwritable for a while, then takes writes again.
+    /// (tests/audit_disk_full.rs does the same with a real full volume and a real node.)
+    #[test]
+    fn a_failed_write_leaves_the_chain_intact_and_writing_resumes() {
+        let dir = tempfile::tempdir().unwrap();
+        let active = dir.path().join(ACTIVE);
+        let mut state = State::open(dir.path(), "1", u64::MAX).unwrap();
+        let events: Vec<AuditEvent> = (0..3).map(event).collect();
+        state.append(events.iter()).unwrap();
+        let good = fs::read(&active).unwrap();
+
+        // A batch that fails after part of it reached the file (as a disk filling mid-write
+        // leaves it): the writer's handle refuses writes, and half a record is in the file.
+        state.file = File::open(&active).unwrap();
+        let mut other = OpenOptions::new().append(true).open(&active).unwrap();
+        other.write_all(b"{\"seq\":4,\"time\":\"2026-").unwrap();
+        let err = state.append([event(3)].iter()).unwrap_err();
+        assert!(matches!(err, AuditSinkError::Io(_)), "{err}");
+        assert!(state.failure.is_some());
+        assert_eq!(state.last_seq, 3, "the failed batch is not in the chain");
+
+        // Still failing: the active file cannot be opened (here: it is not there).
+        let aside = dir.path().join("aside");
+        fs::rename(&active, &aside).unwrap();
+        assert!(state.append([event(4)].iter()).is_err());
+        state.probe();
+        assert!(
+            state.failure.is_some(),
+            "a probe does not clear a failure that persists"
+        );
+
+        // The volume takes writes again: the probe clears the failure, the half batch is cut,
+        // and the chain goes on from the last acknowledged record.
+        fs::rename(&aside, &active).unwrap();
+        state.probe();
+        assert_eq!(state.failure, None);
+        assert_eq!(
+            fs::read(&active).unwrap(),
+            good,
+            "cut back to what was acknowledged"
+        );
+        state.append([event(5)].iter()).unwrap();
+        let records = files::read_records(dir.path()).unwrap();
+        let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, [1, 2, 3, 4]);
+        assert_eq!(records[3].event.request_id, "r5");
+        assert_eq!(verify(dir.path()).unwrap().records, 4);
+    }
+
+    /// A rotation cut between its two renames (a crash, or a failure) is finished at startup.
+    #[test]
+    fn a_rotation_cut_between_its_renames_is_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = State::open(dir.path(), "1", 1).unwrap();
+        state.append([event(0)].iter()).unwrap();
+        state.append([event(1)].iter()).unwrap();
+        drop(state);
+        // As if the node died in the next rotation, after renaming the active file but before
+        // the new one took its name.
+        let last = files::read_records(dir.path()).unwrap().pop().unwrap();
+        let active = dir.path().join(ACTIVE);
+        fs::rename(&active, dir.path().join(rotated_name(2))).unwrap();
+        let checkpoint = checkpoint_line(&Head {
+            seq: 2,
+            hash: last.hash,
+        });
+        fs::write(dir.path().join(NEXT), checkpoint).unwrap();
+        let mut state = State::open(dir.path(), "1", u64::MAX).unwrap();
+        state.append([event(2)].iter()).unwrap();
+        assert!(!dir.path().join(NEXT).exists());
+        let report = verify(dir.path()).unwrap();
+        assert_eq!((report.records, report.files), (3, 3));
     }
 
     fn tokenless(n: usize, port: u16) -> AuditEvent {

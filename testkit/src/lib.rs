@@ -6,5 +6,6 @@ pub mod fd_limit;
 pub mod port;
 pub mod redis_server;
 pub mod s3_server;
+pub mod tmpfs;
 
 pub use port::free_port;

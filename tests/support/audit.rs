@@ -1,5 +1,6 @@
 //! Reads a node's audit log the way an auditor would: the rotated `audit-*.jsonl` files in
-//! order, then the live `audit.jsonl` (the chain-head file and anything else are skipped).
+//! order, then the live `audit.jsonl` (the chain-head file, the checkpoint line each file after
+//! the first starts with, a last line without its newline, and anything else are skipped).
 
 use std::path::{Path, PathBuf};
 
@@ -16,11 +17,14 @@ pub fn records(dir: &Path) -> Vec<serde_json::Value> {
     files
         .iter()
         .flat_map(|p| {
-            std::fs::read_to_string(p)
-                .unwrap()
+            let text = std::fs::read_to_string(p).unwrap();
+            // A last line without its newline is a write in progress (or cut), not a record.
+            let complete = text.rfind('\n').map_or("", |end| &text[..=end]).to_owned();
+            complete
                 .lines()
                 .filter(|l| !l.trim().is_empty())
-                .map(|l| serde_json::from_str(l).unwrap())
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                .filter(|v| v.get("checkpoint").is_none())
                 .collect::<Vec<_>>()
         })
         .collect()

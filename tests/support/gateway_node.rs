@@ -33,6 +33,8 @@ pub struct NodeOptions<'a> {
     pub audit: &'a str,
     /// The data and audit directories go on this volume instead of the temp dir.
     pub volume: Option<&'a std::path::Path>,
+    /// The audit directory (only) goes on this volume.
+    pub audit_volume: Option<&'a std::path::Path>,
 }
 
 impl GatewayNode {
@@ -49,7 +51,7 @@ impl GatewayNode {
     pub fn start_with(options: &NodeOptions, gateway: &str, env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data_root = options.volume.unwrap_or(dir.path()).to_owned();
-        let audit_dir = data_root.join("audit");
+        let audit_dir = options.audit_volume.unwrap_or(&data_root).join("audit");
         let config = dir.path().join("fencegate.toml");
         let unsigned = if gateway.contains("[authority]") {
             ""

@@ -11,4 +11,4 @@ pub mod s3_gateway;
 
 // Shared with the filters' tests and the benchmarks.
 #[allow(unused_imports)] // each test binary uses part of it
-pub use fencegate_testkit::{fd_limit, free_port, redis_server, s3_server};
+pub use fencegate_testkit::{fd_limit, free_port, redis_server, s3_server, tmpfs};

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
-use super::gateway_node::GatewayNode;
+use super::gateway_node::{GatewayNode, NodeOptions};
 use super::redis_server::RedisServer;
 
 /// A `fencegate serve` node whose Redis gateway relays to its own `redis-server`.
@@ -24,6 +24,11 @@ impl RedisGateway {
     /// rules of its own, every key is protected (`*`, any resource's token), `env` is given to
     /// the process.
     pub fn start(extra: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(&NodeOptions::default(), extra, env)
+    }
+
+    /// Like [`RedisGateway::start`], with the node's `options`.
+    pub fn start_with(options: &NodeOptions, extra: &str, env: &[(&str, &str)]) -> Self {
         let redis = RedisServer::start();
         let every_key = if extra.contains("protect") {
             ""
@@ -34,7 +39,7 @@ impl RedisGateway {
             "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n{extra}\n{every_key}",
             redis.addr
         );
-        let mut node = GatewayNode::start(&section, env);
+        let mut node = GatewayNode::start_with(options, &section, env);
         let port = node.bound_port("redis gateway listening");
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         node.wait_ready(
