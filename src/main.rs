@@ -12,6 +12,7 @@ mod disk;
 mod fence_reset;
 mod lock_run;
 mod metrics;
+mod sampled_gauge;
 mod server;
 mod tls;
 

@@ -20,6 +20,8 @@ pub struct Metrics {
     pub waiting_acquires: Gauge,
     /// Fenced writes applied and refused, by store and reason (every filter).
     pub fences: crate::audit::FenceCounters,
+    /// Connections of the Redis gateway in its tarpit now (read from the gateway on scrape).
+    pub redis_tarpitted: crate::sampled_gauge::SampledGauge,
 }
 
 impl Default for Metrics {
@@ -37,9 +39,14 @@ impl Default for Metrics {
             revision: Gauge::default(),
             waiting_acquires: Gauge::default(),
             fences: crate::audit::FenceCounters::default(),
+            redis_tarpitted: Default::default(),
             registry: Registry::default(),
         };
         metrics.fences.register(&mut registry);
+        registry.register_collector(metrics.redis_tarpitted.collector(
+            "redis_tarpitted_connections",
+            "Redis gateway connections slowed down now because their refusals went over the refusal budget ([redis] refusals_per_second)",
+        ));
         registry.register(
             "authority_acquires",
             "Locks granted by this node as leader",

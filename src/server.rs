@@ -166,6 +166,10 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     let mut gateways = Vec::new();
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis, policy.clone(), audit.sink())?;
+        let observed = gateway.clone();
+        metrics
+            .redis_tarpitted
+            .set_source(move || observed.tarpitted_connections() as i64);
         let checked = gateway.clone();
         gateways.push(GatewayHealth::new("redis", move || checked.health()));
         let listener = gateway.bind().await?;

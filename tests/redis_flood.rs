@@ -34,7 +34,8 @@ const BEFORE: Duration = Duration::from_secs(10);
 const FLOOD: Duration = Duration::from_secs(60);
 const FLOODERS: usize = 6;
 /// Requests per flood connection; each connection comes from another loopback address, so
-/// neither the per-connection slowdown nor the per-client aggregation helps the node.
+/// neither a per-connection limit nor the per-client aggregation would help the node (the
+/// gateway's refusal budget is shared by all connections).
 const PIPELINE: usize = 100;
 /// Write commands the flood cycles through (each is its own aggregation kind).
 const WRITES: &[&str] = &[
@@ -374,6 +375,10 @@ async fn a_tokenless_flood_on_a_small_volume_leaves_the_lock_service_and_fenced_
         stats.renewed,
         stats.failed.len(),
         percentiles(&mut stats.acquire_ms)
+    );
+    println!(
+        "redis gateway: {}",
+        metric(&metrics, "fencegate_redis_tarpitted_connections")
     );
     println!("fenced SET before the flood: {}", percentiles(&mut before));
     println!("fenced SET during the flood: {}", percentiles(&mut during));

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{AuditSink, TokenPolicy};
+use fencegate_core::{AuditSink, Charge, RefusalBudget, TokenPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 use tokio_rustls::TlsAcceptor;
@@ -37,7 +37,16 @@ pub struct Gateway {
     at_risk: AtomicBool,
     /// Bytes of partial requests buffered by all sessions (see `max_buffered_bytes`).
     pub(crate) buffered: AtomicUsize,
+    /// Refusals of clients without a valid token, all sessions together (`refusals_per_second`).
+    refusals: std::sync::Mutex<RefusalBudget>,
+    /// Sessions in the tarpit now (a refusal over the budget since their last accepted write).
+    pub(crate) tarpitted: AtomicUsize,
+    /// Tarpit waits so far.
+    pub(crate) tarpit_waits: AtomicU64,
 }
+
+/// How often refusals over the budget are logged (one line per period, with a count).
+const REFUSAL_REPORT: Duration = Duration::from_secs(10);
 
 /// How often the upstream's eviction and persistence settings are checked again.
 const RECHECK: Duration = Duration::from_secs(10);
@@ -59,6 +68,12 @@ impl Gateway {
         };
         let upstream = Upstream::load(&config)?;
         let tls = crate::tls::acceptor(&config)?;
+        let refusals = RefusalBudget::new(
+            config.refusals_per_second,
+            config.refusal_burst,
+            REFUSAL_REPORT,
+            Instant::now(),
+        );
         Ok(Arc::new(Self {
             config,
             policy,
@@ -71,6 +86,9 @@ impl Gateway {
             degraded: std::sync::Mutex::new(None),
             at_risk: AtomicBool::new(false),
             buffered: AtomicUsize::new(0),
+            refusals: std::sync::Mutex::new(refusals),
+            tarpitted: AtomicUsize::new(0),
+            tarpit_waits: AtomicU64::new(0),
         }))
     }
 
@@ -143,6 +161,26 @@ impl Gateway {
     /// Bytes of partial requests all sessions buffer now (bounded by `max_buffered_bytes`).
     pub fn buffered_bytes(&self) -> usize {
         self.buffered.load(Ordering::Relaxed)
+    }
+
+    /// Sessions in the tarpit now: they caused a refusal over the gateway's refusal budget
+    /// since their last accepted write, so each further refusal makes them wait.
+    pub fn tarpitted_connections(&self) -> usize {
+        self.tarpitted.load(Ordering::Relaxed)
+    }
+
+    /// How many times a session waited in the tarpit since the gateway started.
+    pub fn tarpit_waits(&self) -> u64 {
+        self.tarpit_waits.load(Ordering::Relaxed)
+    }
+
+    /// Charges one refusal of a client without a valid token to the shared budget.
+    pub(crate) fn charge_refusal(&self) -> Charge {
+        let now = Instant::now();
+        self.refusals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(now)
     }
 
     /// Whether sessions must refuse fenced writes now.

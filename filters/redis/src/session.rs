@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{
-    Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Store, Token,
+    Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Store, Tarpit, Token,
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -39,11 +39,6 @@ use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
 const SLOT_QUEUE: usize = 4096;
-/// Tokenless or malformed refusals one connection may cause per second before the gateway
-/// slows it down (each further batch waits [`TARPIT`]): a flood then costs the flooder, not
-/// the other clients' latency.
-const REFUSALS_PER_SECOND: u32 = 100;
-const TARPIT: Duration = Duration::from_millis(100);
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
 
@@ -111,7 +106,11 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         requests: 0,
         parser: RequestParser::default(),
         held: 0,
-        refusals: (tokio::time::Instant::now(), 0),
+        tarpit: Tarpit::new(
+            Duration::from_millis(gateway.config.tarpit_initial_ms),
+            Duration::from_millis(gateway.config.tarpit_max_ms),
+        ),
+        wait: None,
     };
     let writer = Writer {
         gateway,
@@ -221,8 +220,10 @@ struct Reader {
     parser: RequestParser,
     /// Bytes this connection counts in the gateway's `buffered` total.
     held: usize,
-    /// Tokenless/malformed refusals in the current second, and when that second began.
-    refusals: (tokio::time::Instant, u32),
+    /// Refusals over the gateway's budget since this connection's last accepted write.
+    tarpit: Tarpit,
+    /// How long to wait before the next request, after a refusal over the budget.
+    wait: Option<Duration>,
 }
 
 type Identity = Arc<std::sync::Mutex<Option<String>>>;
@@ -232,6 +233,9 @@ impl Drop for Reader {
         self.gateway
             .buffered
             .fetch_sub(self.held, Ordering::Relaxed);
+        if self.tarpit.active() {
+            self.gateway.tarpitted.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -256,41 +260,48 @@ impl Reader {
         let partial = Duration::from_secs(config.partial_request_timeout_seconds);
         let idle = Duration::from_secs(config.idle_timeout_seconds);
         let mut started = tokio::time::Instant::now();
+        // After a tarpit wait, requests already buffered are handled before reading more.
+        let mut resume = false;
         loop {
-            // A partial request must be complete `partial` after its first byte arrived (a
-            // deadline, not a per-read timeout: a byte every few seconds must not keep it).
-            let read_result = if !self.buf.is_empty() {
-                tokio::time::timeout_at(started + partial, read(&mut self.client, &mut self.buf))
-                    .await
-                    .ok()
-            } else if !idle.is_zero() {
-                tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
-                    .await
-                    .ok()
-            } else {
-                Some(read(&mut self.client, &mut self.buf).await)
-            };
-            let Some(n) = read_result else {
-                let text = if self.buf.is_empty() {
-                    format!(
-                        "ERR fencegate: no request for {}s; closing the connection",
-                        idle.as_secs()
+            if !std::mem::take(&mut resume) {
+                // A partial request must be complete `partial` after its first byte arrived (a
+                // deadline, not a per-read timeout: a byte every few seconds must not keep it).
+                let read_result = if !self.buf.is_empty() {
+                    tokio::time::timeout_at(
+                        started + partial,
+                        read(&mut self.client, &mut self.buf),
                     )
+                    .await
+                    .ok()
+                } else if !idle.is_zero() {
+                    tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
+                        .await
+                        .ok()
                 } else {
-                    format!("ERR fencegate: a request was still incomplete {}s after it began; closing the connection", partial.as_secs())
+                    Some(read(&mut self.client, &mut self.buf).await)
                 };
-                tracing::info!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "{text}");
-                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
-                let _ = self.slots.send(Slot::Close).await;
-                return Ok(());
-            };
-            let was_empty = self.buf.len() == n.as_ref().map_or(0, |n| *n);
-            let n = n.map_err(RedisError::io("reading from client"))?;
-            if n == 0 {
-                return Ok(());
-            }
-            if was_empty {
-                started = tokio::time::Instant::now();
+                let Some(n) = read_result else {
+                    let text = if self.buf.is_empty() {
+                        format!(
+                            "ERR fencegate: no request for {}s; closing the connection",
+                            idle.as_secs()
+                        )
+                    } else {
+                        format!("ERR fencegate: a request was still incomplete {}s after it began; closing the connection", partial.as_secs())
+                    };
+                    tracing::info!(conn = self.id, peer = %self.peer, buffered = self.buf.len(), "{text}");
+                    let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                    let _ = self.slots.send(Slot::Close).await;
+                    return Ok(());
+                };
+                let was_empty = self.buf.len() == n.as_ref().map_or(0, |n| *n);
+                let n = n.map_err(RedisError::io("reading from client"))?;
+                if n == 0 {
+                    return Ok(());
+                }
+                if was_empty {
+                    started = tokio::time::Instant::now();
+                }
             }
             let mut batch = Batch::default();
             let mut fatal = None;
@@ -300,6 +311,10 @@ impl Reader {
                         started = tokio::time::Instant::now();
                         self.buf.advance(request.wire_len);
                         self.handle(request, &mut batch);
+                        if self.wait.is_some() {
+                            // Refused over the budget: answer what came so far, then wait.
+                            break;
+                        }
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -320,10 +335,6 @@ impl Reader {
                 if self.slots.send(slot).await.is_err() {
                     return Ok(());
                 }
-            }
-            if self.refusals.1 > REFUSALS_PER_SECOND {
-                // Flooding without a token: slow this connection down, nobody else.
-                tokio::time::sleep(TARPIT).await;
             }
             if fatal.is_none() && !self.account_buffered() {
                 let text = format!(
@@ -349,6 +360,12 @@ impl Reader {
                     source: e,
                 });
             }
+            if let Some(wait) = self.wait.take() {
+                // The tarpit: this connection pays for its refusals in time, nobody else does.
+                self.gateway.tarpit_waits.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(wait).await;
+                resume = true;
+            }
         }
     }
 
@@ -366,16 +383,32 @@ impl Reader {
         now == 0 || total <= self.gateway.config.max_buffered_bytes
     }
 
-    /// Counts a tokenless or malformed refusal for the tarpit.
-    fn count_refusal(&mut self, reason: &RejectReason) {
-        if !matches!(reason, RejectReason::Missing | RejectReason::Malformed) {
-            return;
+    /// Charges a refusal of a client without a valid token to the gateway's budget; over it,
+    /// the connection goes into (or deeper into) the tarpit. Returns whether the refusal was
+    /// within the budget (beyond it, refusals are logged once per period, not one by one).
+    fn charge_refusal(&mut self) -> bool {
+        let charge = self.gateway.charge_refusal();
+        let was_in = self.tarpit.active();
+        self.wait = self.tarpit.refused(charge.within);
+        if !was_in && self.tarpit.active() {
+            self.gateway.tarpitted.fetch_add(1, Ordering::Relaxed);
         }
-        let now = tokio::time::Instant::now();
-        if now.duration_since(self.refusals.0) >= Duration::from_secs(1) {
-            self.refusals = (now, 0);
+        if let Some(over) = charge.report {
+            tracing::warn!(
+                over_budget = over,
+                tarpitted = self.gateway.tarpitted_connections(),
+                refusals_per_second = self.gateway.config.refusals_per_second,
+                "refusals of clients without a valid token went over the gateway's budget since the last report; the connections causing them are slowed down (tarpit), fenced writes are not"
+            );
         }
-        self.refusals.1 += 1;
+        charge.within
+    }
+
+    /// A write was accepted under a valid token: the connection leaves the tarpit.
+    fn accepted(&mut self) {
+        if self.tarpit.accepted() {
+            self.gateway.tarpitted.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn handle(&mut self, request: Request, batch: &mut Batch) {
@@ -497,6 +530,7 @@ impl Reader {
             Decision::Unknown => self.unknown(&request, batch),
             Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
             Decision::Fence { keys, token } => {
+                self.accepted();
                 let resp3 = self.resp3.load(Ordering::Relaxed);
                 let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
                 let attempt = self.attempt(&request, &keys, Some(&token));
@@ -559,6 +593,7 @@ impl Reader {
             let detail = decide::at_risk(&self.gateway.health().err().unwrap_or_default());
             return self.refuse(request, RejectReason::Unsupported, &detail, batch);
         }
+        self.accepted();
         let call = rewrite(
             &self.info.mode,
             &token,
@@ -618,12 +653,18 @@ impl Reader {
                 }
                 Err(e) => {
                     let reason = RejectReason::from_token_error(&e);
-                    self.count_refusal(&reason);
+                    // A token that is not valid is refused traffic, whatever the connection
+                    // held before.
+                    let within = self.charge_refusal();
                     let presented = Token::parse(&text).ok();
                     let event = self
                         .attempt(request, &[], presented.as_ref())
                         .refused(&Rejection::new(reason, e.to_string()));
-                    tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
+                    if within {
+                        tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
+                    } else {
+                        tracing::debug!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
+                    }
                     batch.slots.push(Slot::Refuse(
                         Frame::error(&decide::refusal_text(&reason, &e.to_string())),
                         Box::new(event),
@@ -662,7 +703,9 @@ impl Reader {
         if let Some(multi) = &mut self.multi {
             multi.dirty = true;
         }
-        self.count_refusal(&reason);
+        // A connection with a valid token is never slowed down: its refusals (out of scope,
+        // unfenceable) are its holder's mistakes, not a flood of strangers.
+        let within = self.token.is_some() || self.charge_refusal();
         let keys = self
             .info
             .table
@@ -675,7 +718,11 @@ impl Reader {
             .attempt(request, &keys, token.as_ref())
             .refused(&Rejection::new(reason, detail));
 
-        tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
+        if within {
+            tracing::info!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
+        } else {
+            tracing::debug!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
+        }
         batch.slots.push(Slot::Refuse(
             Frame::error(&decide::refusal_text(&reason, detail)),
             Box::new(event),
