@@ -5,9 +5,7 @@
 //! by the ignored `tests/redis_flood.rs`, not asserted here. Gateway in-process against a real
 //! `redis-server`.
 
-#[path = "../../../tests/support/redis_server.rs"]
-#[allow(dead_code)] // shared harness; this test uses part of it
-mod redis_server;
+use fencegate_testkit::redis_server;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
