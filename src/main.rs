@@ -121,6 +121,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             current,
             to,
             dsn,
+            bucket,
             endpoint,
         }) => print_answer(
             client(&endpoint)?
@@ -133,6 +134,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         "current": current,
                         "to": to,
                         "dsn": dsn,
+                        "bucket": bucket,
                     })),
                     REQUEST_TIMEOUT,
                 )
