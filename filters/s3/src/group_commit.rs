@@ -140,7 +140,7 @@ impl Shared {
             let empty = crate::manifest::Manifest::default();
             let base = current.as_ref().map_or(&empty, |l| &*l.manifest);
             let position = base.position + 1;
-            let mut planned = Batch::new(base);
+            let mut planned = Batch::new(base).issued(self.policy.issued.get());
             let mut decided = Vec::with_capacity(batch.len());
             let mut recheck = false;
             for pending in &batch {

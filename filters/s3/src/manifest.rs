@@ -182,6 +182,9 @@ pub struct Batch<'m> {
     changes: Vec<LogChange>,
     /// Key -> index of its latest change in `changes`.
     index: HashMap<String, usize>,
+    /// The highest revision the node's authority has issued, if known (words a refusal whose
+    /// fence is above it as an authority reset, not the client's lost lock).
+    issued: Option<u64>,
 }
 
 impl<'m> Batch<'m> {
@@ -192,7 +195,14 @@ impl<'m> Batch<'m> {
             fence: base.fence,
             changes: Vec::new(),
             index: HashMap::new(),
+            issued: None,
         }
+    }
+
+    /// The same batch, wording stale refusals with what the authority has `issued`.
+    pub fn issued(mut self, issued: Option<u64>) -> Self {
+        self.issued = issued;
+        self
     }
 
     /// The entry `key` names after the changes planned so far.
@@ -218,7 +228,7 @@ impl<'m> Batch<'m> {
                 token,
                 fence,
                 &format!("the manifest of {target}"),
-                None,
+                self.issued,
             ));
         }
         match self.current(change.key()) {
@@ -464,6 +474,20 @@ mod tests {
             panic!()
         };
         assert_eq!(rejection.reason, RejectReason::Stale { fence: 5 });
+        assert!(
+            rejection.detail.contains("acquire it again"),
+            "{rejection:?}"
+        );
+        // Above every revision the authority issued: the refusal does not blame the client.
+        let CommitPlan::Refuse(reset) = Batch::new(&current).issued(Some(4)).plan(
+            &token(4),
+            "b/k",
+            &Change::Delete("k".into()),
+            &none(),
+        ) else {
+            panic!()
+        };
+        assert!(reset.detail.contains("snapshot bump 5"), "{reset:?}");
         // A stale write to a key the view has never named is refused just the same.
         assert!(matches!(
             batch.plan(
