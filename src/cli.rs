@@ -56,7 +56,8 @@ pub enum FenceCommand {
     /// receives it resets the store behind its own gateway and writes an audit record.
     Reset {
         resource: String,
-        /// The store: redis or postgres.
+        /// The store: redis, postgres or s3 (S3: manifest mode only; in object mode each
+        /// object carries its own fence).
         #[arg(long)]
         store: String,
         /// The fence the store holds now (0: none), as its refusals report it.
@@ -69,6 +70,10 @@ pub enum FenceCommand {
         /// PostgreSQL: a connection string of the fence schema's owner.
         #[arg(long)]
         dsn: Option<String>,
+        /// S3: the bucket whose manifest log to reset; needed only when several buckets keep
+        /// a manifest of the resource.
+        #[arg(long)]
+        bucket: Option<String>,
         #[command(flatten)]
         endpoint: EndpointArg,
     },
@@ -159,6 +164,10 @@ pub enum PostgresCommand {
         /// As for install; run as the role that installed the schema.
         #[arg(long, env = "FENCEGATE_PG_DSN")]
         dsn: String,
+        /// A node's config file: its operator key (authority.token_key_env or token_key_file,
+        /// key id 0) is installed too, so tokens it signs pass the store's guard.
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
         #[command(flatten)]
         endpoint: EndpointArg,
     },

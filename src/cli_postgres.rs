@@ -26,10 +26,10 @@ async fn cluster_keys(endpoint: &EndpointArg) -> anyhow::Result<Vec<(u32, Vec<u8
             answer.body
         );
     }
+    // None yet (no lock acquired), or none ever (the operator's own key signs): the caller
+    // decides whether that leaves anything to install.
     let Some(keys) = answer.body["state"]["token_keys"].as_object() else {
-        anyhow::bail!(
-            "the authority's snapshot holds no token keys yet; acquire a lock once, then retry"
-        );
+        return Ok(Vec::new());
     };
     let mut out = Vec::new();
     for (kid, key) in keys {
@@ -39,6 +39,20 @@ async fn cluster_keys(endpoint: &EndpointArg) -> anyhow::Result<Vec<(u32, Vec<u8
         out.push((kid, secret, key["retired"].as_bool().unwrap_or(false)));
     }
     Ok(out)
+}
+
+/// The operator's own key (id 0) named by the node config at `path`, as the store keeps it.
+/// It is not replicated, so the authority's snapshot does not hold it.
+fn operator_key(path: &std::path::Path) -> anyhow::Result<Option<(u32, Vec<u8>, bool)>> {
+    let config = crate::config::Config::load(path)?;
+    let key = crate::server::operator_key(&config)?;
+    if key.is_none() {
+        eprintln!(
+            "note: {} names no operator key (authority.token_key_env or token_key_file); only the cluster's keys are installed",
+            path.display()
+        );
+    }
+    Ok(key.map(|key| (key.id(), key.secret().to_vec(), false)))
 }
 
 pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
@@ -98,8 +112,27 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
             let _ = task.await;
             Ok(ExitCode::SUCCESS)
         }
-        PostgresCommand::SyncKeys { dsn, endpoint } => {
-            let keys = cluster_keys(&endpoint).await?;
+        PostgresCommand::SyncKeys {
+            dsn,
+            config,
+            endpoint,
+        } => {
+            let mut keys = cluster_keys(&endpoint).await?;
+            if let Some(path) = &config {
+                keys.extend(operator_key(path)?);
+                keys.sort_by_key(|(kid, _, _)| *kid);
+            }
+            // Installing no key would delete the store's keys and stop its signature checks.
+            if keys.is_empty() {
+                anyhow::bail!(
+                    "no token keys to install, nothing changed: the authority holds none yet (acquire a lock once, then retry){}",
+                    if config.is_some() {
+                        ""
+                    } else {
+                        ", or the cluster signs with an operator key (authority.token_key_env or token_key_file): pass the node's config with --config"
+                    }
+                );
+            }
             let (mut client, task) = fencegate_postgres::connect::connect(&dsn).await?;
             fencegate_postgres::install_token_keys(&mut client, &keys).await?;
             drop(client);

@@ -33,6 +33,9 @@ pub struct ResetRequest {
     pub to: Option<u64>,
     /// PostgreSQL: a connection string of the fence schema's owner (the node keeps none).
     pub dsn: Option<String>,
+    /// S3: the bucket whose manifest-mode log to reset, when several keep one of the resource.
+    #[serde(default)]
+    pub bucket: Option<String>,
 }
 
 #[derive(Debug, Error)]
@@ -50,6 +53,7 @@ pub enum ResetError {
 /// The node's side of a reset: the gateways' upstream settings and the audit log.
 pub struct FenceResets {
     pub redis: Option<fencegate_redis::RedisConfig>,
+    pub s3: Option<fencegate_s3::S3Config>,
     pub audit: Arc<dyn AuditSink>,
 }
 
@@ -75,6 +79,8 @@ impl FenceResets {
             )));
         }
         let failed = |message: String| ResetError::Store { store, message };
+        // Where in the store the fence lives, when the resource alone does not say.
+        let mut place = String::new();
         let outcome = match store {
             Store::Redis => {
                 let config = self.redis.as_ref().ok_or(ResetError::NoGateway(store))?;
@@ -91,23 +97,31 @@ impl FenceResets {
                 let (mut client, connection) = fencegate_postgres::connect::connect(dsn)
                     .await
                     .map_err(|e| failed(e.to_string()))?;
-                let outcome = fencegate_postgres::reset_fence(
-                    &mut client,
-                    &resource,
-                    request.current,
-                    to,
-                )
-                .await
-                .map_err(|e| failed(e.to_string()));
+                let outcome =
+                    fencegate_postgres::reset_fence(&mut client, &resource, request.current, to)
+                        .await
+                        .map_err(|e| failed(e.to_string()));
                 drop(client);
                 connection.abort();
                 outcome?
             }
             Store::S3 => {
-                return Err(ResetError::BadRequest(
-                    "S3 fences are not reset by this command yet: in manifest mode the fence lives in the resource's manifest; in object mode each object carries its own"
-                        .into(),
-                ))
+                let config = self.s3.as_ref().ok_or(ResetError::NoGateway(store))?;
+                let bucket = config
+                    .reset_bucket(resource.as_str(), request.bucket.as_deref())
+                    .map_err(|e| match e {
+                        fencegate_s3::S3Error::Config(why) => ResetError::BadRequest(why),
+                        e => failed(e.to_string()),
+                    })?;
+                // A client of its own, without the gateway's cache: the reset is judged on the
+                // log as the store holds it.
+                let maintenance = fencegate_s3::Maintenance::new(config.clone())
+                    .map_err(|e| failed(e.to_string()))?;
+                place = format!(" (the manifest log in bucket {bucket})");
+                maintenance
+                    .reset_fence(&bucket, resource.as_str(), request.current, to)
+                    .await
+                    .map_err(|e| failed(e.to_string()))?
             }
         };
         if let FenceReset::Done { from, to } = outcome {
@@ -124,7 +138,7 @@ impl FenceResets {
                 fence: Some(from),
                 reason: RESET_REASON.to_owned(),
                 detail: format!(
-                    "the fence of resource {resource} was reset from {from} to {to} by {caller}"
+                    "the fence of resource {resource}{place} was reset from {from} to {to} by {caller}"
                 ),
                 operation: OperationSummary {
                     command: "FENCE RESET".to_owned(),

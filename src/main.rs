@@ -122,6 +122,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             current,
             to,
             dsn,
+            bucket,
             endpoint,
         }) => print_answer(
             client(&endpoint)?
@@ -134,6 +135,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         "current": current,
                         "to": to,
                         "dsn": dsn,
+                        "bucket": bucket,
                     })),
                     REQUEST_TIMEOUT,
                 )

@@ -208,6 +208,7 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         },
         fences: Arc::new(crate::fence_reset::FenceResets {
             redis: config.redis.clone(),
+            s3: config.s3.clone(),
             audit: audit.sink(),
         }),
         gateways: Arc::new(gateways),

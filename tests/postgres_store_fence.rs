@@ -447,3 +447,53 @@ async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
         .get(0);
     assert_eq!(n, 0);
 }
+
+/// Key id 0 is an operator's own key (authority.token_key_env or token_key_file): the store
+/// takes it, and `postgres install` widens the key check of a schema installed before, which
+/// took ids 1 and up only. Tokens it signs then pass the guard; a wrong secret does not.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema() {
+    const OPERATOR: [u8; 32] = [0x5a; 32];
+    let mut store = Store::start().await;
+    // The key check as schemas installed before this change have it.
+    store.pg.psql_as(
+        "postgres",
+        "ALTER TABLE fencegate.token_keys DROP CONSTRAINT token_keys_kid_check, \
+         ADD CONSTRAINT token_keys_kid_check CHECK (kid BETWEEN 1 AND 4294967295)",
+    );
+    let keys = [(0, OPERATOR.to_vec(), false), (KID, SECRET.to_vec(), false)];
+    let e = fencegate_postgres::install_token_keys(&mut store.admin, &keys)
+        .await
+        .unwrap_err();
+    assert!(format!("{e:?}").contains("token_keys_kid_check"), "{e:?}");
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &store.pg.dsn("postgres")]);
+    assert_eq!(c, 0, "reinstall: {out}{err}");
+    fencegate_postgres::install_token_keys(&mut store.admin, &keys)
+        .await
+        .unwrap();
+    let stored = store.pg.psql_as(
+        "postgres",
+        "SELECT string_agg(kid::text, ',' ORDER BY kid) FROM fencegate.token_keys",
+    );
+    assert_eq!(stored, format!("0,{KID}"));
+    // Installing again leaves the widened check as it is.
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &store.pg.dsn("postgres")]);
+    assert_eq!(c, 0, "third install: {out}{err}");
+
+    let app = store.app().await;
+    let by_operator = store.sign(0, &OPERATOR, 5, "job").await;
+    app.batch_execute(&format!(
+        "SELECT fencegate.guard('{by_operator}'); INSERT INTO app.items VALUES (3, 3)"
+    ))
+    .await
+    .unwrap();
+    let wrong_secret = store.sign(0, &SECRET, 6, "job").await;
+    let e = app
+        .batch_execute(&format!(
+            "SELECT fencegate.guard('{wrong_secret}'); INSERT INTO app.items VALUES (4, 4)"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG004", "{e:?}");
+    assert_eq!(store.items().await, vec![(1, 1), (2, 2), (3, 3)]);
+}

@@ -453,6 +453,182 @@ async fn a_wiped_authority_is_started_above_the_fences_the_stores_hold() {
     }
 }
 
+/// A wiped authority below an S3 manifest fence: both nodes' gateways refuse every write (and
+/// cache the fence); an operator's reset with the wrong `--current` changes nothing, the right
+/// one appends one reset entry to the manifest log, leaves one audit record, and both gateways
+/// accept again, also the one that did not run the reset and still cached the old fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
+    use support::s3_server::{run_client, wait_for_port, MotoServer};
+
+    let moto = MotoServer::start();
+    let log_entry = |position: u64| format!(".fencegate/log/vault/{position:020}");
+    // The store's fence as a forged or long-gone authority left it: 999.
+    let seeded = moto.direct(json!([
+        {"op": "create_bucket", "bucket": "vault"},
+        {"op": "put", "bucket": "vault", "key": log_entry(1), "body": r#"{"fence":999,"changes":[]}"#},
+    ]));
+    assert!(
+        seeded.as_array().unwrap().iter().all(|r| r["ok"] == true),
+        "{seeded}"
+    );
+    let ports = [free_port(), free_port()];
+    let sections = |id: u64| {
+        format!(
+            "\n[s3]\nlisten = \"127.0.0.1:{}\"\nupstream = \"{}\"\n\
+             upstream_access_key = \"gateway\"\nupstream_secret_env = \"S3_UPSTREAM_SECRET\"\n\
+             clients_env = \"S3_CLIENTS\"\n\n\
+             [[s3.protect]]\nbucket = \"vault\"\nmode = \"manifest\"\nresource = \"vault\"\n\n\
+             [[s3.protect]]\nbucket = \"plain\"\nmode = \"object\"\nresource = \"objects\"\n",
+            ports[id as usize - 1],
+            moto.endpoint,
+        )
+    };
+    let cluster = Cluster::start_configured(
+        2,
+        "",
+        sections,
+        &[
+            ("S3_UPSTREAM_SECRET", "gateway-secret"),
+            ("S3_CLIENTS", "AKIDVAULT:vault-secret"),
+        ],
+    )
+    .await;
+    for port in ports {
+        wait_for_port(port, Duration::from_secs(30));
+    }
+    let s3 = |node: u64, steps: Value| {
+        run_client(
+            &format!("http://127.0.0.1:{}", ports[node as usize - 1]),
+            "AKIDVAULT",
+            "vault-secret",
+            steps,
+        )
+    };
+    let grant = cluster.acquire(1, "vault", 60_000).await;
+    let token = grant["token"].as_str().unwrap().to_owned();
+    let revision = grant["revision"].as_u64().unwrap();
+    assert!(revision < 999, "{grant}");
+    let put = |key: &str, body: &str| json!([{"op": "put", "bucket": "vault", "key": key, "body": body, "token": token}]);
+    let get_k = |node: u64| s3(node, json!([{"op": "get", "bucket": "vault", "key": "k"}]));
+    let stale = |node: u64| {
+        support::audit::records(&cluster.data_dir(node).join("audit"))
+            .iter()
+            .filter(|r| r["store"] == "s3" && r["reason"] == "stale")
+            .count()
+    };
+
+    // Both gateways refuse, and from now on hold fence 999 in their cached view.
+    for node in [1, 2] {
+        let answer = s3(node, put("k", "refused"));
+        assert_eq!(answer[0]["status"], 412, "node {node}: {answer}");
+        assert_eq!(answer[0]["code"], "FencingTokenStale", "node {node}");
+    }
+    assert_eq!(get_k(1)[0]["status"], 404, "nothing was written");
+    assert_eq!((stale(1), stale(2)), (1, 1));
+    let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
+    assert_eq!(status["fence_above_authority"], 999, "{status}");
+
+    // Object mode has no one fence to reset; the reset says so and what to do instead.
+    let (code, out) = cluster.cli(&[
+        "fence",
+        "reset",
+        "objects",
+        "--store",
+        "s3",
+        "--current",
+        "999",
+        "--endpoint",
+        &cluster.endpoints_of(&[1]),
+    ]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("each object carries its own fence") && out.contains("snapshot bump"),
+        "{out}"
+    );
+
+    // The reset runs on node 1. The wrong --current changes nothing: no log entry, still refused.
+    let reset = |current: &str| {
+        cluster.cli(&[
+            "fence",
+            "reset",
+            "vault",
+            "--store",
+            "s3",
+            "--current",
+            current,
+            "--endpoint",
+            &cluster.endpoints_of(&[1]),
+        ])
+    };
+    let (code, out) = reset("998");
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("the store holds fence 999, not 998; nothing changed"),
+        "{out}"
+    );
+    let entry = |position: u64| {
+        moto.direct(json!([{"op": "get", "bucket": "vault", "key": log_entry(position)}]))[0]
+            .clone()
+    };
+    assert_eq!(
+        entry(2)["ok"],
+        false,
+        "the wrong --current appended {}",
+        entry(2)
+    );
+    let answer = s3(2, put("k", "refused"));
+    assert_eq!(answer[0]["status"], 412, "{answer}");
+
+    // The right one: one reset entry at the next position, fence 999 -> the holder's token.
+    let (code, out) = reset("999");
+    assert_eq!(code, 0, "{out}");
+    let answer: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (answer["from"].as_u64(), answer["to"].as_u64()),
+        (Some(999), Some(revision)),
+        "{out}"
+    );
+    let appended = entry(2);
+    assert_eq!(
+        appended["body"],
+        format!(r#"{{"fence":{revision},"changes":[],"reset_to":{revision}}}"#),
+        "{appended}"
+    );
+
+    // Both gateways still cached fence 999. Node 1's PUT re-reads the log before refusing and
+    // finds the reset; node 2's DELETE (a commit planned on its cached view) does the same.
+    let answer = s3(1, put("k", "first"));
+    assert_eq!(answer[0]["ok"], true, "node 1: {answer}");
+    let answer = s3(
+        2,
+        json!([{"op": "delete", "bucket": "vault", "key": "k", "token": token}]),
+    );
+    assert_eq!(answer[0]["ok"], true, "node 2: {answer}");
+    assert_eq!(get_k(1)[0]["status"], 404, "node 2's delete committed");
+    let answer = s3(2, put("k", "second"));
+    assert_eq!(answer[0]["ok"], true, "node 2: {answer}");
+    assert_eq!(get_k(1)[0]["body"], "second");
+    assert_eq!(get_k(2)[0]["body"], "second");
+    // No refusal after the reset.
+    assert_eq!((stale(1), stale(2)), (1, 2));
+
+    // Exactly one audit record of the reset, on the node that ran it; its report is cleared.
+    let resets: Vec<Value> = [1, 2]
+        .iter()
+        .flat_map(|node| support::audit::records(&cluster.data_dir(*node).join("audit")))
+        .filter(|r| r["reason"] == "fence_reset")
+        .collect();
+    assert_eq!(resets.len(), 1, "{resets:?}");
+    assert_eq!(resets[0]["store"], "s3");
+    assert_eq!(
+        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
+        (Some(999), Some(revision))
+    );
+    let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
+    assert_eq!(status["fence_above_authority"], Value::Null, "{status}");
+}
+
 /// With the default security (TLS, credentials, the cluster's own key), a typed or forged token
 /// is refused by all three gateways before any store I/O: no data, no fence, one `forged`
 /// audit record each. A genuine token for another resource is refused the same way, as
@@ -859,6 +1035,98 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "2,4");
+}
+
+/// An operator-supplied key (id 0, here `token_key_file`) signs the node's tokens, and the
+/// cluster then makes no key of its own. The snapshot does not hold key 0, so `postgres
+/// sync-keys` alone has nothing to install and says how to proceed (it never empties the
+/// store's keys); with `--config` naming the node's config it installs key 0, and the guard
+/// accepts the node's tokens and refuses typed ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_keys_with_the_node_config_installs_the_operator_key() {
+    use support::postgres_server::{cli, code as sqlstate};
+
+    let pg = protected_ledger();
+    let key_dir = tempfile::tempdir().unwrap();
+    let key_file = key_dir.path().join("token.key");
+    std::fs::write(
+        &key_file,
+        "an operator's own key, thirty-two bytes or more\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start(1, &format!("token_key_file = \"{}\"", key_file.display())).await;
+    let grant = cluster.acquire(1, "vault", 60_000).await;
+    let token = grant["token"].as_str().unwrap();
+    assert_eq!(
+        fencegate_core::Token::parse(token).unwrap().key_id(),
+        Some(0),
+        "{token}"
+    );
+    let (direct, connection) = tokio_postgres::connect(&pg.dsn("postgres"), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let guarded = |id: u32| {
+        format!(
+            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
+        )
+    };
+    let sync = |extra: &[&str]| {
+        let mut args = vec![
+            "postgres",
+            "sync-keys",
+            "--dsn",
+            &pg.dsn("postgres"),
+            "--endpoint",
+            &cluster.endpoints(),
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect::<Vec<_>>();
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cli(&args)
+    };
+
+    let store_keys = || {
+        pg.psql_as(
+            "postgres",
+            "SELECT coalesce(string_agg(kid || ':' || retired, ',' ORDER BY kid), '') FROM fencegate.token_keys",
+        )
+    };
+    // The cluster's snapshot has no key to give: refused, the store's keys untouched.
+    let (code, out, err) = sync(&[]);
+    assert_ne!(code, 0, "sync-keys: {out}{err}");
+    assert!(
+        err.contains("no token keys to install, nothing changed") && err.contains("--config"),
+        "{err}"
+    );
+    assert_eq!(store_keys(), "");
+
+    // With the node's config, key 0 goes in and the node's token writes.
+    let config = cluster.nodes[0].config.display().to_string();
+    let (code, out, err) = sync(&["--config", &config]);
+    assert_eq!(code, 0, "sync-keys --config: {out}{err}");
+    assert!(
+        out.contains("installed 1 token key(s) in the store: 0;"),
+        "{out}"
+    );
+    assert_eq!(store_keys(), "0:false");
+    direct.batch_execute(&guarded(2)).await.unwrap();
+    // A typed token is still refused by the store.
+    let e = direct
+        .batch_execute(
+            "BEGIN; SELECT fencegate.guard('fg1~999~vault'); INSERT INTO ledger VALUES (3); COMMIT",
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(sqlstate(&e), "FG004", "{e:?}");
+    let _ = direct.batch_execute("ROLLBACK").await;
+    let rows = pg.psql_as(
+        "postgres",
+        "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
+    );
+    assert_eq!(rows, "2");
 }
 
 /// A PostgreSQL server with the fence schema installed and table `ledger` protected for

@@ -82,13 +82,32 @@ $mac$;
 
 -- The cluster's token keys (written by the gateway node, see install_token_keys in the crate).
 -- With any row here, the guard refuses unsigned tokens and tokens of unknown or retired keys.
+-- Key id 0 is an operator's own key (authority.token_key_env or token_key_file); 1 and up are
+-- the keys the cluster makes and rotates.
 CREATE TABLE IF NOT EXISTS fencegate.token_keys (
-    kid     bigint PRIMARY KEY CHECK (kid BETWEEN 1 AND 4294967295),
+    kid     bigint PRIMARY KEY CHECK (kid BETWEEN 0 AND 4294967295),
     secret  bytea NOT NULL CHECK (length(secret) >= 32),
     retired boolean NOT NULL DEFAULT false,
     ipad    bytea GENERATED ALWAYS AS (fencegate.hmac_pad(secret, 54)) STORED,
     opad    bytea GENERATED ALWAYS AS (fencegate.hmac_pad(secret, 92)) STORED
 );
+-- Schemas installed before operator keys were written here checked kid >= 1: widen that check.
+-- Only when it is the old one, so a reinstall takes no lock that guards would queue behind.
+DO $widen$
+DECLARE
+    v_name name;
+BEGIN
+    FOR v_name IN
+        SELECT conname FROM pg_catalog.pg_constraint
+         WHERE conrelid = 'fencegate.token_keys'::regclass AND contype = 'c'
+           AND pg_catalog.pg_get_constraintdef(oid) LIKE '%kid >= 1)%'
+    LOOP
+        EXECUTE format('ALTER TABLE fencegate.token_keys DROP CONSTRAINT %I', v_name);
+        ALTER TABLE fencegate.token_keys ADD CONSTRAINT token_keys_kid_check
+            CHECK (kid BETWEEN 0 AND 4294967295);
+    END LOOP;
+END
+$widen$;
 
 -- The pass key, made once at install time from the server's strong random source
 -- (gen_random_uuid: 122 random bits each).

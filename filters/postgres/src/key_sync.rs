@@ -5,8 +5,9 @@
 //! Runs when the `[postgres]` section names an install DSN (`install_dsn_env`): the owner role
 //! is the only one that may write `fencegate.token_keys`. The node's key ring is compared once
 //! a second with what was last written; a change (a new, promoted or retired key) is written in
-//! one transaction. An operator's pinned key (id 0) is not replicated and is not written: the
-//! store keeps ids 1 and up.
+//! one transaction. An operator's own key (id 0, from `authority.token_key_env` or
+//! `token_key_file`) is written too: it signs the node's tokens, so without it the store would
+//! refuse every token the gateway accepts.
 
 use std::time::Duration;
 
@@ -17,12 +18,12 @@ use crate::token_keys::install_token_keys;
 /// How often the ring is compared with what the store was given.
 const PERIOD: Duration = Duration::from_secs(1);
 
-/// The keys of `ring` as the store keeps them: `(kid, secret, retired)`, ids 1 and up.
+/// The keys of `ring` as the store keeps them: `(kid, secret, retired)`, the operator's key
+/// (id 0) included.
 pub fn store_keys(ring: &SharedKeyRing) -> Vec<(u32, Vec<u8>, bool)> {
     ring.read(|ring| {
         let mut keys: Vec<_> = ring
             .keys()
-            .filter(|(key, _)| key.id() != 0)
             .map(|(key, state)| (key.id(), key.secret().to_vec(), state == KeyState::Retired))
             .collect();
         keys.sort_by_key(|(kid, _, _)| *kid);
@@ -71,12 +72,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_store_gets_replicated_keys_only_with_their_retirement() {
+    fn the_store_gets_every_key_with_its_retirement_and_the_operator_key() {
         let mut ring = KeyRing::default();
         ring.insert(TokenKey::new(2, &[2; 32]).unwrap(), KeyState::Signing);
         ring.insert(TokenKey::new(1, &[1; 32]).unwrap(), KeyState::Retired);
         ring.pin(TokenKey::new(0, &[9; 32]).unwrap());
         let keys = store_keys(&SharedKeyRing::new(ring));
-        assert_eq!(keys, vec![(1, vec![1; 32], true), (2, vec![2; 32], false)]);
+        assert_eq!(
+            keys,
+            vec![
+                (0, vec![9; 32], false),
+                (1, vec![1; 32], true),
+                (2, vec![2; 32], false)
+            ]
+        );
     }
 }

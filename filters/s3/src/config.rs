@@ -296,6 +296,46 @@ impl S3Config {
     }
 }
 
+impl S3Config {
+    /// The bucket whose manifest-mode log holds `resource`'s fence, for an operator's reset
+    /// (`bucket`: the operator's choice, needed when several buckets keep a log of it). Object
+    /// mode has no one fence to reset, and the error says so and what to do instead.
+    pub fn reset_bucket(&self, resource: &str, bucket: Option<&str>) -> Result<String, S3Error> {
+        let names = |mode: ProtectMode| {
+            let mut buckets: Vec<&str> = Vec::new();
+            for rule in &self.protect {
+                if rule.mode == mode
+                    && rule.resource.as_deref() == Some(resource)
+                    && !buckets.contains(&rule.bucket.as_str())
+                {
+                    buckets.push(&rule.bucket);
+                }
+            }
+            buckets
+        };
+        let manifests = names(ProtectMode::Manifest);
+        match (bucket, manifests.as_slice()) {
+            (Some(want), _) if manifests.contains(&want) => Ok(want.to_owned()),
+            (None, [only]) => Ok((*only).to_owned()),
+            (_, []) if !names(ProtectMode::Object).is_empty() => Err(S3Error::Config(format!(
+                "resource {resource} is fenced in S3 object mode, where each object carries its own fence (its {} metadata), so there is no one fence to reset. Start or bump the authority above the highest fence the refusals report (`fencegate snapshot bump N`), or rewrite the affected objects directly in the store",
+                crate::rewrite::FENCE_REVISION_HEADER
+            ))),
+            (_, []) => Err(S3Error::Config(format!(
+                "no protect rule of this node's [s3] section names resource {resource}; send the reset to a node whose config fences it in manifest mode"
+            ))),
+            (Some(want), _) => Err(S3Error::Config(format!(
+                "bucket {want} keeps no manifest-mode log of resource {resource}; its manifests are in: {}",
+                manifests.join(", ")
+            ))),
+            (None, _) => Err(S3Error::Config(format!(
+                "resource {resource} has a manifest-mode log in several buckets ({}), each with its own fence; name one with --bucket",
+                manifests.join(", ")
+            ))),
+        }
+    }
+}
+
 /// Parses client credentials: `AKID:secret` pairs separated by commas or newlines, or
 /// `AKID secret` lines; `#` starts a comment line.
 pub fn parse_credentials(text: &str) -> Result<Vec<(String, String)>, S3Error> {

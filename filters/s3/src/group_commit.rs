@@ -5,7 +5,8 @@
 //! every queued change, plans them in order over the view ([`crate::manifest::Batch`]: a stale
 //! token is refused, the others raise the fence and apply) and appends the result as one entry
 //! with `If-None-Match: *` on the next position. Answers are given only after that write
-//! succeeds, so a refusal always rests on a fence the store holds. One node therefore sends at
+//! succeeds, and a refusal planned on the cached view is planned again on the re-read log
+//! tail, so a refusal always rests on a fence the store holds now. One node therefore sends at
 //! most one log append per resource at a time; other nodes race for positions through
 //! `If-None-Match`, and the loser catches up and re-plans.
 
@@ -139,7 +140,7 @@ impl Shared {
             let empty = crate::manifest::Manifest::default();
             let base = current.as_ref().map_or(&empty, |l| &*l.manifest);
             let position = base.position + 1;
-            let mut planned = Batch::new(base);
+            let mut planned = Batch::new(base).issued(self.policy.issued.get());
             let mut decided = Vec::with_capacity(batch.len());
             let mut recheck = false;
             for pending in &batch {
@@ -150,12 +151,17 @@ impl Shared {
                     &pending.conditions,
                 );
                 decided.push(match plan {
-                    CommitPlan::Refuse(rejection) => CommitDone::Refused(rejection),
-                    // A client precondition judged on a cached view is checked on a fresh one.
-                    CommitPlan::PreconditionFailed | CommitPlan::NoSuchKey if !revalidate => {
+                    // A refusal or a client precondition judged on a cached view is checked on
+                    // a fresh one: an operator's reset may have lowered the fence since.
+                    CommitPlan::Refuse(_)
+                    | CommitPlan::PreconditionFailed
+                    | CommitPlan::NoSuchKey
+                        if !revalidate =>
+                    {
                         recheck = true;
                         break;
                     }
+                    CommitPlan::Refuse(rejection) => CommitDone::Refused(rejection),
                     CommitPlan::PreconditionFailed => CommitDone::PreconditionFailed,
                     CommitPlan::NoSuchKey => CommitDone::NoSuchKey,
                     CommitPlan::Commit => CommitDone::Committed,

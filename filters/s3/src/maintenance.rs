@@ -1,7 +1,9 @@
 //! Manifest mode, maintenance run by an operator against the store (not through the listener):
 //! [`Maintenance::gc`] removes physical objects no manifest names once they are older than a
-//! grace period, and [`Maintenance::export`] copies a resource's committed view to plain keys
-//! for readers that cannot use the gateway. The `fencegate s3 gc` / `s3 export` CLI calls these.
+//! grace period, [`Maintenance::export`] copies a resource's committed view to plain keys
+//! for readers that cannot use the gateway, and [`Maintenance::reset_fence`] is an operator's
+//! reset of a manifest's fence. The `fencegate s3 gc` / `s3 export` CLI and `fencegate fence
+//! reset` call these.
 //!
 //! GC lists the physical objects first and reads the manifest after, so a commit that lands
 //! in between is seen and its object kept. An object is removed only when older than the grace
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fencegate_core::{MemoryAuditSink, TokenPolicy};
+use fencegate_core::{FenceReset, MemoryAuditSink, TokenPolicy};
 
 use crate::config::{ProtectMode, S3Config};
 use crate::error::S3Error;
@@ -82,6 +84,20 @@ impl Maintenance {
             }
         }
         seen
+    }
+
+    /// Resets the fence of `resource`'s manifest-mode log in `bucket` to `to` (0: none) if it is
+    /// `current` now (a compare-and-set against concurrent commits; see
+    /// `docs/S3_MANIFEST.md`). Gateways that cached the old fence re-read the log before they
+    /// refuse a write, so they follow without a restart.
+    pub async fn reset_fence(
+        &self,
+        bucket: &str,
+        resource: &str,
+        current: u64,
+        to: u64,
+    ) -> Result<FenceReset, S3Error> {
+        self.shared.reset_fence(bucket, resource, current, to).await
     }
 
     /// Removes the physical objects of `resource` in `bucket` that its manifest does not name

@@ -22,7 +22,9 @@
 //! higher one raises it to the token. New keys, overwrites, copies, multipart completions and
 //! deletes are all commits, so a stale holder cannot create a key, rewrite identical bytes or
 //! delete one. A commit writes one entry holding only its own changes: O(1) in the number of
-//! keys.
+//! keys. The one exception to "the fence only grows" is an operator's reset, an entry with
+//! `reset_to` ([`LogEntry::reset`]), appended like any commit; so a gateway re-reads the log
+//! tail before it refuses on a cached view.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -91,6 +93,22 @@ pub struct LogEntry {
     pub fence: u64,
     /// The changes, applied in order.
     pub changes: Vec<LogChange>,
+    /// An operator's fence reset (`fencegate fence reset`): the fence becomes exactly this,
+    /// also when it is lower. Gateways that predate resets ignore the field and keep the higher
+    /// fence, so they go on refusing (fail closed) rather than letting a lower token through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_to: Option<u64>,
+}
+
+impl LogEntry {
+    /// The entry of an operator's reset of the fence to `to` (0: no fence); it changes no key.
+    pub fn reset(to: u64) -> Self {
+        Self {
+            fence: to,
+            changes: Vec::new(),
+            reset_to: Some(to),
+        }
+    }
 }
 
 /// One key's change in a log entry: `put` names the new object, `None` removes the key.
@@ -107,7 +125,10 @@ impl Manifest {
     /// Applies the entry at `position` (the caller applies entries in order, from
     /// `self.position + 1`).
     pub fn apply(&mut self, position: u64, entry: &LogEntry) {
-        self.fence = self.fence.max(entry.fence);
+        self.fence = match entry.reset_to {
+            Some(to) => to,
+            None => self.fence.max(entry.fence),
+        };
         self.position = position;
         for change in &entry.changes {
             match &change.put {
@@ -161,6 +182,9 @@ pub struct Batch<'m> {
     changes: Vec<LogChange>,
     /// Key -> index of its latest change in `changes`.
     index: HashMap<String, usize>,
+    /// The highest revision the node's authority has issued, if known (words a refusal whose
+    /// fence is above it as an authority reset, not the client's lost lock).
+    issued: Option<u64>,
 }
 
 impl<'m> Batch<'m> {
@@ -171,7 +195,14 @@ impl<'m> Batch<'m> {
             fence: base.fence,
             changes: Vec::new(),
             index: HashMap::new(),
+            issued: None,
         }
+    }
+
+    /// The same batch, wording stale refusals with what the authority has `issued`.
+    pub fn issued(mut self, issued: Option<u64>) -> Self {
+        self.issued = issued;
+        self
     }
 
     /// The entry `key` names after the changes planned so far.
@@ -197,7 +228,7 @@ impl<'m> Batch<'m> {
                 token,
                 fence,
                 &format!("the manifest of {target}"),
-                None,
+                self.issued,
             ));
         }
         match self.current(change.key()) {
@@ -227,6 +258,7 @@ impl<'m> Batch<'m> {
         (!self.changes.is_empty()).then_some(LogEntry {
             fence: self.fence,
             changes: self.changes,
+            reset_to: None,
         })
     }
 }
@@ -442,6 +474,20 @@ mod tests {
             panic!()
         };
         assert_eq!(rejection.reason, RejectReason::Stale { fence: 5 });
+        assert!(
+            rejection.detail.contains("acquire it again"),
+            "{rejection:?}"
+        );
+        // Above every revision the authority issued: the refusal does not blame the client.
+        let CommitPlan::Refuse(reset) = Batch::new(&current).issued(Some(4)).plan(
+            &token(4),
+            "b/k",
+            &Change::Delete("k".into()),
+            &none(),
+        ) else {
+            panic!()
+        };
+        assert!(reset.detail.contains("snapshot bump 5"), "{reset:?}");
         // A stale write to a key the view has never named is refused just the same.
         assert!(matches!(
             batch.plan(
@@ -541,6 +587,37 @@ mod tests {
             batch.plan(&token(6), "b/k", &Change::Delete("k".into()), &deleted),
             CommitPlan::NoSuchKey
         );
+    }
+
+    #[test]
+    fn golden_reset_lowers_the_fence_and_keeps_the_keys() {
+        let reset = LogEntry::reset(3);
+        assert_eq!(
+            serde_json::to_string(&reset).unwrap(),
+            r#"{"fence":3,"changes":[],"reset_to":3}"#
+        );
+        let mut view = manifest(&["k"]);
+        view.fence = 999;
+        view.apply(10, &reset);
+        assert_eq!((view.fence, view.position), (3, 10));
+        assert_eq!(view.keys.keys().collect::<Vec<_>>(), ["k"]);
+        // After the reset a token at the new fence commits and raises it as before...
+        let mut batch = Batch::new(&view);
+        assert_eq!(
+            batch.plan(&token(3), "b/k", &Change::Delete("k".into()), &none()),
+            CommitPlan::Commit
+        );
+        let next = batch.into_entry().unwrap();
+        assert_eq!(next.reset_to, None);
+        view.apply(11, &next);
+        assert_eq!(view.fence, 3);
+        // ...and an entry written before resets existed (no field) still only raises it.
+        let old: LogEntry = serde_json::from_str(r#"{"fence":2,"changes":[]}"#).unwrap();
+        view.apply(12, &old);
+        assert_eq!(view.fence, 3);
+        // Reset to 0: no fence at all.
+        view.apply(13, &LogEntry::reset(0));
+        assert_eq!(view.fence, 0);
     }
 
     #[test]

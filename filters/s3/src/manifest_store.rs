@@ -11,6 +11,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use fencegate_core::FenceReset;
 
 use crate::error::S3Error;
 use crate::gateway::Shared;
@@ -331,6 +332,45 @@ impl Shared {
                 "log entry {position} of {resource} in {bucket} answered {status}"
             ))),
         }
+    }
+
+    /// An operator's reset of `resource`'s fence in `bucket` to `to` (0: none), only if the
+    /// log's fence is `current` now: the reset entry goes to the position after the view it
+    /// was judged on, `If-None-Match: *`, so a commit that lands in between makes the append
+    /// fail and the reset is judged again on the new view.
+    pub(crate) async fn reset_fence(
+        &self,
+        bucket: &str,
+        resource: &str,
+        current: u64,
+        to: u64,
+    ) -> Result<FenceReset, S3Error> {
+        for _attempt in 0..self.config.max_attempts {
+            let view = self.manifest(bucket, resource, true).await?;
+            let (fence, position) =
+                view.map_or((0, 0), |l| (l.manifest.fence, l.manifest.position));
+            if fence != current {
+                return Ok(FenceReset::Mismatch { actual: fence });
+            }
+            if self
+                .append(bucket, resource, position + 1, &LogEntry::reset(to))
+                .await?
+                .is_some()
+            {
+                tracing::info!(
+                    bucket,
+                    resource,
+                    from = fence,
+                    to,
+                    position = position + 1,
+                    "s3: manifest fence reset"
+                );
+                return Ok(FenceReset::Done { from: fence, to });
+            }
+        }
+        Err(S3Error::Upstream(format!(
+            "the log of {resource} in {bucket} kept changing during the reset; nothing was reset: retry"
+        )))
     }
 
     /// Writes a checkpoint of the cached view if the log has grown [`CHECKPOINT_EVERY`]

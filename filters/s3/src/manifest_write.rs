@@ -119,17 +119,23 @@ impl WriteSession<'_> {
             .await
     }
 
-    /// Refuses early, before any physical write, when the (possibly cached) manifest's fence
-    /// is already above the token. Fences only grow, so a cached fence never refuses wrongly.
+    /// Refuses early, before any physical write, when the manifest's fence is above the
+    /// token. The cached fence answers without I/O when it lets the write on; before refusing,
+    /// the log tail is re-read (one GET when nothing changed), because an operator's reset
+    /// through another node may have lowered the fence since.
     async fn stale_before_write(
         &mut self,
         bucket: &str,
         resource: &str,
         token: &Token,
     ) -> Result<bool, S3Error> {
-        let current = self.shared.manifest(bucket, resource, false).await?;
-        let fence = current.map_or(0, |l| l.manifest.fence);
         let revision = token.revision().get();
+        let fence_of =
+            |view: Option<crate::manifest_store::Loaded>| view.map_or(0, |l| l.manifest.fence);
+        let mut fence = fence_of(self.shared.manifest(bucket, resource, false).await?);
+        if fence > revision {
+            fence = fence_of(self.shared.manifest(bucket, resource, true).await?);
+        }
         if fence > revision {
             let target = format!("the manifest of {}", self.target.display());
             let rejection = self.shared.policy.stale(token, fence, &target);
