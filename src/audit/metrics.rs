@@ -35,6 +35,9 @@ pub struct FenceCounters {
     over_budget: Gauge,
     /// Refusals counted but not written because the log was over budget.
     suppressed: Counter,
+    /// Gateway traffic and the audit writer's queue and fsync time (they reach the node
+    /// through the same sink).
+    pub gateway: crate::gateway_metrics::GatewayMetrics,
 }
 
 impl FenceCounters {
@@ -65,6 +68,7 @@ impl FenceCounters {
             "Tokenless or malformed refusals not written because the audit log was over its size budget",
             self.suppressed.clone(),
         );
+        self.gateway.register(registry);
     }
 
     /// Notes the fence a store reported in a refusal.

@@ -144,7 +144,10 @@ fn run(
             }
             submissions = kept;
         }
+        counters.gateway.audit_queue_depth(rx.len());
+        let started = std::time::Instant::now();
         let result = state.append(submissions.iter().map(|s| &s.event));
+        counters.gateway.audit_fsync(started.elapsed());
         if let Err(e) = &result {
             tracing::error!(error = %e, records = submissions.len(), "audit log write failed; refusals are not being logged");
         }
@@ -358,6 +361,28 @@ impl AuditSink for AuditHandle {
 
     fn applied(&self, store: &str) {
         self.counters.applied(store);
+    }
+}
+
+impl fencegate_core::Observer for AuditHandle {
+    fn connection_opened(&self, store: fencegate_core::Store) {
+        self.counters.gateway.connection_opened(store);
+    }
+
+    fn connection_closed(&self, store: fencegate_core::Store) {
+        self.counters.gateway.connection_closed(store);
+    }
+
+    fn request_done(&self, store: fencegate_core::Store, elapsed: Duration) {
+        self.counters.gateway.request_done(store, elapsed);
+    }
+
+    fn upstream_failed(
+        &self,
+        store: fencegate_core::Store,
+        failure: fencegate_core::UpstreamFailure,
+    ) {
+        self.counters.gateway.upstream_failed(store, failure);
     }
 }
 
