@@ -522,3 +522,57 @@ async fn json_logs_are_one_object_per_line() {
     assert_eq!(started["node_id"], 1, "{started}");
     println!("{started}");
 }
+
+#[tokio::test]
+async fn postgres_and_s3_gateways_count_connections_and_requests() {
+    // PostgreSQL: one client connection, queries answered through the gateway.
+    let pg = support::postgres_server::PgGateway::start("", &[]);
+    let client = support::postgres_server::connect(&pg.dsn("postgres")).await;
+    for _ in 0..3 {
+        client.simple_query("SELECT 1").await.unwrap();
+    }
+    let text = scrape_until(
+        &pg.node,
+        "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}",
+        |v| v >= 3.0,
+    )
+    .await;
+    assert_eq!(
+        sample(&text, "fencegate_gateway_connections{store=\"postgres\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    drop(client);
+    scrape_until(
+        &pg.node,
+        "fencegate_gateway_connections{store=\"postgres\"}",
+        |v| v == 0.0,
+    )
+    .await;
+    println!("postgres: 3 queries counted, the connection gauge back to 0 once the client left");
+
+    // S3: each HTTP request is one request; none stays open.
+    let s3 = support::s3_gateway::S3Node::start();
+    let results = s3.run(serde_json::json!([
+        {"op": "put", "bucket": "ledger", "key": "plain/a", "body": "x"},
+        {"op": "get", "bucket": "ledger", "key": "plain/a"},
+    ]));
+    assert!(results.iter().all(|r| r["ok"] == true), "{results:?}");
+    let text = scrape_until(
+        &s3.node,
+        "fencegate_gateway_request_duration_seconds_count{store=\"s3\"}",
+        |v| v >= 2.0,
+    )
+    .await;
+    assert_eq!(
+        sample(&text, "fencegate_gateway_connections{store=\"s3\"}"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "fencegate_gateway_upstream_up{store=\"s3\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    println!("s3: requests counted, none in flight after");
+}
