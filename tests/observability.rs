@@ -363,7 +363,7 @@ fn the_name_parser_finds_names_in_promql() {
 }
 
 #[test]
-fn alert_rules_pass_promtool_check_rules() {
+fn alert_rules_pass_promtool_check_and_test_rules() {
     let out = Command::new(promtool())
         .args(["check", "rules"])
         .arg(repo().join("deploy/prometheus/alerts.yml"))
@@ -376,6 +376,23 @@ fn alert_rules_pass_promtool_check_rules() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("$ promtool check rules deploy/prometheus/alerts.yml\n{report}");
+
+    // And they fire on the series they are meant for (and not before): alerts_test.yml.
+    let out = Command::new(promtool())
+        .args(["test", "rules"])
+        .arg(repo().join("deploy/prometheus/alerts_test.yml"))
+        .output()
+        .unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "promtool test rules failed:\n{report}"
+    );
+    println!("$ promtool test rules deploy/prometheus/alerts_test.yml\n{report}");
 }
 
 #[test]
