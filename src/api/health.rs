@@ -203,3 +203,28 @@ pub async fn readyz(State(state): State<ApiState>) -> Response {
     };
     (code, axum::Json(body)).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn upstreams_become_host_and_port() {
+        assert_eq!(host_port("127.0.0.1:6379", 6379), "127.0.0.1:6379");
+        assert_eq!(
+            host_port("rediss://cache.internal:6380", 6379),
+            "cache.internal:6380"
+        );
+        assert_eq!(
+            host_port("redis://cache.internal", 6379),
+            "cache.internal:6379"
+        );
+        assert_eq!(host_port("http://minio:9000", 80), "minio:9000");
+        assert_eq!(
+            host_port("https://s3.example.com/", 80),
+            "s3.example.com:443"
+        );
+        assert_eq!(host_port("http://user:pw@minio", 80), "minio:80");
+        assert_eq!(host_port("[::1]:5432", 5432), "[::1]:5432");
+    }
+}
