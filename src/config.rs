@@ -246,6 +246,19 @@ pub struct LogConfig {
     /// A tracing filter such as `info` or `fencegate=debug,openraft=warn`.
     #[serde(default = "default_log_level")]
     pub level: String,
+    /// `text` (one human-readable line per event) or `json` (one JSON object per line, for a
+    /// log shipper).
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+/// How log lines are written (`[log] format`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 fn default_node_id() -> u64 {
@@ -317,6 +330,7 @@ impl Default for LogConfig {
     fn default() -> Self {
         Self {
             level: default_log_level(),
+            format: LogFormat::default(),
         }
     }
 }

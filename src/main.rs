@@ -9,9 +9,13 @@ mod cli_s3;
 mod client;
 mod config;
 mod disk;
+mod exposition;
 mod fence_reset;
+mod gateway_metrics;
 mod lock_run;
 mod metrics;
+mod process_metrics;
+mod raft_watch;
 mod sampled_gauge;
 mod server;
 mod tls;
@@ -53,7 +57,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve(arg) => {
             let config = Config::load(&arg.config)?;
-            init_logging(&config.log.level);
+            init_logging(&config.log);
             server::serve(config).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -298,13 +302,18 @@ fn print_answer(answer: Answer) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn init_logging(level: &str) {
+fn init_logging(log: &config::LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    match log.format {
+        // One object per line, fields flattened to the top level, for log shippers.
+        config::LogFormat::Json => builder.json().flatten_event(true).init(),
         // Colours only on a terminal: a log file or journald gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        config::LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
 }

@@ -1,9 +1,21 @@
-//! Prometheus metrics of a node, served on `GET /metrics`.
+//! Prometheus metrics of a node, served on `GET /metrics` in the classic text format.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerLabel {
+    peer: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
 
 /// Every metric family of the node; handles are cheap clones of shared atomics.
 pub struct Metrics {
@@ -22,6 +34,11 @@ pub struct Metrics {
     pub fences: crate::audit::FenceCounters,
     /// Connections of the Redis gateway in its tarpit now (read from the gateway on scrape).
     pub redis_tarpitted: crate::sampled_gauge::SampledGauge,
+    /// Leader changes this node saw (a new leader known; see [`crate::raft_watch`]).
+    pub leader_changes: Counter,
+    pub has_leader: Gauge,
+    pub last_log_index: Gauge,
+    replication_lag: Family<PeerLabel, Gauge>,
 }
 
 impl Default for Metrics {
@@ -40,8 +57,43 @@ impl Default for Metrics {
             waiting_acquires: Gauge::default(),
             fences: crate::audit::FenceCounters::default(),
             redis_tarpitted: Default::default(),
+            leader_changes: Counter::default(),
+            has_leader: Gauge::default(),
+            last_log_index: Gauge::default(),
+            replication_lag: Family::default(),
             registry: Registry::default(),
         };
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "Always 1; the version label says which fencegate this node runs",
+            build_info,
+        );
+        registry.register(
+            "raft_leader_changes",
+            "Times this node learned of a new Raft leader (elections and failovers)",
+            metrics.leader_changes.clone(),
+        );
+        registry.register(
+            "raft_has_leader",
+            "1 while this node knows a Raft leader",
+            metrics.has_leader.clone(),
+        );
+        registry.register(
+            "raft_last_log_index",
+            "Index of the last entry in this node's Raft log",
+            metrics.last_log_index.clone(),
+        );
+        registry.register(
+            "raft_replication_lag",
+            "On the leader: log entries each peer has yet to confirm",
+            metrics.replication_lag.clone(),
+        );
         metrics.fences.register(&mut registry);
         registry.register_collector(metrics.redis_tarpitted.collector(
             "redis_tarpitted_connections",
@@ -101,10 +153,26 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// The Prometheus text exposition of every family.
+    /// The classic Prometheus text exposition of every family, with the process metrics.
     pub fn render(&self) -> String {
         let mut text = String::new();
         encode(&mut text, &self.registry).expect("writing to a String cannot fail");
+        let mut text = crate::exposition::classic(&text);
+        text.push_str(&crate::process_metrics::render());
         text
+    }
+
+    /// The replication lag gauge of `peer`.
+    pub fn replication_lag(&self, peer: u64) -> Gauge {
+        self.replication_lag
+            .get_or_create(&PeerLabel {
+                peer: peer.to_string(),
+            })
+            .clone()
+    }
+
+    /// Drops every peer's lag series (this node is not the leader).
+    pub fn clear_replication_lag(&self) {
+        self.replication_lag.clear();
     }
 }

@@ -1,6 +1,7 @@
 //! `fencegate serve`: assembles a node from its config and runs it until SIGINT or SIGTERM, or
 //! until it is removed from the cluster.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use fencegate_core::{IssuedRevision, KeyRing, SharedKeyRing, TokenKey};
@@ -104,6 +105,11 @@ const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// in-flight requests short (their clients retry elsewhere) and lets a successor be elected.
 const LEADER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The address a listener is bound to (the configured one if the OS cannot say).
+fn local_addr(listener: &TcpListener, configured: std::net::SocketAddr) -> std::net::SocketAddr {
+    listener.local_addr().unwrap_or(configured)
+}
+
 async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr)
         .await
@@ -160,40 +166,87 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         Network::new(peer_http, secrets.tls.is_some()),
     )
     .await?;
+    tokio::spawn(crate::raft_watch::run(
+        authority.raft().clone(),
+        metrics.clone(),
+    ));
     // The gateways start once the authority has opened its state, so the key ring already
     // holds the keys from its last snapshot (and the operator's key) when the first client
     // presents a token.
     let mut gateways = Vec::new();
     if let Some(redis) = config.redis.clone() {
-        let gateway = fencegate_redis::Gateway::new(redis, policy.clone(), audit.sink())?;
+        let gateway = fencegate_redis::Gateway::new(redis.clone(), policy.clone(), audit.sink())?;
         let observed = gateway.clone();
         metrics
             .redis_tarpitted
             .set_source(move || observed.tarpitted_connections() as i64);
         let checked = gateway.clone();
-        gateways.push(GatewayHealth::new("redis", move || checked.health()));
         let listener = gateway.bind().await?;
+        // Set while the accept loop runs (`/healthz`, `/readyz`).
+        let running = Arc::new(AtomicBool::new(true));
+        gateways.push(
+            GatewayHealth::new("redis", move || checked.health())
+                .listener(local_addr(&listener, redis.listen), running.clone())
+                .upstream(&redis.upstream, 6379)
+                .upstream_gauge(
+                    metrics
+                        .fences
+                        .gateway
+                        .upstream_up(fencegate_core::Store::Redis),
+                ),
+        );
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
                 tracing::error!(error = %e, "the Redis gateway stopped");
             }
+            running.store(false, Ordering::Relaxed);
         });
     }
     if let Some(postgres) = config.postgres.clone() {
-        let gateway = fencegate_postgres::Gateway::new(postgres, policy.clone(), audit.sink())?;
+        let gateway =
+            fencegate_postgres::Gateway::new(postgres.clone(), policy.clone(), audit.sink())?;
         gateway.install_if_configured().await?;
         gateway.start_key_sync()?;
         let listener = gateway.bind().await?;
+        // Set while the accept loop runs (`/healthz`, `/readyz`).
+        let running = Arc::new(AtomicBool::new(true));
+        gateways.push(
+            GatewayHealth::new("postgres", || Ok(()))
+                .listener(local_addr(&listener, postgres.listen), running.clone())
+                .upstream(&postgres.upstream, 5432)
+                .upstream_gauge(
+                    metrics
+                        .fences
+                        .gateway
+                        .upstream_up(fencegate_core::Store::Postgres),
+                ),
+        );
         tokio::spawn(async move {
             if let Err(e) = gateway.serve(listener).await {
                 tracing::error!(error = %e, "the PostgreSQL gateway stopped");
             }
+            running.store(false, Ordering::Relaxed);
         });
     }
     // The S3 gateway is a pingora server with its own runtime, on its own thread (see
     // filters/s3/src/proxy.rs); this runtime only starts and stops it.
     let s3 = match config.s3.clone() {
-        Some(s3) => Some(fencegate_s3::S3Gateway::new(s3, policy.clone(), audit.sink())?.start()?),
+        Some(s3) => {
+            let handle =
+                fencegate_s3::S3Gateway::new(s3.clone(), policy.clone(), audit.sink())?.start()?;
+            gateways.push(
+                GatewayHealth::new("s3", || Ok(()))
+                    .listener(s3.listen, handle.running())
+                    .upstream(&s3.upstream, 80)
+                    .upstream_gauge(
+                        metrics
+                            .fences
+                            .gateway
+                            .upstream_up(fencegate_core::Store::S3),
+                    ),
+            );
+            Some(handle)
+        }
         None => None,
     };
     let state = ApiState {

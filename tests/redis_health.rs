@@ -80,9 +80,17 @@ async fn an_unreachable_upstream_makes_the_node_unhealthy() {
     let node = node_for(&redis);
     wait_health(&node, |s, _| s == 200).await;
     drop(redis);
-    // The gateway rechecks its upstream every 10 s (and on each new client connection).
-    let (_, body) = wait_health(&node, |s, _| s == 503).await;
+    // /healthz probes the upstream itself (503 at once); the gateway's own check follows
+    // within its 10 s recheck (or on the next client connection).
+    let (_, body) = wait_health(&node, |s, b| {
+        s == 503 && b["gateways"]["redis"]["reason"].is_string()
+    })
+    .await;
     let reason = body["gateways"]["redis"]["reason"].as_str().unwrap();
     assert!(reason.contains("upstream"), "{body}");
+    assert_eq!(
+        body["gateways"]["redis"]["upstream"]["reachable"], false,
+        "{body}"
+    );
     println!("upstream down: /healthz 503 {body}");
 }

@@ -84,6 +84,7 @@ pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router 
         .layer(DefaultBodyLimit::max(LARGE_BODY));
     Router::new()
         .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
         .route("/metrics", get(ops::metrics))
         .merge(client)
         .merge(admin)

@@ -90,6 +90,7 @@ pub async fn bump(State(state): State<ApiState>, original: Original) -> Result<R
 
 pub async fn metrics(State(state): State<ApiState>) -> Response {
     state.authority.refresh_gauges().await;
+    super::health::probe_upstreams(&state.gateways).await;
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         state.metrics.render(),

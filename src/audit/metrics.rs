@@ -43,6 +43,9 @@ pub struct FenceCounters {
     write_errors: Counter,
     /// Refusals that stood but whose record could not be written.
     unrecorded: Counter,
+    /// Gateway traffic and the audit writer's queue and fsync time (they reach the node
+    /// through the same sink).
+    pub gateway: crate::gateway_metrics::GatewayMetrics,
 }
 
 impl FenceCounters {
@@ -73,6 +76,7 @@ impl FenceCounters {
             "Tokenless or malformed refusals not written because the audit log was over its size budget",
             self.suppressed.clone(),
         );
+        self.gateway.register(registry);
         self.register_write_failure(registry);
     }
 

@@ -177,7 +177,10 @@ fn run(mut state: State, mut rx: mpsc::Receiver<Message>, batch: usize, counters
             }
             submissions = kept;
         }
+        counters.gateway.audit_queue_depth(rx.len());
+        let started = std::time::Instant::now();
         let result = state.append(submissions.iter().map(|s| &s.event));
+        counters.gateway.audit_fsync(started.elapsed());
         if result.is_err() {
             counters.write_error(submissions.len() as u64);
         }
@@ -505,6 +508,28 @@ impl AuditSink for AuditHandle {
 
     fn applied(&self, store: &str) {
         self.counters.applied(store);
+    }
+}
+
+impl fencegate_core::Observer for AuditHandle {
+    fn connection_opened(&self, store: fencegate_core::Store) {
+        self.counters.gateway.connection_opened(store);
+    }
+
+    fn connection_closed(&self, store: fencegate_core::Store) {
+        self.counters.gateway.connection_closed(store);
+    }
+
+    fn request_done(&self, store: fencegate_core::Store, elapsed: Duration) {
+        self.counters.gateway.request_done(store, elapsed);
+    }
+
+    fn upstream_failed(
+        &self,
+        store: fencegate_core::Store,
+        failure: fencegate_core::UpstreamFailure,
+    ) {
+        self.counters.gateway.upstream_failed(store, failure);
     }
 }
 

@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::AuditEvent;
+use crate::{AuditEvent, Observer};
 
 /// Why a refusal could not be logged. The refusal itself still stands: a filter answers the
 /// client with the refusal either way and logs this error.
@@ -24,8 +24,9 @@ pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), AuditSinkError>
 /// Where filters report what they did, so they need not depend on the node binary.
 ///
 /// `refused` resolves only once the record is durable (written and fsync'd); it waits when the
-/// writer's queue is full (backpressure) rather than dropping a record.
-pub trait AuditSink: Send + Sync + 'static {
+/// writer's queue is full (backpressure) rather than dropping a record. The same sink observes
+/// the gateways' traffic for metrics ([`Observer`]).
+pub trait AuditSink: Observer + Send + Sync + 'static {
     /// Logs one refused write; resolves when it is on disk.
     fn refused(&self, event: AuditEvent) -> SinkFuture<'_>;
     /// Counts one fenced write that the store applied.
@@ -50,6 +51,8 @@ impl MemoryAuditSink {
         *self.applied.lock().expect("poisoned")
     }
 }
+
+impl Observer for MemoryAuditSink {}
 
 impl AuditSink for MemoryAuditSink {
     fn refused(&self, event: AuditEvent) -> SinkFuture<'_> {

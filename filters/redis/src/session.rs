@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{
-    Attempt, AuditEvent, OperationSummary, RejectReason, Rejection, Store, Tarpit, Token,
+    Attempt, AuditEvent, OpenConnection, OperationSummary, RejectReason, Rejection, Store, Tarpit,
+    Token, UpstreamFailure,
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -45,6 +46,7 @@ const BUFFER: usize = 16 * 1024;
 /// Runs one client session to completion; errors are logged, never returned.
 pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAddr) {
     let id = gateway.next_connection_id();
+    let _open = OpenConnection::new(gateway.sink.clone(), Store::Redis);
     socket.set_nodelay(true).ok();
     let mut client = match &gateway.tls {
         None => Connection::Plain(socket),
@@ -75,6 +77,9 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         Ok(pair) => pair,
         Err(e) => {
             tracing::warn!(conn = id, %peer, error = %e, "upstream unavailable; closing client");
+            gateway
+                .sink
+                .upstream_failed(Store::Redis, UpstreamFailure::Connect);
             let reply = Frame::error(&format!("ERR fencegate: upstream unavailable: {e}"));
             let _ = client.write_all(&reply.to_bytes()).await;
             return;
@@ -90,6 +95,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
     let resp3 = Arc::new(AtomicBool::new(false));
     let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = mpsc::channel(SLOT_QUEUE);
+    let read_at = ReadTimes::default();
     let reader = Reader {
         gateway: gateway.clone(),
         info,
@@ -111,7 +117,9 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
             Duration::from_millis(gateway.config.tarpit_max_ms),
         ),
         wait: None,
+        read_at: read_at.clone(),
     };
+    let sink = gateway.sink.clone();
     let writer = Writer {
         gateway,
         id,
@@ -126,6 +134,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         identity,
         subscriptions: Default::default(),
         slots: rx,
+        read_at,
     };
     let mut reader = tokio::spawn(reader.run());
     let mut writer = tokio::spawn(writer.run());
@@ -134,6 +143,9 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         w = &mut writer => { reader.abort(); w.ok() }
     };
     if let Some(Err(e)) = result {
+        if upstream_fault(&e) {
+            sink.upstream_failed(Store::Redis, UpstreamFailure::Error);
+        }
         tracing::debug!(conn = id, %peer, error = %e, "session ended with an error");
     }
     tracing::debug!(conn = id, %peer, "session ended");
@@ -224,6 +236,22 @@ struct Reader {
     tarpit: Tarpit,
     /// How long to wait before the next request, after a refusal over the budget.
     wait: Option<Duration>,
+    read_at: ReadTimes,
+}
+
+/// When each slot's request was read, in slot order: the reader pushes, the writer pops once
+/// the reply is written (the latency metric). Kept beside the slot queue rather than in it so
+/// the slots stay what the writer does.
+type ReadTimes = Arc<std::sync::Mutex<VecDeque<std::time::Instant>>>;
+
+/// Whether a session's error was the upstream's (as opposed to the client's).
+fn upstream_fault(e: &RedisError) -> bool {
+    match e {
+        RedisError::Upstream(_) => true,
+        RedisError::Io { context, .. } => context.contains("upstream"),
+        RedisError::Frame { context, .. } => context.contains("upstream"),
+        _ => false,
+    }
 }
 
 type Identity = Arc<std::sync::Mutex<Option<String>>>;
@@ -304,6 +332,7 @@ impl Reader {
                 }
             }
             let mut batch = Batch::default();
+            let read_at = std::time::Instant::now();
             let mut fatal = None;
             loop {
                 match self.parser.next(&self.buf, &self.gateway.limits) {
@@ -332,6 +361,10 @@ impl Reader {
                 up.sent += batch.requests;
             }
             for slot in batch.slots {
+                self.read_at
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(read_at);
                 if self.slots.send(slot).await.is_err() {
                     return Ok(());
                 }
@@ -776,6 +809,7 @@ struct Writer {
     /// whether a RESP2 `message` array is a message or a reply.
     subscriptions: [std::collections::HashSet<Bytes>; 3],
     slots: mpsc::Receiver<Slot>,
+    read_at: ReadTimes,
 }
 
 /// The three kinds of subscription.
@@ -838,6 +872,16 @@ impl Writer {
                     self.deliver(expect, reply).await?;
                     self.completed += 1;
                 }
+            }
+            let read_at = self
+                .read_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front();
+            if let Some(read_at) = read_at {
+                self.gateway
+                    .sink
+                    .request_done(Store::Redis, read_at.elapsed());
             }
         }
     }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use async_trait::async_trait;
-use fencegate_core::{AuditSink, TokenPolicy};
+use fencegate_core::{AuditSink, OpenConnection, Store, TokenPolicy, UpstreamFailure};
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 use pingora_core::upstreams::peer::HttpPeer;
@@ -39,6 +39,7 @@ pub struct S3Gateway {
 pub struct GatewayHandle {
     stop: watch::Sender<bool>,
     thread: Option<JoinHandle<()>>,
+    running: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl S3Gateway {
@@ -129,22 +130,31 @@ impl S3Gateway {
         server.add_service(service);
         let (stop, stop_rx) = watch::channel(false);
         tracing::info!(listen = %config.listen, upstream = %self.shared.upstream.base, "S3 gateway started");
+        let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let still = running.clone();
         let thread = std::thread::Builder::new()
             .name("fencegate-s3".into())
             .spawn(move || {
                 server.run(RunArgs {
                     shutdown_signal: Box::new(StopWatch(stop_rx)),
                 });
+                still.store(false, std::sync::atomic::Ordering::Relaxed);
             })
             .map_err(|e| S3Error::Listen(e.to_string()))?;
         Ok(GatewayHandle {
             stop,
             thread: Some(thread),
+            running,
         })
     }
 }
 
 impl GatewayHandle {
+    /// Set while the listener's server runs (for a health check).
+    pub fn running(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.running.clone()
+    }
+
     /// Stops the listener and waits for the pingora runtimes to exit.
     pub fn shutdown(mut self) {
         self.stop_and_join();
@@ -176,9 +186,27 @@ impl ShutdownSignalWatch for StopWatch {
 }
 
 /// Per-request state.
-#[derive(Default)]
 pub struct RequestCtx {
     target: Option<Target>,
+    /// Counts the request as open (the `connections` gauge) until the context is dropped.
+    _open: OpenConnection,
+    started: std::time::Instant,
+}
+
+/// Whether a request's failure was connecting to the upstream.
+fn connect_failure(e: &pingora_core::Error) -> bool {
+    use pingora_core::ErrorType::*;
+    matches!(
+        e.etype(),
+        ConnectTimedout
+            | ConnectRefused
+            | ConnectNoRoute
+            | TLSHandshakeFailure
+            | TLSHandshakeTimedout
+            | InvalidCert
+            | HandshakeError
+            | ConnectError
+    )
 }
 
 struct S3Proxy {
@@ -202,7 +230,36 @@ impl ProxyHttp for S3Proxy {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::default()
+        RequestCtx {
+            target: None,
+            _open: OpenConnection::new(self.shared.audit.clone(), Store::S3),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    async fn logging(
+        &self,
+        session: &mut Session,
+        e: Option<&pingora_core::Error>,
+        ctx: &mut RequestCtx,
+    ) {
+        let sink = &self.shared.audit;
+        sink.request_done(Store::S3, ctx.started.elapsed());
+        let status = session.response_written().map(|r| r.status.as_u16());
+        match e {
+            Some(e) if connect_failure(e) => {
+                sink.upstream_failed(Store::S3, UpstreamFailure::Connect)
+            }
+            Some(e) if *e.esource() == pingora_core::ErrorSource::Upstream => {
+                sink.upstream_failed(Store::S3, UpstreamFailure::Error)
+            }
+            // The gateway's own upstream calls (writes, manifests) answer 502/504 when the store
+            // failed or did not answer.
+            _ if matches!(status, Some(502 | 504)) => {
+                sink.upstream_failed(Store::S3, UpstreamFailure::Error)
+            }
+            _ => {}
+        }
     }
 
     async fn request_filter(

@@ -21,7 +21,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencegate_core::{Attempt, OperationSummary, RejectReason, Rejection, Store, Token};
+use fencegate_core::{
+    Attempt, OpenConnection, OperationSummary, RejectReason, Rejection, Store, Token,
+};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
@@ -42,6 +44,7 @@ const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Runs one session to its end; errors are logged, never propagated.
 pub(crate) async fn run(gateway: Arc<Gateway>, client: TcpStream, peer: SocketAddr) {
     let id = gateway.next_connection_id();
+    let _open = OpenConnection::new(gateway.sink.clone(), Store::Postgres);
     let _ = client.set_nodelay(true);
     match session(gateway, client, peer, id).await {
         Ok(()) => tracing::debug!(conn = id, %peer, "postgres session ended"),
@@ -58,11 +61,42 @@ struct Shared {
     pub(super) protected: bool,
     pub(super) conn: u64,
     pub(super) requests: std::sync::atomic::AtomicU64,
+    /// When each simple query or Sync was read, oldest first: the ReadyForQuery that answers
+    /// it gives the request's latency.
+    pub(super) read_at: Mutex<std::collections::VecDeque<std::time::Instant>>,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes that a request (Query or Sync) was read now.
+    fn request_read(&self) {
+        let mut read_at = self.read_at.lock().unwrap_or_else(|e| e.into_inner());
+        read_at.push_back(std::time::Instant::now());
+    }
+
+    /// Reports the latency of the oldest open request, for each ReadyForQuery in `bytes` (one
+    /// or more whole messages on their way to the client).
+    fn answered(&self, bytes: &[u8]) {
+        let mut rest = bytes;
+        while rest.len() >= 5 {
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            if rest[0] == b'Z' {
+                let read_at = self
+                    .read_at
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .pop_front();
+                if let Some(read_at) = read_at {
+                    self.gateway
+                        .sink
+                        .request_done(Store::Postgres, read_at.elapsed());
+                }
+            }
+            rest = rest.get(1 + len..).unwrap_or_default();
+        }
     }
 
     fn request_id(&self) -> String {
@@ -143,6 +177,7 @@ async fn session(
         protected,
         conn,
         requests: std::sync::atomic::AtomicU64::new(0),
+        read_at: Mutex::default(),
     });
 
     let (stream, buffered) = client_read.into_parts();

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use fencegate_core::{Store, UpstreamFailure};
 use tokio::io::ReadHalf;
 use tokio::io::{AsyncWriteExt, WriteHalf};
 
@@ -25,7 +26,9 @@ pub(super) async fn relay_replies(
 ) -> Result<(), PostgresError> {
     loop {
         let frame = tokio::select! {
-            frame = upstream.read_frame() => frame?,
+            frame = upstream.read_frame() => frame.inspect_err(|_| {
+                shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
+            })?,
             () = shared.wake.notified() => {
                 if deliver_local(&shared, &mut client).await? {
                     return Ok(());
@@ -76,10 +79,12 @@ pub(super) async fn relay_replies(
                 .await;
         }
         if outcome.forward {
+            let bytes = outcome.replace.as_deref().unwrap_or(&frame.raw);
             client
-                .write_all(outcome.replace.as_deref().unwrap_or(&frame.raw))
+                .write_all(bytes)
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
+            shared.answered(bytes);
         }
         if deliver_local(&shared, &mut client).await? {
             return Ok(());
@@ -114,6 +119,7 @@ async fn deliver_local(
             .write_all(bytes)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
+        shared.answered(bytes);
     }
     if !out.is_empty() {
         client

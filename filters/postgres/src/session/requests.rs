@@ -52,6 +52,9 @@ pub(super) async fn relay_requests(
             return Err(PostgresError::Protocol(msg));
         }
         let terminate = frame.tag == b'X';
+        if matches!(frame.tag, b'Q' | b'S') {
+            shared.request_read();
+        }
         let outgoing = match handle_request(&shared, frame).await {
             Ok(outgoing) => outgoing,
             Err(e) => {

@@ -138,6 +138,10 @@ pub(super) async fn establish(
     let upstream = match gateway.upstream.connect().await {
         Ok(s) => s,
         Err(e) => {
+            use fencegate_core::{Store, UpstreamFailure};
+            gateway
+                .sink
+                .upstream_failed(Store::Postgres, UpstreamFailure::Connect);
             let msg = format!("fencegate: cannot reach the upstream server: {e}");
             fatal(client_read.get_mut(), "08006", &msg).await;
             return Err(e);
