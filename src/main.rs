@@ -8,10 +8,13 @@ mod cli_postgres;
 mod cli_s3;
 mod client;
 mod config;
+mod config_check;
+mod config_source;
 mod disk;
 mod fence_reset;
 mod lock_run;
 mod metrics;
+mod reload;
 mod server;
 mod tls;
 
@@ -51,14 +54,15 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve(arg) => {
-            let config = Config::load(&arg.config)?;
-            init_logging(&config.log.level);
-            server::serve(config).await?;
+            let (config, source) = Config::load_with_source(&arg.config)?;
+            config_check::sources(&source, &config)?;
+            let log = init_logging(&config.log.level);
+            server::serve(config, arg.config.clone(), log).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig(arg) => {
-            let config = Config::load(&arg.config)?;
-            server::Secrets::load(&config)?;
+            let (config, source) = Config::load_with_source(&arg.config)?;
+            config_check::build(&source, &config)?;
             let members = if config.authority.join {
                 "join mode: waits for cluster add-node".to_owned()
             } else {
@@ -295,13 +299,25 @@ fn print_answer(answer: Answer) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn init_logging(level: &str) {
+/// Installs the log subscriber; returns how SIGHUP sets a new `[log] level`.
+fn init_logging(level: &str) -> reload::SetLogLevel {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: a log file or journald gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // Colours only on a terminal: a log file or journald gets plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
         .init();
+    Box::new(move |level: &str| {
+        let filter = tracing_subscriber::EnvFilter::try_new(level)
+            .map_err(|e| format!("[log] level {level:?}: {e}"))?;
+        handle.reload(filter).map_err(|e| e.to_string())
+    })
 }

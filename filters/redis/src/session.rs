@@ -24,6 +24,7 @@ use fencegate_core::{
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
+use tokio_util::sync::CancellationToken;
 
 use crate::classify::{classify, Class};
 use crate::decide::{self, decide, Decision, Inputs};
@@ -47,8 +48,15 @@ const TARPIT: Duration = Duration::from_millis(100);
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
 
-/// Runs one client session to completion; errors are logged, never returned.
-pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAddr) {
+/// Runs one client session to completion; errors are logged, never returned. Once `shutdown`
+/// is cancelled the session ends at its next idle point: no transaction open, no partial
+/// request, the replies in flight delivered.
+pub(crate) async fn run(
+    gateway: Arc<Gateway>,
+    socket: TcpStream,
+    peer: SocketAddr,
+    shutdown: CancellationToken,
+) {
     let id = gateway.next_connection_id();
     socket.set_nodelay(true).ok();
     let mut client = match &gateway.tls {
@@ -112,6 +120,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         parser: RequestParser::default(),
         held: 0,
         refusals: (tokio::time::Instant::now(), 0),
+        shutdown,
     };
     let writer = Writer {
         gateway,
@@ -223,6 +232,8 @@ struct Reader {
     held: usize,
     /// Tokenless/malformed refusals in the current second, and when that second began.
     refusals: (tokio::time::Instant, u32),
+    /// The node is draining: end the session at the next idle point.
+    shutdown: CancellationToken,
 }
 
 type Identity = Arc<std::sync::Mutex<Option<String>>>;
@@ -263,12 +274,33 @@ impl Reader {
                 tokio::time::timeout_at(started + partial, read(&mut self.client, &mut self.buf))
                     .await
                     .ok()
-            } else if !idle.is_zero() {
-                tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
-                    .await
-                    .ok()
             } else {
-                Some(read(&mut self.client, &mut self.buf).await)
+                // Between requests and outside a transaction, a draining session ends here:
+                // the writer delivers the replies in flight, then closes.
+                let closable = self.multi.is_none();
+                let shutdown = self.shutdown.clone();
+                let next = async {
+                    if idle.is_zero() {
+                        Some(read(&mut self.client, &mut self.buf).await)
+                    } else {
+                        tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
+                            .await
+                            .ok()
+                    }
+                };
+                let next = tokio::select! {
+                    biased;
+                    () = shutdown.cancelled(), if closable => None,
+                    r = next => Some(r),
+                };
+                match next {
+                    Some(r) => r,
+                    None => {
+                        tracing::debug!(conn = self.id, peer = %self.peer, "draining: closing the idle session");
+                        let _ = self.slots.send(Slot::Close).await;
+                        return Ok(());
+                    }
+                }
             };
             let Some(n) = read_result else {
                 let text = if self.buf.is_empty() {
@@ -478,7 +510,7 @@ impl Reader {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
-                let class = classify(&self.info.table, &self.gateway.config, args);
+                let class = classify(&self.info.table, &self.gateway.live(), args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
@@ -486,9 +518,10 @@ impl Reader {
             .gateway
             .fences_at_risk()
             .then(|| self.gateway.health().err().unwrap_or_default());
+        let config = self.gateway.live();
         let inputs = Inputs {
             table: &self.info.table,
-            config: &self.gateway.config,
+            config: &config,
             token: self.token.as_ref(),
             fences_at_risk: risk.as_deref(),
         };
@@ -552,7 +585,7 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
-        if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
+        if let Err(detail) = scope::check(&self.gateway.live(), &token, &keys) {
             return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
         }
         if self.gateway.fences_at_risk() {

@@ -24,6 +24,7 @@ use std::time::Duration;
 use fencegate_core::{Attempt, OperationSummary, RejectReason, Rejection, Store, Token};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
@@ -39,11 +40,17 @@ const MAX_BACKEND_MESSAGE: usize = 1 << 30;
 /// server's own `authentication_timeout` defaults to the same minute).
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs one session to its end; errors are logged, never propagated.
-pub(crate) async fn run(gateway: Arc<Gateway>, client: TcpStream, peer: SocketAddr) {
+/// Runs one session to its end; errors are logged, never propagated. Once `shutdown` is
+/// cancelled the session ends at its next ReadyForQuery outside a transaction.
+pub(crate) async fn run(
+    gateway: Arc<Gateway>,
+    client: TcpStream,
+    peer: SocketAddr,
+    shutdown: CancellationToken,
+) {
     let id = gateway.next_connection_id();
     let _ = client.set_nodelay(true);
-    match session(gateway, client, peer, id).await {
+    match session(gateway, client, peer, id, shutdown).await {
         Ok(()) => tracing::debug!(conn = id, %peer, "postgres session ended"),
         Err(e) => tracing::info!(conn = id, %peer, error = %e, "postgres session closed"),
     }
@@ -58,11 +65,36 @@ struct Shared {
     pub(super) protected: bool,
     pub(super) conn: u64,
     pub(super) requests: std::sync::atomic::AtomicU64,
+    /// The node is draining: end the session at its next idle ReadyForQuery.
+    pub(super) shutdown: CancellationToken,
+    /// Woken by the reply loop after each ReadyForQuery it relayed.
+    pub(super) settled: Notify,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the session can end without cutting anything: no transaction open and every
+    /// reply delivered (the client has its ReadyForQuery).
+    fn idle(&self) -> bool {
+        let state = self.lock();
+        state.status == b'I' && state.pending.is_empty()
+    }
+
+    /// Returns once the node drains and the session is [`Shared::idle`].
+    async fn drained(&self) {
+        self.shutdown.cancelled().await;
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if self.idle() {
+                return;
+            }
+            settled.await;
+        }
     }
 
     fn request_id(&self) -> String {
@@ -108,6 +140,7 @@ async fn session(
     client: TcpStream,
     peer: SocketAddr,
     conn: u64,
+    shutdown: CancellationToken,
 ) -> Result<(), PostgresError> {
     let max = gateway.config.max_message_bytes;
     let established = tokio::time::timeout(
@@ -143,6 +176,8 @@ async fn session(
         protected,
         conn,
         requests: std::sync::atomic::AtomicU64::new(0),
+        shutdown,
+        settled: Notify::new(),
     });
 
     let (stream, buffered) = client_read.into_parts();
