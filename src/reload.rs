@@ -2,8 +2,11 @@
 //! applied, what needs a restart is named in a warning and left as it is. A file that does not
 //! parse or check keeps the config in force, and the log says why. Sessions are not dropped.
 //!
-//! Applied: `[log] level` (unless `FENCEGATE_LOG` overrides it) and the Redis gateway's
-//! protect rules (`[[redis.protect]]`), which open sessions apply from their next request.
+//! Applied: `[log] level` (unless `FENCEGATE_LOG` overrides it), the Redis gateway's protect
+//! rules (`[[redis.protect]]`), which open sessions apply from their next request, and client
+//! credentials: the API's (`[security] credentials_file` / `credentials_env`) and the S3
+//! gateway's (`clients_file` / `clients_env`), read again on every SIGHUP since their files
+//! change without the config changing. Certificates need a restart.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,11 +15,25 @@ use crate::config::Config;
 use crate::config_check;
 
 /// Keys whose changes a running node applies; every other change needs a restart.
-const APPLIED: &[&str] = &["log.level", "redis.protect"];
+const APPLIED: &[&str] = &[
+    "log.level",
+    "redis.protect",
+    "security.credentials_file",
+    "security.credentials_env",
+    "s3.clients_file",
+    "s3.clients_env",
+];
 
 /// Sets the log filter (the subscriber's reload handle, hidden behind a function so this
 /// module does not name the subscriber's types).
 pub type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// The running parts SIGHUP can change.
+pub struct Live {
+    pub credentials: Arc<crate::api::auth::LiveCredentials>,
+    pub redis: Option<Arc<fencegate_redis::Gateway>>,
+    pub s3: Option<fencegate_s3::S3Clients>,
+}
 
 /// What SIGHUP can change, and the config the node started with.
 pub struct Reloader {
@@ -24,7 +41,7 @@ pub struct Reloader {
     /// The file's text at start: what the running node is built from.
     running: toml::Table,
     set_log_level: SetLogLevel,
-    redis: Option<Arc<fencegate_redis::Gateway>>,
+    live: Live,
 }
 
 /// What one reload did.
@@ -37,11 +54,7 @@ pub struct Plan {
 }
 
 impl Reloader {
-    pub fn new(
-        path: PathBuf,
-        set_log_level: SetLogLevel,
-        redis: Option<Arc<fencegate_redis::Gateway>>,
-    ) -> Self {
+    pub fn new(path: PathBuf, set_log_level: SetLogLevel, live: Live) -> Self {
         let running = std::fs::read_to_string(&path)
             .ok()
             .and_then(|text| text.parse().ok())
@@ -50,7 +63,7 @@ impl Reloader {
             path,
             running,
             set_log_level,
-            redis,
+            live,
         }
     }
 
@@ -72,9 +85,35 @@ impl Reloader {
             }
         }
         if plan.apply.iter().any(|k| k.starts_with("redis.protect")) {
-            if let (Some(gateway), Some(redis)) = (&self.redis, &config.redis) {
+            if let (Some(gateway), Some(redis)) = (&self.live.redis, &config.redis) {
                 if let Err(e) = gateway.set_protect_rules(redis) {
                     tracing::error!(error = %e, "SIGHUP: Redis protect rules not applied; the rules in force stay");
+                }
+            }
+        }
+        match crate::api::auth::Credentials::load(&config.security) {
+            Ok(Some(credentials)) => {
+                tracing::info!(
+                    credentials = credentials.len(),
+                    "SIGHUP: API credentials read again"
+                );
+                self.live.credentials.replace(Arc::new(credentials));
+            }
+            // No credentials at all would open the API: not without a restart.
+            Ok(None) => {
+                if self.live.credentials.current().is_some() {
+                    tracing::warn!("SIGHUP: the file names no API credentials; the ones in force stay (removing them needs a restart)");
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "SIGHUP: API credentials not reloaded; the ones in force stay");
+            }
+        }
+        if let (Some(clients), Some(s3)) = (&self.live.s3, &config.s3) {
+            match clients.reload(s3) {
+                Ok(n) => tracing::info!(clients = n, "SIGHUP: S3 client credentials read again"),
+                Err(e) => {
+                    tracing::error!(error = %e, "SIGHUP: S3 client credentials not reloaded; the ones in force stay")
                 }
             }
         }

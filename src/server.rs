@@ -224,7 +224,10 @@ pub async fn serve(
         }),
         gateways: Arc::new(gateways),
     };
-    let mut app = api::router(state.clone(), secrets.credentials.clone());
+    let credentials = Arc::new(crate::api::auth::LiveCredentials::new(
+        secrets.credentials.clone(),
+    ));
+    let mut app = api::router(state.clone(), credentials.clone());
     let peer_app = api::peer_router(state);
     if peer_listener.is_none() {
         app = app.merge(peer_app.clone());
@@ -282,7 +285,15 @@ pub async fn serve(
     // A node removed from the cluster stops as on SIGTERM, and exits 0: it did what the
     // operator asked.
     let mut removed = authority.removed();
-    let reloader = crate::reload::Reloader::new(path, set_log_level, redis_gateway);
+    let reloader = crate::reload::Reloader::new(
+        path,
+        set_log_level,
+        crate::reload::Live {
+            credentials,
+            redis: redis_gateway,
+            s3: s3.as_ref().map(|s3| s3.clients()),
+        },
+    );
     tokio::select! {
         _ = signals(&reloader) => {}
         _ = removed.wait_for(|removed| *removed) => {}
@@ -303,10 +314,11 @@ pub async fn serve(
     // Every listener stops accepting now; what is in flight finishes.
     let _ = stop_tx.send(true);
     drain.cancel();
-    if let Some(s3) = &s3 {
+    let s3_begun = s3.as_ref().map(|s3| {
         s3.stop_accepting();
         sessions.push(("s3", s3.requests()));
-    }
+        s3.requests_begun()
+    });
     while listeners.join_next().await.is_some() {}
     let in_flight: usize = sessions.iter().map(|(_, t)| t.len()).sum();
     tracing::info!(
@@ -343,7 +355,12 @@ pub async fn serve(
         .iter()
         .map(|(store, t)| format!("{store}={}", t.len()))
         .collect();
-    let summary = DrainSummary::of(in_flight, cut);
+    // S3 requests on connections accepted before the listener closed, begun after.
+    let late = match (&s3, s3_begun) {
+        (Some(s3), Some(begun)) => (s3.requests_begun() - begun) as usize,
+        _ => 0,
+    };
+    let summary = DrainSummary::of(in_flight + late, cut);
     if cut == 0 {
         tracing::info!(drained = summary.drained, cut = 0, elapsed = ?started.elapsed(), "drained every gateway session");
     } else {

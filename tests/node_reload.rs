@@ -91,3 +91,72 @@ fn sighup_applies_a_new_protect_rule_to_an_open_session_and_keeps_rules_on_a_bro
     assert_eq!(reply(&mut c), "a", "no refused write applied");
     println!("done-means 2: orders:* protected on the open session after SIGHUP; broken file refused at {at}, old rules kept");
 }
+
+/// SIGHUP reads the API credentials file again: a credential added to it works, and one
+/// removed from it no longer does, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_api_credentials() {
+    use support::cluster::{Cluster, Security};
+    let cluster = Cluster::start_secured(Security::Tls, 1, "", |_| String::new(), &[]).await;
+    let creds = cluster.certs().join("credentials");
+    let before = std::fs::read_to_string(&creds).unwrap();
+    let ca = std::fs::read(cluster.certs().join("ca.crt")).unwrap();
+    let http = reqwest::Client::builder()
+        .use_rustls_tls()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+        .build()
+        .unwrap();
+    let status = |secret: &'static str| {
+        let http = http.clone();
+        let url = format!("{}/v1/cluster", cluster.url(1));
+        async move {
+            http.get(url)
+                .bearer_auth(secret)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    const NEW: &str = "a-new-client-secret-added-while-running-0123456789";
+    assert_eq!(status(NEW).await, 401);
+    std::fs::write(&creds, format!("{before}\nops client {NEW}\n")).unwrap();
+    cluster.signal(1, Signal::SIGHUP);
+    wait_for(&cluster.log_path(1), "SIGHUP: API credentials read again");
+    assert_eq!(status(NEW).await, 200, "the added credential works");
+
+    std::fs::write(&creds, &before).unwrap();
+    cluster.signal(1, Signal::SIGHUP);
+    wait_for_count(
+        &cluster.log_path(1),
+        "SIGHUP: API credentials read again",
+        2,
+    );
+    assert_eq!(
+        status(NEW).await,
+        401,
+        "the removed credential no longer works"
+    );
+    println!("SIGHUP: an added API credential works, a removed one gets 401, no restart");
+}
+
+fn wait_for(log: &std::path::Path, line: &str) {
+    wait_for_count(log, line, 1);
+}
+
+/// Waits (bounded) until `log` has `n` lines containing `line`.
+fn wait_for_count(log: &std::path::Path, line: &str, n: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if count(&text, line) >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{line:?} x{n} not logged:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -28,12 +28,31 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{parse_credentials, S3Config};
 use crate::error::S3Error;
-use crate::gateway::Shared;
+use crate::gateway::{S3Clients, Shared};
 use crate::respond::respond_error;
 use crate::rewrite::{Operation, Target};
 use crate::session::WriteSession;
 use crate::sigv4_verify::{self, SignedRequest};
 use crate::upstream::{Upstream, DROPPED_HEADERS};
+
+/// The client credentials `config` names (`clients_env`, then `clients_file`).
+pub(crate) fn load_clients(config: &S3Config) -> Result<HashMap<String, String>, S3Error> {
+    let mut clients = HashMap::new();
+    if let Some(var) = &config.clients_env {
+        let text = std::env::var(var).map_err(|_| {
+            S3Error::Config(format!(
+                "the environment variable {var} (clients_env) is not set"
+            ))
+        })?;
+        clients.extend(parse_credentials(&text)?);
+    }
+    if let Some(path) = &config.clients_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| S3Error::Config(format!("clients_file {}: {e}", path.display())))?;
+        clients.extend(parse_credentials(&text)?);
+    }
+    Ok(clients)
+}
 
 /// A configured S3 gateway, ready to start.
 pub struct S3Gateway {
@@ -47,6 +66,10 @@ pub struct GatewayHandle {
     stop: watch::Sender<Stop>,
     thread: Option<JoinHandle<()>>,
     requests: TaskTracker,
+    /// Requests begun so far (a connection accepted before the listener closed may send its
+    /// request after: the drain counts it too).
+    begun: Arc<std::sync::atomic::AtomicU64>,
+    clients: S3Clients,
 }
 
 /// What the node asked of the pingora server.
@@ -73,20 +96,7 @@ impl S3Gateway {
                 config.upstream_secret_env
             ))
         })?;
-        let mut clients = HashMap::new();
-        if let Some(var) = &config.clients_env {
-            let text = std::env::var(var).map_err(|_| {
-                S3Error::Config(format!(
-                    "the environment variable {var} (clients_env) is not set"
-                ))
-            })?;
-            clients.extend(parse_credentials(&text)?);
-        }
-        if let Some(path) = &config.clients_file {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| S3Error::Config(format!("clients_file {}: {e}", path.display())))?;
-            clients.extend(parse_credentials(&text)?);
-        }
+        let clients = load_clients(&config)?;
         let upstream = Upstream::new(
             &config.upstream,
             &config.region,
@@ -131,11 +141,13 @@ impl S3Gateway {
         let mut server = Server::new_with_opt_and_conf(None, conf);
         server.bootstrap();
         let requests = TaskTracker::new();
+        let begun = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut service = pingora_proxy::http_proxy_service_with_name(
             &server.configuration,
             S3Proxy {
                 shared: self.shared.clone(),
                 requests: requests.clone(),
+                begun: begun.clone(),
             },
             "fencegate-s3",
         );
@@ -169,6 +181,10 @@ impl S3Gateway {
             stop,
             thread: Some(thread),
             requests,
+            begun,
+            clients: S3Clients {
+                shared: self.shared.clone(),
+            },
         })
     }
 }
@@ -190,6 +206,16 @@ impl GatewayHandle {
     /// [`GatewayHandle::stop_accepting`]) returns when the last one was answered.
     pub fn requests(&self) -> TaskTracker {
         self.requests.clone()
+    }
+
+    /// How many requests have begun since the gateway started.
+    pub fn requests_begun(&self) -> u64 {
+        self.begun.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The gateway's client credentials, to reload them.
+    pub fn clients(&self) -> S3Clients {
+        self.clients.clone()
     }
 
     /// Leaves the pingora thread to the process's exit, after a drain: pingora sleeps out its
@@ -236,6 +262,7 @@ pub struct RequestCtx {
 struct S3Proxy {
     shared: Arc<Shared>,
     requests: TaskTracker,
+    begun: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The request's headers with lower-case names; `None` if one is not UTF-8.
@@ -255,6 +282,8 @@ impl ProxyHttp for S3Proxy {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
+        self.begun
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         RequestCtx {
             target: None,
             _in_flight: Some(self.requests.token()),
@@ -291,7 +320,7 @@ impl ProxyHttp for S3Proxy {
         };
         let verified = match sigv4_verify::verify(
             &signed,
-            &self.shared.clients,
+            &self.shared.clients(),
             &self.shared.config.region,
             time::OffsetDateTime::now_utc(),
         ) {
