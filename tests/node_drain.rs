@@ -217,3 +217,54 @@ async fn sigterm_lets_a_transaction_a_multi_and_an_upload_finish_then_exits() {
     );
     println!("done-means 1: drained=3 cut=0, exit 0 after {took:?} (grace {GRACE:?}); new clients refused on all three listeners");
 }
+
+/// A session that never finishes (a MULTI never executed) is cut at `shutdown_grace_ms`, the
+/// log says so, and the node still exits 0.
+#[test]
+fn a_session_that_never_finishes_is_cut_at_the_grace() {
+    let redis = RedisServer::start();
+    let sections = format!(
+        "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n",
+        redis.addr
+    );
+    let options = NodeOptions {
+        node: "shutdown_grace_ms = 1500",
+        ..NodeOptions::default()
+    };
+    let mut node = GatewayNode::start_with(&options, &sections, &[]);
+    let port = node.bound_port("redis gateway listening");
+    let mut r = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    r.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    send(&mut r, &["FENCE", TOKEN]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["MULTI"]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["SET", "cut:k", "never"]);
+    expect(&mut r, "+QUEUED\r\n");
+
+    let signalled = Instant::now();
+    node.signal(Signal::SIGTERM);
+    let status = node
+        .wait_exit(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no exit:\n{}", node.log_text()));
+    let took = signalled.elapsed();
+    assert!(status.success(), "{status:?}:\n{}", node.log_text());
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(5),
+        "exit after {took:?}"
+    );
+    let log = node.log_text();
+    let cut = log
+        .lines()
+        .find(|l| l.contains("gateway sessions still open after shutdown_grace_ms"))
+        .unwrap_or_else(|| panic!("no cut line:\n{log}"));
+    assert!(
+        cut.contains("drained=0") && cut.contains("cut=1") && cut.contains("redis=1"),
+        "{cut}"
+    );
+    // Nothing of the unexecuted transaction applied.
+    let mut direct = TcpStream::connect(redis.addr).unwrap();
+    send(&mut direct, &["EXISTS", "cut:k"]);
+    expect(&mut direct, ":0\r\n");
+    println!("cut after {took:?}: {cut}");
+}
