@@ -10,6 +10,8 @@ use fencegate_core::Revision;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::config_source::ConfigSource;
+
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
@@ -90,14 +92,14 @@ impl SecurityConfig {
         self.ca_file.is_some() && self.cert_file.is_some() && self.key_file.is_some()
     }
 
-    fn validate(&self) -> Result<(), (&'static str, String)> {
+    fn validate(&self) -> Result<(), (String, String)> {
         let named = [&self.ca_file, &self.cert_file, &self.key_file]
             .iter()
             .filter(|f| f.is_some())
             .count();
         if named != 0 && named != 3 {
             return Err((
-                "security",
+                "security".into(),
                 "ca_file, cert_file and key_file go together: name all three, or none".into(),
             ));
         }
@@ -106,13 +108,13 @@ impl SecurityConfig {
         }
         if !self.tls() {
             return Err((
-                "security",
+                "security".into(),
                 "no TLS configured: set [security] ca_file, cert_file and key_file (`fencegate certs init` makes a cluster CA and node certificates), or `insecure = true` for local development".into(),
             ));
         }
         if self.credentials_file.is_none() && self.credentials_env.is_none() {
             return Err((
-                "security",
+                "security".into(),
                 "no API credentials configured: set [security] credentials_file or credentials_env (`fencegate certs init` writes a credentials file), or `insecure = true` for local development".into(),
             ));
         }
@@ -147,6 +149,17 @@ pub struct NodeConfig {
     /// budget (tokenless and malformed refusals only counted, alarm on).
     #[serde(default = "default_min_free_bytes")]
     pub min_free_bytes: u64,
+    /// How long SIGTERM waits for gateway sessions to finish their transaction, pipeline or
+    /// request before it cuts them (and for API requests, at most 5 s; 1 s on a leader).
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
+}
+
+impl NodeConfig {
+    /// [`NodeConfig::shutdown_grace_ms`] as a duration.
+    pub fn shutdown_grace(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.shutdown_grace_ms)
+    }
 }
 
 impl NodeConfig {
@@ -273,6 +286,9 @@ fn default_data_dir() -> PathBuf {
 fn default_min_free_bytes() -> u64 {
     64 * 1024 * 1024
 }
+fn default_shutdown_grace_ms() -> u64 {
+    30_000
+}
 // Fast failover (see README, "Failover time"): a follower campaigns after openraft's leader
 // lease (= max) plus its own timeout in [min, max), i.e. 750-900 ms without a heartbeat. The
 // heartbeat is also openraft's AppendEntries timeout, so it stays at 100 ms: at 50 ms a slow
@@ -354,13 +370,19 @@ impl Config {
         })?;
         config
             .validate()
-            .map_err(|(key, message)| ConfigError::Invalid {
-                path: path.to_owned(),
-                line: line_of(text, key),
-                key: key.to_owned(),
-                message,
-            })?;
+            .map_err(|(key, message)| ConfigSource::new(path, text).error(&key, message))?;
         Ok(config)
+    }
+
+    /// Reads, parses and validates `path`; also returns its source, for errors found later
+    /// (`check-config`, reload) to name their line.
+    pub fn load_with_source(path: &Path) -> Result<(Self, ConfigSource), ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let config = Self::parse(path, &text)?;
+        Ok((config, ConfigSource::new(path, &text)))
     }
 
     /// The voters: the configured members, or this node alone.
@@ -376,52 +398,75 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<(), (&'static str, String)> {
+    /// Every listener this config opens, by the key that names it.
+    pub fn listeners(&self) -> Vec<(&'static str, SocketAddr)> {
+        let mut all = vec![("node.api", self.node.api)];
+        all.extend(self.node.peer.map(|a| ("node.peer", a)));
+        all.extend(self.redis.as_ref().map(|r| ("redis.listen", r.listen)));
+        all.extend(
+            self.postgres
+                .as_ref()
+                .map(|p| ("postgres.listen", p.listen)),
+        );
+        all.extend(self.s3.as_ref().map(|s| ("s3.listen", s.listen)));
+        all
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
         let a = &self.authority;
         if self.node.id == 0 {
-            return Err(("id", "node ids start at 1".into()));
+            return Err(("node.id".into(), "node ids start at 1".into()));
         }
         self.security.validate()?;
         // Each gateway's own rules (protect rules name their resource, ...), exactly as serve
         // checks them, so check-config passes only what serve accepts.
         if let Some(redis) = &self.redis {
-            redis.validate().map_err(|e| ("redis", e.to_string()))?;
+            redis.validate().map_err(|e| gateway_error("redis", e))?;
         }
         if let Some(postgres) = &self.postgres {
             postgres
                 .validate()
-                .map_err(|e| ("postgres", e.to_string()))?;
+                .map_err(|e| gateway_error("postgres", e))?;
         }
         if let Some(s3) = &self.s3 {
-            s3.validate().map_err(|e| ("s3", e.to_string()))?;
+            s3.validate().map_err(|e| gateway_error("s3", e))?;
+        }
+        let listeners = self.listeners();
+        for (i, (key, addr)) in listeners.iter().enumerate() {
+            if let Some((other, _)) = listeners[..i].iter().find(|(_, o)| collide(*o, *addr)) {
+                return Err((
+                    (*key).into(),
+                    format!("{key} ({addr}) is the address of {other} too: give each listener its own port"),
+                ));
+            }
         }
         if !self.security.insecure && self.node.peer.is_none() {
             return Err((
-                "peer",
+                "node.peer".into(),
                 "[node] peer is not set: Raft RPCs need their own port with mutual TLS (e.g. peer = \"127.0.0.1:7170\"), or `[security] insecure = true` for local development".into(),
             ));
         }
         if self.node.peer == Some(self.node.api) {
             return Err((
-                "peer",
+                "node.peer".into(),
                 "node.peer and node.api must be different ports".into(),
             ));
         }
         if a.token_key_env.is_some() && a.token_key_file.is_some() {
             return Err((
-                "token_key_file",
+                "authority.token_key_file".into(),
                 "token_key_env and token_key_file both name a key; keep one".into(),
             ));
         }
         if a.initial_revision > Revision::MAX {
             return Err((
-                "initial_revision",
+                "authority.initial_revision".into(),
                 format!("initial_revision must be at most {}", Revision::MAX),
             ));
         }
         if a.heartbeat_ms == 0 || a.heartbeat_ms * 3 > a.election_timeout_min_ms {
             return Err((
-                "heartbeat_ms",
+                "authority.heartbeat_ms".into(),
                 format!(
                     "heartbeat_ms ({}) must be positive and at most a third of election_timeout_min_ms ({})",
                     a.heartbeat_ms, a.election_timeout_min_ms
@@ -430,7 +475,7 @@ impl Config {
         }
         if a.election_timeout_min_ms >= a.election_timeout_max_ms {
             return Err((
-                "election_timeout_max_ms",
+                "authority.election_timeout_max_ms".into(),
                 format!(
                     "election_timeout_max_ms ({}) must be above election_timeout_min_ms ({})",
                     a.election_timeout_max_ms, a.election_timeout_min_ms
@@ -438,17 +483,20 @@ impl Config {
             ));
         }
         if a.max_ttl_ms == 0 {
-            return Err(("max_ttl_ms", "max_ttl_ms must be positive".into()));
+            return Err((
+                "authority.max_ttl_ms".into(),
+                "max_ttl_ms must be positive".into(),
+            ));
         }
         if a.restore_bump == 0 {
             return Err((
-                "restore_bump",
+                "authority.restore_bump".into(),
                 "restore_bump must be positive, or a restore could reissue tokens".into(),
             ));
         }
         if a.snapshot_every_logs == 0 {
             return Err((
-                "snapshot_every_logs",
+                "authority.snapshot_every_logs".into(),
                 "snapshot_every_logs must be positive".into(),
             ));
         }
@@ -458,7 +506,7 @@ impl Config {
             .find(|m| m.peer.is_none() && !self.security.insecure)
         {
             return Err((
-                "members",
+                "authority.members".into(),
                 format!(
                     "member {} has no peer address; every member needs one unless [security] insecure = true",
                     bad.id
@@ -467,7 +515,7 @@ impl Config {
         }
         if a.join && !a.members.is_empty() {
             return Err((
-                "join",
+                "authority.join".into(),
                 "join = true: a joining node learns the members from the cluster that adds it; remove [[authority.members]] (or drop join to form a new cluster)".into(),
             ));
         }
@@ -476,11 +524,11 @@ impl Config {
             ids.sort_unstable();
             ids.dedup();
             if ids.len() != a.members.len() {
-                return Err(("members", "two members share an id".into()));
+                return Err(("authority.members".into(), "two members share an id".into()));
             }
             if let Some(bad) = a.members.iter().find(|m| m.port().is_none()) {
                 return Err((
-                    "members",
+                    "authority.members".into(),
                     format!(
                         "member {} has api {:?}; expected host:port",
                         bad.id, bad.api
@@ -490,7 +538,7 @@ impl Config {
             match a.members.iter().find(|m| m.id == self.node.id) {
                 None => {
                     return Err((
-                        "members",
+                        "authority.members".into(),
                         format!("node id {} is not among the members", self.node.id),
                     ))
                 }
@@ -498,7 +546,7 @@ impl Config {
                 // port is the one peers use.
                 Some(me) if !self.binds(me) => {
                     return Err((
-                        "members",
+                        "authority.members".into(),
                         format!(
                             "member {} has api {} but node.api is {}",
                             me.id, me.api, self.node.api
@@ -523,17 +571,28 @@ impl Config {
     }
 }
 
-/// The 1-based line where `key` is first assigned, or 1.
-fn line_of(text: &str, key: &str) -> usize {
-    text.lines()
-        .position(|line| {
-            let line = line.trim_start();
-            line.strip_prefix(key)
-                .is_some_and(|rest| rest.trim_start().starts_with('='))
-                || line.contains(&format!("[{key}"))
-                || line.contains(&format!("[[authority.{key}"))
-        })
-        .map_or(1, |i| i + 1)
+/// Whether two listen addresses would take the same port (port 0 asks for any free port).
+fn collide(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() != 0
+        && a.port() == b.port()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// A gateway's own validation error, at the key it is about: a protect rule's entry when the
+/// message names the rule ("protect rule N"), else the gateway's section.
+fn gateway_error(section: &str, error: impl std::fmt::Display) -> (String, String) {
+    let message = error.to_string();
+    let rule = message
+        .split("protect rule ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse::<usize>().ok())
+        .filter(|n| *n >= 1);
+    let at = match rule {
+        Some(n) => format!("{section}.protect.{}", n - 1),
+        None => section.to_owned(),
+    };
+    (at, message)
 }
 
 #[cfg(test)]
@@ -601,7 +660,7 @@ mod tests {
         .to_string();
         assert_eq!(
             err,
-            "test.toml:4: election_timeout_max_ms: election_timeout_max_ms (800) must be above election_timeout_min_ms (900)"
+            "test.toml:4: authority.election_timeout_max_ms: election_timeout_max_ms (800) must be above election_timeout_min_ms (900)"
         );
     }
 
@@ -633,7 +692,7 @@ mod tests {
     fn gateway_rules_are_checked_as_serve_checks_them() {
         let text = "[node]\n\n[redis]\nlisten = \"127.0.0.1:6380\"\n\n[[redis.protect]]\npattern = \"billing:*\"\nmode = \"enforce\"\n";
         let err = parse_insecure(text).unwrap_err().to_string();
-        assert!(err.starts_with("test.toml:3: redis:"), "{err}");
+        assert!(err.starts_with("test.toml:6: redis.protect.0:"), "{err}");
         assert!(err.contains("resource"), "{err}");
         let fixed = text.replace(
             "mode = \"enforce\"\n",
@@ -664,7 +723,18 @@ mod tests {
         ))
         .unwrap_err()
         .to_string();
-        assert!(err.contains(":5: join: "), "{err}");
+        assert!(err.contains(":5: authority.join: "), "{err}");
+    }
+
+    #[test]
+    fn two_listeners_on_one_port_name_the_second() {
+        let text = "[node]\napi = \"127.0.0.1:7070\"\n\n[redis]\nlisten = \"0.0.0.0:7070\"\nupstream = \"127.0.0.1:6379\"\nprotect = []\n";
+        let err = parse_insecure(text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("test.toml:5: redis.listen: redis.listen (0.0.0.0:7070) is the address of node.api too"),
+            "{err}"
+        );
+        assert!(parse_insecure(&text.replace("0.0.0.0:7070", "127.0.0.1:0")).is_ok());
     }
 
     #[test]
@@ -672,7 +742,7 @@ mod tests {
         let text = "[node]\nid = 4\napi = \"127.0.0.1:7074\"\n[[authority.members]]\nid = 1\napi = \"127.0.0.1:7071\"\n";
         let err = parse_insecure(text).unwrap_err().to_string();
         assert!(
-            err.contains(":4: members: node id 4 is not among the members"),
+            err.contains(":4: authority.members: node id 4 is not among the members"),
             "{err}"
         );
     }

@@ -8,6 +8,8 @@ mod cli_postgres;
 mod cli_s3;
 mod client;
 mod config;
+mod config_check;
+mod config_source;
 mod disk;
 mod exposition;
 mod fence_reset;
@@ -16,6 +18,7 @@ mod lock_run;
 mod metrics;
 mod process_metrics;
 mod raft_watch;
+mod reload;
 mod sampled_gauge;
 mod server;
 mod tls;
@@ -56,14 +59,15 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve(arg) => {
-            let config = Config::load(&arg.config)?;
-            init_logging(&config.log);
-            server::serve(config).await?;
+            let (config, source) = Config::load_with_source(&arg.config)?;
+            config_check::sources(&source, &config)?;
+            let log = init_logging(&config.log);
+            server::serve(config, arg.config.clone(), log).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig(arg) => {
-            let config = Config::load(&arg.config)?;
-            server::Secrets::load(&config)?;
+            let (config, source) = Config::load_with_source(&arg.config)?;
+            config_check::build(&source, &config)?;
             let members = if config.authority.join {
                 "join mode: waits for cluster add-node".to_owned()
             } else {
@@ -302,18 +306,37 @@ fn print_answer(answer: Answer) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn init_logging(log: &config::LogConfig) {
+/// Installs the log subscriber (text or JSON lines on stderr); returns how SIGHUP sets a new
+/// `[log] level`.
+fn init_logging(log: &config::LogConfig) -> reload::SetLogLevel {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_env("FENCEGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let registry = tracing_subscriber::registry().with(filter);
     match log.format {
         // One object per line, fields flattened to the top level, for log shippers.
-        config::LogFormat::Json => builder.json().flatten_event(true).init(),
+        config::LogFormat::Json => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_writer(std::io::stderr),
+            )
+            .init(),
         // Colours only on a terminal: a log file or journald gets plain text.
-        config::LogFormat::Text => builder
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        config::LogFormat::Text => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+            )
             .init(),
     }
+    Box::new(move |level: &str| {
+        let filter = tracing_subscriber::EnvFilter::try_new(level)
+            .map_err(|e| format!("[log] level {level:?}: {e}"))?;
+        handle.reload(filter).map_err(|e| e.to_string())
+    })
 }

@@ -8,6 +8,7 @@ use fencegate_core::{IssuedRevision, KeyRing, SharedKeyRing, TokenKey};
 use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use crate::api::auth::{CredentialError, Credentials};
 use crate::api::health::GatewayHealth;
@@ -99,8 +100,9 @@ impl Secrets {
     }
 }
 
-/// How long in-flight requests may finish after SIGINT or SIGTERM.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long in-flight API requests may finish after SIGINT or SIGTERM (at most
+/// `shutdown_grace_ms`, which bounds the gateways' drain).
+const API_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// The same for a leader: while it drains, nobody can reach the cluster's leader, so it cuts
 /// in-flight requests short (their clients retry elsewhere) and lets a successor be elected.
 const LEADER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -119,7 +121,11 @@ async fn bind(addr: std::net::SocketAddr) -> Result<TcpListener, ServeError> {
         })
 }
 
-pub async fn serve(config: Config) -> Result<(), ServeError> {
+pub async fn serve(
+    config: Config,
+    path: std::path::PathBuf,
+    set_log_level: crate::reload::SetLogLevel,
+) -> Result<(), ServeError> {
     let secrets = Secrets::load(&config)?;
     if config.security.insecure {
         tracing::warn!("[security] insecure = true: the API and Raft are plain HTTP and need no credentials unless some are configured; use only for local development");
@@ -174,6 +180,11 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     // holds the keys from its last snapshot (and the operator's key) when the first client
     // presents a token.
     let mut gateways = Vec::new();
+    // Cancelled on SIGTERM: the gateway listeners close and their sessions drain.
+    let drain = CancellationToken::new();
+    let mut listeners = tokio::task::JoinSet::new();
+    let mut sessions = Vec::new();
+    let mut redis_gateway = None;
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis.clone(), policy.clone(), audit.sink())?;
         let observed = gateway.clone();
@@ -195,12 +206,13 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
                         .upstream_up(fencegate_core::Store::Redis),
                 ),
         );
-        tokio::spawn(async move {
-            if let Err(e) = gateway.serve(listener).await {
-                tracing::error!(error = %e, "the Redis gateway stopped");
-            }
-            running.store(false, Ordering::Relaxed);
-        });
+        sessions.push(("redis", gateway.sessions()));
+        redis_gateway = Some(gateway.clone());
+        listeners.spawn(log_end(
+            "Redis",
+            gateway.serve_until(listener, drain.clone()),
+            running,
+        ));
     }
     if let Some(postgres) = config.postgres.clone() {
         let gateway =
@@ -221,19 +233,20 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
                         .upstream_up(fencegate_core::Store::Postgres),
                 ),
         );
-        tokio::spawn(async move {
-            if let Err(e) = gateway.serve(listener).await {
-                tracing::error!(error = %e, "the PostgreSQL gateway stopped");
-            }
-            running.store(false, Ordering::Relaxed);
-        });
+        sessions.push(("postgres", gateway.sessions()));
+        listeners.spawn(log_end(
+            "PostgreSQL",
+            gateway.serve_until(listener, drain.clone()),
+            running,
+        ));
     }
     // The S3 gateway is a pingora server with its own runtime, on its own thread (see
     // filters/s3/src/proxy.rs); this runtime only starts and stops it.
     let s3 = match config.s3.clone() {
         Some(s3) => {
-            let handle =
-                fencegate_s3::S3Gateway::new(s3.clone(), policy.clone(), audit.sink())?.start()?;
+            let handle = fencegate_s3::S3Gateway::new(s3.clone(), policy.clone(), audit.sink())?
+                .with_grace(config.node.shutdown_grace())
+                .start()?;
             gateways.push(
                 GatewayHealth::new("s3", || Ok(()))
                     .listener(s3.listen, handle.running())
@@ -266,7 +279,10 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
         }),
         gateways: Arc::new(gateways),
     };
-    let mut app = api::router(state.clone(), secrets.credentials.clone());
+    let credentials = Arc::new(crate::api::auth::LiveCredentials::new(
+        secrets.credentials.clone(),
+    ));
+    let mut app = api::router(state.clone(), credentials.clone());
     let peer_app = api::peer_router(state);
     if peer_listener.is_none() {
         app = app.merge(peer_app.clone());
@@ -324,50 +340,125 @@ pub async fn serve(config: Config) -> Result<(), ServeError> {
     // A node removed from the cluster stops as on SIGTERM, and exits 0: it did what the
     // operator asked.
     let mut removed = authority.removed();
+    let reloader = crate::reload::Reloader::new(
+        path,
+        set_log_level,
+        crate::reload::Live {
+            credentials,
+            redis: redis_gateway,
+            s3: s3.as_ref().map(|s3| s3.clients()),
+        },
+    );
     tokio::select! {
-        _ = shutdown_signal() => {}
+        _ = signals(&reloader) => {}
         _ = removed.wait_for(|removed| *removed) => {}
     }
+    let started = tokio::time::Instant::now();
+    let deadline = started + config.node.shutdown_grace();
     // A node on its way out must not campaign (it could win and then vanish: an election for
     // nothing). A leader cannot hand over in openraft 0.9 (no leadership transfer), so it
     // leads for as short a time as it can: the followers elect a successor once Raft stops.
     let leading = authority.drain();
     // A removed node cannot complete what is in flight either (it has no leader to reach).
-    let grace = if leading || *removed.borrow() {
+    let api_grace = if leading || *removed.borrow() {
         LEADER_GRACE
     } else {
-        SHUTDOWN_GRACE
-    };
-    tracing::info!(
-        ?grace,
-        leading,
-        "shutting down; finishing requests in flight"
-    );
+        API_GRACE
+    }
+    .min(config.node.shutdown_grace());
+    // Every listener stops accepting now; what is in flight finishes.
     let _ = stop_tx.send(true);
-    // Waiting acquires can run for minutes; they are cut off after the grace period (their
-    // clients retry elsewhere, with the same request id).
-    let drained = tokio::time::timeout(grace, async {
+    drain.cancel();
+    let s3_begun = s3.as_ref().map(|s3| {
+        s3.stop_accepting();
+        sessions.push(("s3", s3.requests()));
+        s3.requests_begun()
+    });
+    while listeners.join_next().await.is_some() {}
+    let in_flight: usize = sessions.iter().map(|(_, t)| t.len()).sum();
+    tracing::info!(
+        grace_ms = config.node.shutdown_grace_ms,
+        ?api_grace,
+        leading,
+        sessions = in_flight,
+        "draining: listeners closed; sessions finish their transaction, pipeline or request"
+    );
+    // Waiting acquires can run for minutes; they are cut off after the API's grace (their
+    // clients retry elsewhere, with the same request id). The gateways do not need Raft, so
+    // Raft stops then, and the peers elect a successor while the gateways still drain.
+    let api_drained = tokio::time::timeout(api_grace, async {
         while servers.join_next().await.is_some() {}
     })
     .await;
-    if drained.is_err() {
-        tracing::warn!("requests still in flight after the grace period; closing them");
-    }
-    if let Some(s3) = s3 {
-        let _ = tokio::task::spawn_blocking(move || s3.shutdown()).await;
+    if api_drained.is_err() {
+        tracing::warn!("API requests still in flight after their grace period; closing them");
     }
     let _ = authority.raft().shutdown().await;
     let _ = peer_stop_tx.send(true);
-    let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+    let _ = tokio::time::timeout(API_GRACE, async {
         while peer_server.join_next().await.is_some() {}
     })
     .await;
+    let _ = tokio::time::timeout_at(deadline, async {
+        for (_, tracker) in &sessions {
+            tracker.wait().await;
+        }
+    })
+    .await;
+    let cut: usize = sessions.iter().map(|(_, t)| t.len()).sum();
+    let by_store: Vec<String> = sessions
+        .iter()
+        .map(|(store, t)| format!("{store}={}", t.len()))
+        .collect();
+    // S3 requests on connections accepted before the listener closed, begun after.
+    let late = match (&s3, s3_begun) {
+        (Some(s3), Some(begun)) => (s3.requests_begun() - begun) as usize,
+        _ => 0,
+    };
+    let summary = DrainSummary::of(in_flight + late, cut);
+    if cut == 0 {
+        tracing::info!(drained = summary.drained, cut = 0, elapsed = ?started.elapsed(), "drained every gateway session");
+    } else {
+        tracing::warn!(drained = summary.drained, cut = summary.cut, still_open = %by_store.join(","), elapsed = ?started.elapsed(), "gateway sessions still open after shutdown_grace_ms; cutting them");
+    }
+    if let Some(s3) = s3 {
+        s3.detach();
+    }
     Ok(())
 }
 
-/// Waits for SIGINT or SIGTERM. SIGHUP is caught so that it does not kill the node (its default
-/// action, exit 129, which `Restart=on-failure` treated as clean); reload is not built yet.
-async fn shutdown_signal() {
+/// How a drain ended: sessions that finished on their own, and those cut at the deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DrainSummary {
+    drained: usize,
+    cut: usize,
+}
+
+impl DrainSummary {
+    /// From the sessions open when the listeners closed and those still open at the deadline.
+    fn of(open_at_start: usize, open_at_deadline: usize) -> Self {
+        Self {
+            drained: open_at_start.saturating_sub(open_at_deadline),
+            cut: open_at_deadline,
+        }
+    }
+}
+
+/// Runs a gateway's accept loop (it ends only when the node drains) and logs a failure.
+async fn log_end<E: std::fmt::Display>(
+    store: &'static str,
+    serving: impl std::future::Future<Output = Result<(), E>>,
+    running: Arc<AtomicBool>,
+) {
+    if let Err(e) = serving.await {
+        tracing::error!(error = %e, "the {store} gateway stopped");
+    }
+    running.store(false, Ordering::Relaxed);
+}
+
+/// Waits for SIGINT or SIGTERM; on SIGHUP reloads the config (its default action, exit 129,
+/// would kill the node).
+async fn signals(reloader: &crate::reload::Reloader) {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
     let mut hup = signal(SignalKind::hangup()).expect("installing a SIGHUP handler");
@@ -375,9 +466,7 @@ async fn shutdown_signal() {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => return,
             _ = term.recv() => return,
-            _ = hup.recv() => tracing::warn!(
-                "SIGHUP: reload is not supported yet; restart the node to apply config changes"
-            ),
+            _ = hup.recv() => reloader.reload(),
         }
     }
 }

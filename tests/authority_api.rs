@@ -258,11 +258,14 @@ fn check_config_names_the_line_of_an_error() {
         "config/cluster/node2.toml",
         "config/cluster/node3.toml",
     ] {
-        // Relative paths (certs/...) are taken from the working directory.
+        // Relative paths (certs/...) are taken from the working directory; the secrets the
+        // configs name by environment variable are set, as check-config requires.
         let out = std::process::Command::new(BIN)
             .args(["check-config", "--config"])
             .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(shipped))
             .current_dir(dir.path())
+            .env("FENCEGATE_S3_UPSTREAM_SECRET", "an upstream secret")
+            .env("FENCEGATE_S3_CLIENTS", "AKIDEXAMPLE:a-client-secret")
             .output()
             .unwrap();
         assert!(

@@ -136,16 +136,36 @@ fn digest(secret: &str) -> [u8; 32] {
     Sha256::digest(secret.as_bytes()).into()
 }
 
-/// What a route group needs, with the node's credentials (`None`: insecure mode without any).
+/// The credentials in force (`None`: insecure mode without any); SIGHUP replaces them.
+#[derive(Default)]
+pub struct LiveCredentials(std::sync::RwLock<Option<Arc<Credentials>>>);
+
+impl LiveCredentials {
+    pub fn new(credentials: Option<Arc<Credentials>>) -> Self {
+        Self(std::sync::RwLock::new(credentials))
+    }
+
+    /// The credentials in force now.
+    pub fn current(&self) -> Option<Arc<Credentials>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Puts `credentials` in force for the next request.
+    pub fn replace(&self, credentials: Arc<Credentials>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Some(credentials);
+    }
+}
+
+/// What a route group needs, with the node's credentials.
 #[derive(Clone)]
 pub struct Gate {
-    pub credentials: Option<Arc<Credentials>>,
+    pub credentials: Arc<LiveCredentials>,
     pub needs: Role,
 }
 
 /// Middleware: answers 401 without a known credential and 403 with one whose role is too low.
 pub async fn require(State(gate): State<Gate>, request: Request, next: Next) -> Response {
-    let Some(credentials) = &gate.credentials else {
+    let Some(credentials) = gate.credentials.current() else {
         return next.run(request).await;
     };
     let presented = request

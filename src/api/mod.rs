@@ -23,7 +23,7 @@ use crate::authority::network::{APPEND_PATH, MEMBERSHIP_PATH, SNAPSHOT_PATH, VOT
 use crate::authority::Authority;
 use crate::config::AuthorityConfig;
 use crate::metrics::Metrics;
-use auth::{Credentials, Gate, Role};
+use auth::{Gate, Role};
 
 /// Marks a request a follower already forwarded, so it is never forwarded twice.
 pub const FORWARDED_HEADER: &str = "fencegate-forwarded";
@@ -48,8 +48,8 @@ pub struct ApiState {
 const LARGE_BODY: usize = 256 * 1024 * 1024;
 
 /// The client API: lock calls for the `client` role, operations for `admin`, health and
-/// metrics open. `credentials` is `None` only in insecure mode without any configured.
-pub fn router(state: ApiState, credentials: Option<Arc<Credentials>>) -> Router {
+/// metrics open. `credentials` hold `None` only in insecure mode without any configured.
+pub fn router(state: ApiState, credentials: Arc<auth::LiveCredentials>) -> Router {
     let gate = |needs| Gate {
         credentials: credentials.clone(),
         needs,

@@ -139,6 +139,36 @@ impl GatewayNode {
         port.unwrap()
     }
 
+    /// Sends `signal` to the node.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signal the node");
+    }
+
+    /// Waits (bounded) for the node to exit; `None` if it still runs after `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits (bounded) until the log has a line containing `text`; panics with the log if not.
+    pub fn wait_for_log(&mut self, text: &str, within: Duration) {
+        let log = self.log.clone();
+        self.wait_ready(&format!("log line {text:?}"), within, || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains(text)
+        });
+    }
+
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use fencegate_core::{AuditSink, Resource, TokenPolicy};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::classify_cache::ClassifyCache;
 use crate::config::PostgresConfig;
@@ -25,6 +27,8 @@ pub struct Gateway {
     /// Statement classifications by shape, shared by every session.
     pub(crate) classified: ClassifyCache,
     connections: AtomicU64,
+    /// The sessions running now (the node waits on it while it drains).
+    sessions: TaskTracker,
 }
 
 /// Statement shapes remembered per gateway (cleared when full).
@@ -55,6 +59,7 @@ impl Gateway {
             tls,
             classified: ClassifyCache::new(CLASSIFY_CACHE_SHAPES),
             connections: AtomicU64::new(0),
+            sessions: TaskTracker::new(),
         }))
     }
 
@@ -111,8 +116,24 @@ impl Gateway {
     /// Accepts clients on `listener` until the task is dropped; one session (and one upstream
     /// connection) per client.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) -> Result<(), PostgresError> {
+        self.serve_until(listener, CancellationToken::new()).await
+    }
+
+    /// Accepts clients on `listener` until `shutdown` is cancelled, then closes the listener
+    /// (new clients are refused) and returns. Sessions see the same token: each finishes its
+    /// transaction and ends at its next ReadyForQuery with no transaction open (the client
+    /// gets SQLSTATE 57P01); [`Gateway::sessions`] says when they are all gone.
+    pub async fn serve_until(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> Result<(), PostgresError> {
         loop {
-            let (socket, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = shutdown.cancelled() => break,
+            };
+            let (socket, peer) = match accepted {
                 Ok(accepted) => accepted,
                 // EMFILE, ENFILE, ECONNABORTED...: one failed accept must not stop the listener
                 // for good (issue 12, bypass 8). Back off briefly so a full fd table is not spun on.
@@ -123,7 +144,22 @@ impl Gateway {
                 }
             };
             let gateway = self.clone();
-            tokio::spawn(async move { session::run(gateway, socket, peer).await });
+            let shutdown = shutdown.clone();
+            self.sessions
+                .spawn(async move { session::run(gateway, socket, peer, shutdown).await });
         }
+        drop(listener);
+        self.sessions.close();
+        tracing::info!(
+            sessions = self.sessions.len(),
+            "postgres gateway stopped accepting; sessions finish their transactions"
+        );
+        Ok(())
+    }
+
+    /// The sessions running now: `len()` counts them, `wait()` (after the listener stopped)
+    /// returns when the last one ended.
+    pub fn sessions(&self) -> TaskTracker {
+        self.sessions.clone()
     }
 }

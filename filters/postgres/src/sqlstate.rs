@@ -15,7 +15,7 @@
 //! the triggers on protected tables (FG002 no pass, FG001, FG005 table bound to another resource).
 //!
 //! Protocol violations by a client are answered with PostgreSQL's own `08P01` and the connection
-//! is closed.
+//! is closed; a draining gateway closes idle sessions with PostgreSQL's own `57P01`.
 
 use fencegate_core::RejectReason;
 
@@ -35,6 +35,8 @@ pub const UNSUPPORTED: &str = "FG006";
 pub const NOT_INSTALLED: &str = "FG007";
 /// PostgreSQL's `protocol_violation`.
 pub const PROTOCOL_VIOLATION: &str = "08P01";
+/// PostgreSQL's own `admin_shutdown`: the gateway is draining and closes an idle session.
+pub const ADMIN_SHUTDOWN: &str = "57P01";
 
 /// The SQLSTATE for a refusal reason.
 pub fn for_reason(reason: &RejectReason) -> &'static str {

@@ -10,6 +10,8 @@ use fencegate_core::{AuditSink, Charge, RefusalBudget, TokenPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::RedisConfig;
 use crate::error::RedisError;
@@ -21,6 +23,9 @@ use crate::upstream::{ControlConnection, Upstream, UpstreamInfo};
 /// One Redis gateway: a listener's shared state.
 pub struct Gateway {
     pub(crate) config: RedisConfig,
+    /// The config whose protect rules are in force: `config`, or what
+    /// [`Gateway::set_protect_rules`] last put in its place. Sessions read it per request.
+    live: std::sync::RwLock<Arc<RedisConfig>>,
     pub(crate) policy: TokenPolicy,
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) limits: Limits,
@@ -43,6 +48,8 @@ pub struct Gateway {
     pub(crate) tarpitted: AtomicUsize,
     /// Tarpit waits so far.
     pub(crate) tarpit_waits: AtomicU64,
+    /// The sessions running now (the node waits on it while it drains).
+    sessions: TaskTracker,
 }
 
 /// How often refusals over the budget are logged (one line per period, with a count).
@@ -75,6 +82,7 @@ impl Gateway {
             Instant::now(),
         );
         Ok(Arc::new(Self {
+            live: std::sync::RwLock::new(Arc::new(config.clone())),
             config,
             policy,
             sink,
@@ -89,6 +97,7 @@ impl Gateway {
             refusals: std::sync::Mutex::new(refusals),
             tarpitted: AtomicUsize::new(0),
             tarpit_waits: AtomicU64::new(0),
+            sessions: TaskTracker::new(),
         }))
     }
 
@@ -132,6 +141,22 @@ impl Gateway {
         }
         *guard = Some((info.clone(), Instant::now()));
         Ok(info)
+    }
+
+    /// The config whose protect rules are in force now.
+    pub(crate) fn live(&self) -> Arc<RedisConfig> {
+        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Puts `new`'s protect rules in force (SIGHUP): open sessions apply them from their next
+    /// request on. Everything else in `new` is ignored (it needs a restart). `new` is checked
+    /// first; when it is refused, the rules in force stay.
+    pub fn set_protect_rules(&self, new: &RedisConfig) -> Result<(), RedisError> {
+        let mut next = (*self.live()).clone();
+        next.protect = new.protect.clone();
+        next.validate()?;
+        *self.live.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
+        Ok(())
     }
 
     fn set_degraded(&self, reason: Option<String>) {
@@ -203,6 +228,18 @@ impl Gateway {
 
     /// Accepts clients on `listener` until the task is dropped; one session per client.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) -> Result<(), RedisError> {
+        self.serve_until(listener, CancellationToken::new()).await
+    }
+
+    /// Accepts clients on `listener` until `shutdown` is cancelled, then closes the listener
+    /// (new clients are refused) and returns. Sessions see the same token: each finishes its
+    /// open transaction and the replies in flight, then closes; [`Gateway::sessions`] says
+    /// when they are all gone.
+    pub async fn serve_until(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> Result<(), RedisError> {
         if let Err(e) = self.info().await {
             tracing::warn!(error = %e, "upstream not ready; will retry when a client connects");
         }
@@ -219,7 +256,11 @@ impl Gateway {
         });
         let mut backoff = Duration::from_millis(10);
         loop {
-            let (socket, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = shutdown.cancelled() => break,
+            };
+            let (socket, peer) = match accepted {
                 Ok(pair) => pair,
                 Err(e) => {
                     // EMFILE, ENFILE, ENOBUFS, a connection reset before accept: transient.
@@ -232,8 +273,20 @@ impl Gateway {
             };
             backoff = Duration::from_millis(10);
             let gateway = self.clone();
-            tokio::spawn(async move { session::run(gateway, socket, peer).await });
+            let shutdown = shutdown.clone();
+            self.sessions
+                .spawn(async move { session::run(gateway, socket, peer, shutdown).await });
         }
+        drop(listener);
+        self.sessions.close();
+        tracing::info!(sessions = self.sessions.len(), "redis gateway stopped accepting; sessions finish their transactions and replies in flight");
+        Ok(())
+    }
+
+    /// The sessions running now: `len()` counts them, `wait()` (after the listener stopped)
+    /// returns when the last one ended.
+    pub fn sessions(&self) -> TaskTracker {
+        self.sessions.clone()
     }
 
     /// Binds `config.listen` and serves.

@@ -25,6 +25,7 @@ use fencegate_core::{
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
+use tokio_util::sync::CancellationToken;
 
 use crate::classify::{classify, Class};
 use crate::decide::{self, decide, Decision, Inputs};
@@ -43,8 +44,15 @@ const SLOT_QUEUE: usize = 4096;
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
 
-/// Runs one client session to completion; errors are logged, never returned.
-pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAddr) {
+/// Runs one client session to completion; errors are logged, never returned. Once `shutdown`
+/// is cancelled the session ends at its next idle point: no transaction open, no partial
+/// request, the replies in flight delivered.
+pub(crate) async fn run(
+    gateway: Arc<Gateway>,
+    socket: TcpStream,
+    peer: SocketAddr,
+    shutdown: CancellationToken,
+) {
     let id = gateway.next_connection_id();
     let _open = OpenConnection::new(gateway.sink.clone(), Store::Redis);
     socket.set_nodelay(true).ok();
@@ -118,6 +126,7 @@ pub(crate) async fn run(gateway: Arc<Gateway>, socket: TcpStream, peer: SocketAd
         ),
         wait: None,
         read_at: read_at.clone(),
+        shutdown,
     };
     let sink = gateway.sink.clone();
     let writer = Writer {
@@ -237,6 +246,8 @@ struct Reader {
     /// How long to wait before the next request, after a refusal over the budget.
     wait: Option<Duration>,
     read_at: ReadTimes,
+    /// The node is draining: end the session at the next idle point.
+    shutdown: CancellationToken,
 }
 
 /// When each slot's request was read, in slot order: the reader pushes, the writer pops once
@@ -301,12 +312,33 @@ impl Reader {
                     )
                     .await
                     .ok()
-                } else if !idle.is_zero() {
-                    tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
-                        .await
-                        .ok()
                 } else {
-                    Some(read(&mut self.client, &mut self.buf).await)
+                    // Between requests and outside a transaction, a draining session ends
+                    // here: the writer delivers the replies in flight, then closes.
+                    let closable = self.multi.is_none();
+                    let shutdown = self.shutdown.clone();
+                    let next = async {
+                        if idle.is_zero() {
+                            Some(read(&mut self.client, &mut self.buf).await)
+                        } else {
+                            tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
+                                .await
+                                .ok()
+                        }
+                    };
+                    let next = tokio::select! {
+                        biased;
+                        () = shutdown.cancelled(), if closable => None,
+                        r = next => Some(r),
+                    };
+                    match next {
+                        Some(r) => r,
+                        None => {
+                            tracing::debug!(conn = self.id, peer = %self.peer, "draining: closing the idle session");
+                            let _ = self.slots.send(Slot::Close).await;
+                            return Ok(());
+                        }
+                    }
                 };
                 let Some(n) = read_result else {
                     let text = if self.buf.is_empty() {
@@ -544,7 +576,7 @@ impl Reader {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
-                let class = classify(&self.info.table, &self.gateway.config, args);
+                let class = classify(&self.info.table, &self.gateway.live(), args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
@@ -552,9 +584,10 @@ impl Reader {
             .gateway
             .fences_at_risk()
             .then(|| self.gateway.health().err().unwrap_or_default());
+        let config = self.gateway.live();
         let inputs = Inputs {
             table: &self.info.table,
-            config: &self.gateway.config,
+            config: &config,
             token: self.token.as_ref(),
             fences_at_risk: risk.as_deref(),
         };
@@ -619,7 +652,7 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
-        if let Err(detail) = scope::check(&self.gateway.config, &token, &keys) {
+        if let Err(detail) = scope::check(&self.gateway.live(), &token, &keys) {
             return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
         }
         if self.gateway.fences_at_risk() {

@@ -18,7 +18,8 @@ use crate::upstream::Upstream;
 /// State shared by every request of one gateway.
 pub struct Shared {
     pub(crate) config: S3Config,
-    pub(crate) clients: HashMap<String, String>,
+    /// Client access keys and their secrets; SIGHUP may replace them ([`S3Clients`]).
+    clients: Mutex<Arc<HashMap<String, String>>>,
     pub(crate) upstream: Upstream,
     pub(crate) policy: TokenPolicy,
     pub(crate) audit: Arc<dyn AuditSink>,
@@ -84,7 +85,7 @@ impl Shared {
         let http = http.build().map_err(|e| S3Error::Upstream(e.to_string()))?;
         Ok(Self {
             config,
-            clients,
+            clients: Mutex::new(Arc::new(clients)),
             upstream,
             policy,
             audit,
@@ -93,6 +94,14 @@ impl Shared {
             manifests: Mutex::new(HashMap::new()),
             committers: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The client credentials in force now.
+    pub(crate) fn clients(&self) -> Arc<HashMap<String, String>> {
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Records a fenced upload; `false` when `max_open_uploads` younger uploads are open.
@@ -320,4 +329,26 @@ pub fn query_pairs(raw_query: &str) -> Vec<(String, String)> {
             (d(k), d(v))
         })
         .collect()
+}
+
+/// A running gateway's client credentials, for a reload: [`S3Clients::reload`] reads
+/// `clients_env` and `clients_file` again; requests verified after it use the new ones.
+#[derive(Clone)]
+pub struct S3Clients {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl S3Clients {
+    /// Reads the client credentials `config` names (its other settings are ignored) and puts
+    /// them in force; returns how many there are. On an error the credentials in force stay.
+    pub fn reload(&self, config: &S3Config) -> Result<usize, S3Error> {
+        let clients = crate::proxy::load_clients(config)?;
+        let n = clients.len();
+        *self
+            .shared
+            .clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Arc::new(clients);
+        Ok(n)
+    }
 }

@@ -39,5 +39,6 @@ pub mod upstream;
 
 pub use config::{ProtectMode, ProtectRule, S3Config};
 pub use error::S3Error;
+pub use gateway::S3Clients;
 pub use maintenance::{GcReport, Maintenance};
 pub use proxy::{GatewayHandle, S3Gateway};

@@ -5,8 +5,11 @@
 //! upstream round trips (HEAD, conditional write, retries) that one proxied request cannot.
 //!
 //! Runtime: pingora runs its own `Server` with its own runtimes. [`S3Gateway::start`] runs it
-//! on a dedicated OS thread with a shutdown watch that the node triggers (a pingora fast
-//! shutdown), so the node's tokio runtime and signal handling stay the node's.
+//! on a dedicated OS thread with a shutdown watch that the node triggers, so the node's tokio
+//! runtime and signal handling stay the node's. To drain, the node asks for pingora's graceful
+//! terminate ([`GatewayHandle::stop_accepting`]: the listener closes, keep-alive ends after
+//! the current request) and waits on [`GatewayHandle::requests`], which counts the requests in
+//! flight (pingora itself only sleeps out a fixed grace period).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,26 +23,64 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_http::RequestHeader;
 use pingora_proxy::{ProxyHttp, Session};
 use tokio::sync::watch;
+use tokio_util::task::task_tracker::TaskTrackerToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{parse_credentials, S3Config};
 use crate::error::S3Error;
-use crate::gateway::Shared;
+use crate::gateway::{S3Clients, Shared};
 use crate::respond::respond_error;
 use crate::rewrite::{Operation, Target};
 use crate::session::WriteSession;
 use crate::sigv4_verify::{self, SignedRequest};
 use crate::upstream::{Upstream, DROPPED_HEADERS};
 
+/// The client credentials `config` names (`clients_env`, then `clients_file`).
+pub(crate) fn load_clients(config: &S3Config) -> Result<HashMap<String, String>, S3Error> {
+    let mut clients = HashMap::new();
+    if let Some(var) = &config.clients_env {
+        let text = std::env::var(var).map_err(|_| {
+            S3Error::Config(format!(
+                "the environment variable {var} (clients_env) is not set"
+            ))
+        })?;
+        clients.extend(parse_credentials(&text)?);
+    }
+    if let Some(path) = &config.clients_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| S3Error::Config(format!("clients_file {}: {e}", path.display())))?;
+        clients.extend(parse_credentials(&text)?);
+    }
+    Ok(clients)
+}
+
 /// A configured S3 gateway, ready to start.
 pub struct S3Gateway {
     shared: Arc<Shared>,
+    /// How long pingora keeps its runtimes after a graceful terminate.
+    grace: std::time::Duration,
 }
 
 /// A running gateway; [`GatewayHandle::shutdown`] stops it.
 pub struct GatewayHandle {
-    stop: watch::Sender<bool>,
+    stop: watch::Sender<Stop>,
     thread: Option<JoinHandle<()>>,
     running: Arc<std::sync::atomic::AtomicBool>,
+    requests: TaskTracker,
+    /// Requests begun so far (a connection accepted before the listener closed may send its
+    /// request after: the drain counts it too).
+    begun: Arc<std::sync::atomic::AtomicU64>,
+    clients: S3Clients,
+}
+
+/// What the node asked of the pingora server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Run,
+    /// Close the listener, finish the requests in flight.
+    Graceful,
+    /// Stop now.
+    Fast,
 }
 
 impl S3Gateway {
@@ -56,20 +97,7 @@ impl S3Gateway {
                 config.upstream_secret_env
             ))
         })?;
-        let mut clients = HashMap::new();
-        if let Some(var) = &config.clients_env {
-            let text = std::env::var(var).map_err(|_| {
-                S3Error::Config(format!(
-                    "the environment variable {var} (clients_env) is not set"
-                ))
-            })?;
-            clients.extend(parse_credentials(&text)?);
-        }
-        if let Some(path) = &config.clients_file {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| S3Error::Config(format!("clients_file {}: {e}", path.display())))?;
-            clients.extend(parse_credentials(&text)?);
-        }
+        let clients = load_clients(&config)?;
         let upstream = Upstream::new(
             &config.upstream,
             &config.region,
@@ -78,7 +106,15 @@ impl S3Gateway {
         )?;
         Ok(Self {
             shared: Arc::new(Shared::new(config, clients, upstream, policy, audit)?),
+            grace: std::time::Duration::ZERO,
         })
+    }
+
+    /// How long requests in flight may run after [`GatewayHandle::stop_accepting`] (the node's
+    /// `shutdown_grace_ms`); pingora's runtimes are kept that long. Default: none.
+    pub fn with_grace(mut self, grace: std::time::Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     /// Starts the listener on its own thread and pingora runtime.
@@ -99,16 +135,20 @@ impl S3Gateway {
                 .as_ref()
                 .map(|p| p.to_string_lossy().into_owned()),
             threads: config.threads,
-            grace_period_seconds: Some(0),
+            grace_period_seconds: Some(self.grace.as_secs_f64().ceil() as u64),
             graceful_shutdown_timeout_seconds: Some(1),
             ..ServerConf::default()
         };
         let mut server = Server::new_with_opt_and_conf(None, conf);
         server.bootstrap();
+        let requests = TaskTracker::new();
+        let begun = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut service = pingora_proxy::http_proxy_service_with_name(
             &server.configuration,
             S3Proxy {
                 shared: self.shared.clone(),
+                requests: requests.clone(),
+                begun: begun.clone(),
             },
             "fencegate-s3",
         );
@@ -128,7 +168,7 @@ impl S3Gateway {
             _ => service.add_tcp(&config.listen.to_string()),
         }
         server.add_service(service);
-        let (stop, stop_rx) = watch::channel(false);
+        let (stop, stop_rx) = watch::channel(Stop::Run);
         tracing::info!(listen = %config.listen, upstream = %self.shared.upstream.base, "S3 gateway started");
         let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let still = running.clone();
@@ -145,6 +185,11 @@ impl S3Gateway {
             stop,
             thread: Some(thread),
             running,
+            requests,
+            begun,
+            clients: S3Clients {
+                shared: self.shared.clone(),
+            },
         })
     }
 }
@@ -160,8 +205,37 @@ impl GatewayHandle {
         self.stop_and_join();
     }
 
+    /// Closes the listener (new clients are refused); requests in flight run on, and each
+    /// connection closes after its current request.
+    pub fn stop_accepting(&self) {
+        self.requests.close();
+        let _ = self.stop.send(Stop::Graceful);
+    }
+
+    /// The requests in flight: `len()` counts them, `wait()` (after
+    /// [`GatewayHandle::stop_accepting`]) returns when the last one was answered.
+    pub fn requests(&self) -> TaskTracker {
+        self.requests.clone()
+    }
+
+    /// How many requests have begun since the gateway started.
+    pub fn requests_begun(&self) -> u64 {
+        self.begun.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The gateway's client credentials, to reload them.
+    pub fn clients(&self) -> S3Clients {
+        self.clients.clone()
+    }
+
+    /// Leaves the pingora thread to the process's exit, after a drain: pingora sleeps out its
+    /// whole grace period before it stops its runtimes, and the node need not wait for that.
+    pub fn detach(mut self) {
+        self.thread.take();
+    }
+
     fn stop_and_join(&mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.stop.send(Stop::Fast);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -174,20 +248,24 @@ impl Drop for GatewayHandle {
     }
 }
 
-struct StopWatch(watch::Receiver<bool>);
+struct StopWatch(watch::Receiver<Stop>);
 
 #[async_trait]
 impl ShutdownSignalWatch for StopWatch {
     async fn recv(&self) -> ShutdownSignal {
         let mut rx = self.0.clone();
-        let _ = rx.wait_for(|stop| *stop).await;
-        ShutdownSignal::FastShutdown
+        match rx.wait_for(|stop| *stop != Stop::Run).await.map(|s| *s) {
+            Ok(Stop::Graceful) => ShutdownSignal::GracefulTerminate,
+            _ => ShutdownSignal::FastShutdown,
+        }
     }
 }
 
 /// Per-request state.
 pub struct RequestCtx {
     target: Option<Target>,
+    /// Counts this request as in flight until it is answered (the context is dropped then).
+    _in_flight: Option<TaskTrackerToken>,
     /// Counts the request as open (the `connections` gauge) until the context is dropped.
     _open: OpenConnection,
     started: std::time::Instant,
@@ -211,6 +289,8 @@ fn connect_failure(e: &pingora_core::Error) -> bool {
 
 struct S3Proxy {
     shared: Arc<Shared>,
+    requests: TaskTracker,
+    begun: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The request's headers with lower-case names; `None` if one is not UTF-8.
@@ -230,8 +310,11 @@ impl ProxyHttp for S3Proxy {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
+        self.begun
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         RequestCtx {
             target: None,
+            _in_flight: Some(self.requests.token()),
             _open: OpenConnection::new(self.shared.audit.clone(), Store::S3),
             started: std::time::Instant::now(),
         }
@@ -292,7 +375,7 @@ impl ProxyHttp for S3Proxy {
         };
         let verified = match sigv4_verify::verify(
             &signed,
-            &self.shared.clients,
+            &self.shared.clients(),
             &self.shared.config.region,
             time::OffsetDateTime::now_utc(),
         ) {

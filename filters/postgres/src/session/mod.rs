@@ -26,6 +26,7 @@ use fencegate_core::{
 };
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
@@ -41,12 +42,18 @@ const MAX_BACKEND_MESSAGE: usize = 1 << 30;
 /// server's own `authentication_timeout` defaults to the same minute).
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Runs one session to its end; errors are logged, never propagated.
-pub(crate) async fn run(gateway: Arc<Gateway>, client: TcpStream, peer: SocketAddr) {
+/// Runs one session to its end; errors are logged, never propagated. Once `shutdown` is
+/// cancelled the session ends at its next ReadyForQuery outside a transaction.
+pub(crate) async fn run(
+    gateway: Arc<Gateway>,
+    client: TcpStream,
+    peer: SocketAddr,
+    shutdown: CancellationToken,
+) {
     let id = gateway.next_connection_id();
     let _open = OpenConnection::new(gateway.sink.clone(), Store::Postgres);
     let _ = client.set_nodelay(true);
-    match session(gateway, client, peer, id).await {
+    match session(gateway, client, peer, id, shutdown).await {
         Ok(()) => tracing::debug!(conn = id, %peer, "postgres session ended"),
         Err(e) => tracing::info!(conn = id, %peer, error = %e, "postgres session closed"),
     }
@@ -64,6 +71,10 @@ struct Shared {
     /// When each simple query or Sync was read, oldest first: the ReadyForQuery that answers
     /// it gives the request's latency.
     pub(super) read_at: Mutex<std::collections::VecDeque<std::time::Instant>>,
+    /// The node is draining: end the session at its next idle ReadyForQuery.
+    pub(super) shutdown: CancellationToken,
+    /// Woken by the reply loop after each ReadyForQuery it relayed.
+    pub(super) settled: Notify,
 }
 
 impl Shared {
@@ -96,6 +107,27 @@ impl Shared {
                 }
             }
             rest = rest.get(1 + len..).unwrap_or_default();
+        }
+    }
+
+    /// Whether the session can end without cutting anything: no transaction open and every
+    /// reply delivered (the client has its ReadyForQuery).
+    fn idle(&self) -> bool {
+        let state = self.lock();
+        state.status == b'I' && state.pending.is_empty()
+    }
+
+    /// Returns once the node drains and the session is [`Shared::idle`].
+    async fn drained(&self) {
+        self.shutdown.cancelled().await;
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if self.idle() {
+                return;
+            }
+            settled.await;
         }
     }
 
@@ -142,6 +174,7 @@ async fn session(
     client: TcpStream,
     peer: SocketAddr,
     conn: u64,
+    shutdown: CancellationToken,
 ) -> Result<(), PostgresError> {
     let max = gateway.config.max_message_bytes;
     let established = tokio::time::timeout(
@@ -178,6 +211,8 @@ async fn session(
         conn,
         requests: std::sync::atomic::AtomicU64::new(0),
         read_at: Mutex::default(),
+        shutdown,
+        settled: Notify::new(),
     });
 
     let (stream, buffered) = client_read.into_parts();

@@ -89,6 +89,10 @@ pub(super) async fn relay_replies(
         if deliver_local(&shared, &mut client).await? {
             return Ok(());
         }
+        if frame.tag == b'Z' {
+            // The request loop may be waiting for this to drain the session.
+            shared.settled.notify_waiters();
+        }
         if !upstream.has_complete_frame() {
             client
                 .flush()

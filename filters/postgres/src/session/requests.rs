@@ -32,7 +32,23 @@ pub(super) async fn relay_requests(
     mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
 ) -> Result<(), PostgresError> {
     loop {
-        let frame = match client.read_frame().await {
+        // A client that already sent its next message is served first; otherwise a draining
+        // session ends as soon as it is idle.
+        let pipelined = client.has_complete_frame();
+        let read = tokio::select! {
+            biased;
+            () = shared.drained(), if !pipelined => None,
+            read = client.read_frame() => Some(read),
+        };
+        let Some(read) = read else {
+            say_goodbye(&shared);
+            upstream
+                .write_all(&TERMINATE)
+                .await
+                .map_err(PostgresError::io("writing upstream"))?;
+            break;
+        };
+        let frame = match read {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
@@ -85,6 +101,26 @@ pub(super) async fn relay_requests(
         .map_err(PostgresError::io("writing upstream"))?;
     let _ = upstream.shutdown().await;
     Ok(())
+}
+
+/// A frontend Terminate message: the server ends the backend cleanly.
+const TERMINATE: [u8; 5] = [b'X', 0, 0, 0, 4];
+
+/// Queues what a server says when an administrator shuts it down (FATAL 57P01), and the end of
+/// the session: clients and poolers know to reconnect elsewhere.
+fn say_goodbye(shared: &Shared) {
+    tracing::debug!(conn = shared.conn, "draining: closing the idle session");
+    let bytes = message::error_response(&ErrorFields {
+        severity: "FATAL",
+        code: sqlstate::ADMIN_SHUTDOWN.to_owned(),
+        message: "fencegate: the gateway is shutting down; reconnect".to_owned(),
+        detail: None,
+    });
+    shared
+        .lock()
+        .pending
+        .push_back(Expect::Local { bytes, close: true });
+    shared.wake.notify_one();
 }
 
 /// Queues a FATAL 08P01 for the client and the end of the session.

@@ -1,0 +1,271 @@
+//! SIGTERM drains a node's gateways: listeners close at once, sessions finish the transaction,
+//! pipeline or request they are in, then close, and the node exits 0 within
+//! `[node] shutdown_grace_ms`.
+
+mod support;
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use support::free_port;
+use support::gateway_node::{GatewayNode, NodeOptions};
+use support::postgres_server::{cli, connect, PgServer};
+use support::redis_server::RedisServer;
+use support::s3_server::{repo_root, venv_python, wait_for_port, MotoServer};
+use tokio_postgres::NoTls;
+
+const TOKEN: &str = "fg1~5~job";
+const GRACE: Duration = Duration::from_secs(20);
+const DRAINING: &str = "draining: listeners closed";
+
+/// Sends one RESP command.
+fn send(stream: &mut TcpStream, args: &[&str]) {
+    let mut out = format!("*{}\r\n", args.len());
+    for a in args {
+        out += &format!("${}\r\n{a}\r\n", a.len());
+    }
+    stream.write_all(out.as_bytes()).unwrap();
+}
+
+/// Reads exactly the reply `want` (replies here are short and known).
+fn expect(stream: &mut TcpStream, want: &str) {
+    let mut got = vec![0; want.len()];
+    stream.read_exact(&mut got).unwrap();
+    assert_eq!(String::from_utf8_lossy(&got), want);
+}
+
+fn refused(port: u16) -> bool {
+    matches!(
+        TcpStream::connect(("127.0.0.1", port)),
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused
+    )
+}
+
+/// Done-means 1 of issue 15.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_transaction_a_multi_and_an_upload_finish_then_exits() {
+    let redis = RedisServer::start();
+    let pg = PgServer::start();
+    let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(code, 0, "fencegate postgres install failed:\n{out}\n{err}");
+    pg.psql_as(
+        "postgres",
+        "CREATE TABLE items (id serial PRIMARY KEY, v int NOT NULL)",
+    );
+    let moto = MotoServer::start();
+    let created = moto.direct(serde_json::json!([{"op": "create_bucket", "bucket": "fenced"}]));
+    assert_eq!(created[0]["ok"], true, "{created}");
+    let s3_port = free_port();
+    let sections = format!(
+        "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{redis}\"\n\n\
+         [[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n\n\
+         [postgres]\nlisten = \"127.0.0.1:0\"\nupstream = \"{pg}\"\nresource = \"job\"\n\n\
+         [s3]\nlisten = \"127.0.0.1:{s3_port}\"\nupstream = \"{moto}\"\nupstream_access_key = \"gateway\"\n\
+         upstream_secret_env = \"S3_UPSTREAM_SECRET\"\nclients_env = \"S3_CLIENTS\"\n\n\
+         [[s3.protect]]\nbucket = \"fenced\"\nmode = \"object\"\nresource = \"job\"\n",
+        redis = redis.addr,
+        pg = pg.addr(),
+        moto = moto.endpoint,
+    );
+    let options = NodeOptions {
+        node: &format!("shutdown_grace_ms = {}", GRACE.as_millis()),
+        ..NodeOptions::default()
+    };
+    let env = [
+        ("S3_UPSTREAM_SECRET", "gateway-secret"),
+        ("S3_CLIENTS", "AKIDNODE:node-client-secret"),
+    ];
+    let mut node = GatewayNode::start_with(&options, &sections, &env);
+    let redis_port = node.bound_port("redis gateway listening");
+    let pg_port = node.bound_port("postgres gateway listening");
+    node.wait_ready("the S3 listener", Duration::from_secs(30), || {
+        TcpStream::connect(("127.0.0.1", s3_port)).is_ok()
+    });
+    wait_for_port(s3_port, Duration::from_secs(1));
+
+    // Redis: a fenced MULTI with a write queued, not yet EXEC.
+    let mut r = TcpStream::connect(("127.0.0.1", redis_port)).unwrap();
+    r.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    send(&mut r, &["FENCE", TOKEN]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["MULTI"]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["SET", "drain:k", "kept"]);
+    expect(&mut r, "+QUEUED\r\n");
+
+    // PostgreSQL: BEGIN and a fenced write, not yet COMMIT.
+    let dsn = format!(
+        "host=127.0.0.1 port={pg_port} user=postgres dbname=postgres options='-c fencegate.token={TOKEN}'"
+    );
+    let (client, connection) = tokio_postgres::connect(&dsn, NoTls).await.unwrap();
+    let connection = tokio::spawn(connection);
+    client.simple_query("BEGIN").await.unwrap();
+    client
+        .simple_query("INSERT INTO items (v) VALUES (42)")
+        .await
+        .unwrap();
+
+    // S3: a fenced PUT whose body is half sent.
+    let mut put = Command::new(venv_python())
+        .arg(repo_root().join("tests/s3/slow_put.py"))
+        .args([
+            &format!("http://127.0.0.1:{s3_port}"),
+            "AKIDNODE",
+            "node-client-secret",
+            "fenced",
+            "drained.txt",
+            TOKEN,
+            "the body of an upload that was in flight at SIGTERM",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run slow_put.py");
+    let mut put_out = BufReader::new(put.stdout.take().unwrap());
+    let mut line = String::new();
+    put_out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "half-sent");
+
+    let signalled = Instant::now();
+    node.signal(Signal::SIGTERM);
+    node.wait_for_log(DRAINING, Duration::from_secs(10));
+    // The Redis and PostgreSQL listeners are closed before the line is logged; pingora closes
+    // the S3 one on its own thread, so that one is awaited (bounded).
+    assert!(refused(redis_port), "a new Redis client was accepted");
+    assert!(refused(pg_port), "a new PostgreSQL client was accepted");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !refused(s3_port) {
+        assert!(Instant::now() < deadline, "the S3 listener still accepts");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        node.wait_exit(Duration::ZERO).is_none(),
+        "the node exited with sessions in flight:\n{}",
+        node.log_text()
+    );
+
+    // Each finishes what it began, and is acknowledged.
+    send(&mut r, &["EXEC"]);
+    expect(&mut r, "*1\r\n+OK\r\n");
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "after EXEC: {rest:?}");
+
+    client.simple_query("COMMIT").await.unwrap();
+    // Then the gateway closes the idle session, as a server shutting down does.
+    let end = connection.await.unwrap();
+    let e = end.expect_err("the session ends with 57P01");
+    assert_eq!(
+        e.code().map(|c| c.code()),
+        Some("57P01"),
+        "the session ended with: {e}"
+    );
+
+    put.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    line.clear();
+    put_out.read_line(&mut line).unwrap();
+    let answer: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(answer["status"], 200, "{answer}");
+    let _ = put.wait();
+
+    let status = node
+        .wait_exit(GRACE)
+        .unwrap_or_else(|| panic!("no exit within the grace:\n{}", node.log_text()));
+    let took = signalled.elapsed();
+    assert!(
+        status.success(),
+        "exit status {status:?}:\n{}",
+        node.log_text()
+    );
+    assert!(took < GRACE, "exit took {took:?}");
+    let log = node.log_text();
+    let summary = log
+        .lines()
+        .find(|l| l.contains("drained every gateway session"))
+        .unwrap_or_else(|| panic!("no drain summary:\n{log}"));
+    assert!(
+        summary.contains("drained=3") && summary.contains("cut=0"),
+        "{summary}"
+    );
+
+    // The data is in the stores.
+    let mut direct = TcpStream::connect(redis.addr).unwrap();
+    send(&mut direct, &["GET", "drain:k"]);
+    expect(&mut direct, "$4\r\nkept\r\n");
+    send(&mut direct, &["GET", "fencegate:fence:{job}"]);
+    let mut fence = [0u8; 16];
+    let n = direct.read(&mut fence).unwrap();
+    assert!(
+        String::from_utf8_lossy(&fence[..n]).contains('5'),
+        "fence key: {:?}",
+        String::from_utf8_lossy(&fence[..n])
+    );
+    let pg_direct = connect(&pg.dsn("postgres")).await;
+    let rows: i64 = pg_direct
+        .query_one("SELECT count(*) FROM items WHERE v = 42", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1);
+    let got =
+        moto.direct(serde_json::json!([{"op": "get", "bucket": "fenced", "key": "drained.txt"}]));
+    assert_eq!(
+        got[0]["body"], "the body of an upload that was in flight at SIGTERM",
+        "{got}"
+    );
+    println!("done-means 1: drained=3 cut=0, exit 0 after {took:?} (grace {GRACE:?}); new clients refused on all three listeners");
+}
+
+/// A session that never finishes (a MULTI never executed) is cut at `shutdown_grace_ms`, the
+/// log says so, and the node still exits 0.
+#[test]
+fn a_session_that_never_finishes_is_cut_at_the_grace() {
+    let redis = RedisServer::start();
+    let sections = format!(
+        "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\n\n[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n",
+        redis.addr
+    );
+    let options = NodeOptions {
+        node: "shutdown_grace_ms = 1500",
+        ..NodeOptions::default()
+    };
+    let mut node = GatewayNode::start_with(&options, &sections, &[]);
+    let port = node.bound_port("redis gateway listening");
+    let mut r = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    r.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    send(&mut r, &["FENCE", TOKEN]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["MULTI"]);
+    expect(&mut r, "+OK\r\n");
+    send(&mut r, &["SET", "cut:k", "never"]);
+    expect(&mut r, "+QUEUED\r\n");
+
+    let signalled = Instant::now();
+    node.signal(Signal::SIGTERM);
+    let status = node
+        .wait_exit(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no exit:\n{}", node.log_text()));
+    let took = signalled.elapsed();
+    assert!(status.success(), "{status:?}:\n{}", node.log_text());
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(5),
+        "exit after {took:?}"
+    );
+    let log = node.log_text();
+    let cut = log
+        .lines()
+        .find(|l| l.contains("gateway sessions still open after shutdown_grace_ms"))
+        .unwrap_or_else(|| panic!("no cut line:\n{log}"));
+    assert!(
+        cut.contains("drained=0") && cut.contains("cut=1") && cut.contains("redis=1"),
+        "{cut}"
+    );
+    // Nothing of the unexecuted transaction applied.
+    let mut direct = TcpStream::connect(redis.addr).unwrap();
+    send(&mut direct, &["EXISTS", "cut:k"]);
+    expect(&mut direct, ":0\r\n");
+    println!("cut after {took:?}: {cut}");
+}
