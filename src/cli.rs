@@ -294,6 +294,9 @@ pub struct EndpointArg {
     /// The cluster CA (PEM) to trust for https:// endpoints (`fencegate certs init` writes it).
     #[arg(long, env = "FENCEGATE_CA_FILE")]
     pub ca_file: Option<PathBuf>,
+    /// How to print the answer: json (the API's own, for scripts) or table (for people).
+    #[arg(short = 'o', long = "output", value_enum, default_value = "json")]
+    pub output: crate::table::Output,
 }
 
 #[derive(Debug, Subcommand)]

@@ -21,6 +21,7 @@ mod raft_watch;
 mod reload;
 mod sampled_gauge;
 mod server;
+mod table;
 mod tls;
 
 use std::process::ExitCode;
@@ -85,6 +86,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             client(&endpoint)?
                 .call(Method::GET, "/v1/cluster", None, REQUEST_TIMEOUT)
                 .await?,
+            endpoint.output,
         ),
         Command::Cluster(ClusterCommand::AddNode {
             id,
@@ -100,6 +102,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     MEMBERSHIP_TIMEOUT,
                 )
                 .await?,
+            endpoint.output,
         ),
         Command::Cluster(ClusterCommand::RemoveNode { id, endpoint }) => print_answer(
             client(&endpoint)?
@@ -110,6 +113,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     MEMBERSHIP_TIMEOUT,
                 )
                 .await?,
+            endpoint.output,
         ),
         Command::Snapshot(command) => snapshot(command).await,
         Command::Audit(command) => cli_audit::run(command),
@@ -148,6 +152,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     REQUEST_TIMEOUT,
                 )
                 .await?,
+            endpoint.output,
         ),
     }
 }
@@ -221,7 +226,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
     let answer = client(&endpoint)?
         .call(method, &path, body.as_ref(), timeout)
         .await?;
-    print_answer(answer)
+    print_answer(answer, endpoint.output)
 }
 
 async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
@@ -231,7 +236,7 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
                 .call(Method::GET, "/v1/snapshot", None, REQUEST_TIMEOUT)
                 .await?;
             if !answer.status.is_success() {
-                return print_answer(answer);
+                return print_answer(answer, endpoint.output);
             }
             let tmp = file.with_extension("partial");
             std::fs::write(&tmp, serde_json::to_vec_pretty(&answer.body)?)
@@ -253,6 +258,7 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
                     REQUEST_TIMEOUT,
                 )
                 .await?,
+            endpoint.output,
         ),
         SnapshotCommand::Restore { file, endpoint } => {
             let text =
@@ -268,6 +274,7 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
                         REQUEST_TIMEOUT,
                     )
                     .await?,
+                endpoint.output,
             )
         }
     }
@@ -289,6 +296,7 @@ async fn token_key(command: TokenKeyCommand) -> anyhow::Result<ExitCode> {
         client(&endpoint)?
             .call(method, &path, None, REQUEST_TIMEOUT)
             .await?,
+        endpoint.output,
     )
 }
 
@@ -297,8 +305,11 @@ fn client(endpoint: &EndpointArg) -> anyhow::Result<Client> {
 }
 
 /// Prints the API's JSON on stdout; a refusal also exits 1 so scripts can test it.
-fn print_answer(answer: Answer) -> anyhow::Result<ExitCode> {
-    println!("{}", answer.body);
+fn print_answer(answer: Answer, output: table::Output) -> anyhow::Result<ExitCode> {
+    match output {
+        table::Output::Json => println!("{}", answer.body),
+        table::Output::Table => print!("{}", table::render(&answer.body)),
+    }
     Ok(if answer.status.is_success() {
         ExitCode::SUCCESS
     } else {
