@@ -95,7 +95,20 @@ pub fn check(data: &[u8]) {
     assert!(!aws_encode(&r.query).contains('/'));
     assert!(well_encoded(&aws_encode(&r.query)));
 
-    // The differential: what the SDK signs, the verifier accepts.
+    // The differential: what the SDK signs, the verifier accepts. Left out where SigV4 clients
+    // disagree among themselves (docs/FUZZING.md, "Findings"): a raw `+` in the query (the
+    // Rust SDK reads it as a space, botocore keeps it, the verifier keeps it), and whitespace
+    // other than spaces in header values (the Rust SDK keeps it, botocore and the verifier fold
+    // it into a space). Also left out: `#` (a fragment, never sent) and a path holding `?`
+    // (the query's start, so never in a path as received).
+    if r.query.contains(['+', '#'])
+        || r.path.contains(['#', '?'])
+        || r.headers
+            .iter()
+            .any(|(_, v)| v.chars().any(|c| c.is_whitespace() && c != ' '))
+    {
+        return;
+    }
     let upstream = Upstream::new("http://127.0.0.1:9000", "us-east-1", AKID, SECRET)
         .expect("a valid upstream");
     let mut headers: Vec<(String, String)> = r
