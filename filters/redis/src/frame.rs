@@ -420,7 +420,10 @@ mod tests {
         assert_eq!(frame, Frame::Error(Bytes::from_static(b"*2\r\n*1\r\n*")));
         let encoded = frame.to_bytes();
         assert_eq!(&encoded[..], &input[..]);
-        assert_eq!(parse(&encoded, &limits()).unwrap(), Some((frame, input.len())));
+        assert_eq!(
+            parse(&encoded, &limits()).unwrap(),
+            Some((frame, input.len()))
+        );
         // Errors without CRLF stay simple errors, as RESP2 clients expect.
         assert_eq!(&Frame::error("ERR x").to_bytes()[..], b"-ERR x\r\n");
         let lone = parse(b"-ERR a\nb\r\n", &limits()).unwrap().unwrap().0;
