@@ -337,6 +337,14 @@ impl Frame {
     pub fn encode(&self, out: &mut BytesMut) {
         match self {
             Frame::Simple(s) => line(out, b'+', s),
+            // A RESP3 blob error (`!`) may hold CRLF, which a `-` line cannot carry: written
+            // as a line it would end early and the rest be read as further replies (found by
+            // fuzzing, issue 17). Only a RESP3 upstream sends such an error, so `!` is understood.
+            Frame::Error(e) if e.windows(2).any(|w| w == b"\r\n") => {
+                line(out, b'!', e.len().to_string().as_bytes());
+                out.put_slice(e);
+                out.put_slice(b"\r\n");
+            }
             Frame::Error(e) => line(out, b'-', e),
             Frame::Integer(i) => line(out, b':', i.to_string().as_bytes()),
             Frame::Bulk(b) => {
@@ -400,6 +408,26 @@ mod tests {
             max_frame_bytes: 1024,
             max_depth: 8,
         }
+    }
+
+    /// Fuzzing (issue 17, fuzz/ target `redis_frame`): a blob error holding CRLF was re-encoded
+    /// as a `-` line, which ended at the CRLF and left the rest to be read as another reply.
+    #[test]
+    fn a_blob_error_with_crlf_reencodes_as_one_frame() {
+        let input = b"!9\r\n*2\r\n*1\r\n*\r\n";
+        let (frame, len) = parse(input, &limits()).unwrap().unwrap();
+        assert_eq!(len, input.len());
+        assert_eq!(frame, Frame::Error(Bytes::from_static(b"*2\r\n*1\r\n*")));
+        let encoded = frame.to_bytes();
+        assert_eq!(&encoded[..], &input[..]);
+        assert_eq!(
+            parse(&encoded, &limits()).unwrap(),
+            Some((frame, input.len()))
+        );
+        // Errors without CRLF stay simple errors, as RESP2 clients expect.
+        assert_eq!(&Frame::error("ERR x").to_bytes()[..], b"-ERR x\r\n");
+        let lone = parse(b"-ERR a\nb\r\n", &limits()).unwrap().unwrap().0;
+        assert_eq!(&lone.to_bytes()[..], b"-ERR a\nb\r\n");
     }
 
     #[test]
