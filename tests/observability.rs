@@ -11,10 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use redis::aio::MultiplexedConnection;
 use support::cluster::Cluster;
 use support::gateway_node::GatewayNode;
 use support::redis_gateway::RedisGateway;
+use support::metrics::sample;
+use support::redis_client::{cmd, connect};
 
 /// `promtool`, from the Debian/Ubuntu package `prometheus`; a clear failure without it.
 fn promtool() -> PathBuf {
@@ -36,25 +37,6 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn cmd<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> redis::RedisResult<T> {
-    let mut c = redis::cmd(args[0]);
-    for a in &args[1..] {
-        c.arg(*a);
-    }
-    c.query_async(con).await
-}
-
 /// `GET path` on the node's API: status, content type, body.
 async fn get(node: &GatewayNode, path: &str) -> (u16, String, String) {
     let reply = reqwest::get(format!("http://127.0.0.1:{}{path}", node.api))
@@ -67,12 +49,6 @@ async fn get(node: &GatewayNode, path: &str) -> (u16, String, String) {
         .map(|v| v.to_str().unwrap().to_owned())
         .unwrap_or_default();
     (status, kind, reply.text().await.unwrap())
-}
-
-/// The value of the sample `series` (name and labels exactly as exposed) in `text`.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Scrapes until `series` satisfies `done` (bounded: 30 s); returns that scrape.

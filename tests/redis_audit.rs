@@ -13,25 +13,7 @@ use redis::aio::MultiplexedConnection;
 use support::gateway_node::NodeOptions;
 use support::redis_gateway::RedisGateway;
 use support::tmpfs::Tmpfs;
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn cmd<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> redis::RedisResult<T> {
-    let mut c = redis::cmd(args[0]);
-    for a in &args[1..] {
-        c.arg(*a);
-    }
-    c.query_async(con).await
-}
+use support::redis_client::{cmd, connect};
 
 #[tokio::test]
 async fn audit_log_verifies_and_an_edited_line_is_named() {
@@ -133,19 +115,7 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
     std::fs::write(&path, &text).unwrap();
 
     // Edit one line: verify fails and names it.
-    let edited: Vec<String> = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| {
-            if i == 1 {
-                l.replace("\"fence\":4", "\"fence\":2")
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    assert_ne!(edited.join("\n") + "\n", text);
-    std::fs::write(&path, edited.join("\n") + "\n").unwrap();
+    std::fs::write(&path, fence_edited(&text)).unwrap();
     let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(
@@ -378,6 +348,20 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
     // Editing a kept record fails and names it.
     let text = std::fs::read_to_string(&kept[0]).unwrap();
     assert!(text.starts_with("{\"checkpoint\""), "{text}");
+    std::fs::write(&kept[0], fence_edited(&text)).unwrap();
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 1, "{out}{err}");
+    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        err.contains(&format!("{name}:2: record seq")) && err.contains("was altered"),
+        "{err}"
+    );
+    println!("$ fencegate audit verify   (after editing a kept record)\n{err}exit code {code}");
+}
+
+/// `text` (a log file) with the fence of its second line changed from 4 to 2: an edit that
+/// `audit verify` must name.
+fn fence_edited(text: &str) -> String {
     let edited: Vec<String> = text
         .lines()
         .enumerate()
@@ -389,16 +373,9 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
             }
         })
         .collect();
-    assert_ne!(edited.join("\n") + "\n", text);
-    std::fs::write(&kept[0], edited.join("\n") + "\n").unwrap();
-    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
-    assert_eq!(code, 1, "{out}{err}");
-    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
-    assert!(
-        err.contains(&format!("{name}:2: record seq")) && err.contains("was altered"),
-        "{err}"
-    );
-    println!("$ fencegate audit verify   (after editing a kept record)\n{err}exit code {code}");
+    let edited = edited.join("\n") + "\n";
+    assert_ne!(edited, text, "the second line has no \"fence\":4 to edit");
+    edited
 }
 
 /// `/healthz`: status and body.
@@ -439,9 +416,7 @@ async fn metric(gw: &RedisGateway, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    support::metrics::sample(&text, name).unwrap_or(0.0)
 }
 
 /// Fills the volume at `dir` with one file until it refuses even one more byte.
