@@ -614,17 +614,7 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
     assert_eq!((stale(1), stale(2)), (1, 2));
 
     // Exactly one audit record of the reset, on the node that ran it; its report is cleared.
-    let resets: Vec<Value> = [1, 2]
-        .iter()
-        .flat_map(|node| support::audit::records(&cluster.data_dir(*node).join("audit")))
-        .filter(|r| r["reason"] == "fence_reset")
-        .collect();
-    assert_eq!(resets.len(), 1, "{resets:?}");
-    assert_eq!(resets[0]["store"], "s3");
-    assert_eq!(
-        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
-        (Some(999), Some(revision))
-    );
+    assert_one_fence_reset(&cluster, &[1, 2], "s3", revision);
     let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
     assert_eq!(status["fence_above_authority"], Value::Null, "{status}");
 }
@@ -913,16 +903,7 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         ))
         .await
         .unwrap();
-    let resets: Vec<Value> = support::audit::records(&cluster.data_dir(1).join("audit"))
-        .into_iter()
-        .filter(|r| r["reason"] == "fence_reset")
-        .collect();
-    assert_eq!(resets.len(), 1, "one audit record per reset: {resets:?}");
-    assert_eq!(resets[0]["store"], "postgres");
-    assert_eq!(
-        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
-        (Some(999), Some(revision))
-    );
+    assert_one_fence_reset(&cluster, &[1], "postgres", revision);
     // Never above the authority's revision: that would brick the resource again.
     let (code, out) = cluster.cli(&[
         "fence",
@@ -1127,6 +1108,22 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "2");
+}
+
+/// Exactly one `fence_reset` audit record among the logs of `nodes`, for `store`, naming the
+/// fence it found (999) and the revision it reset to.
+fn assert_one_fence_reset(cluster: &Cluster, nodes: &[u64], store: &str, revision: u64) {
+    let resets: Vec<Value> = nodes
+        .iter()
+        .flat_map(|node| support::audit::records(&cluster.data_dir(*node).join("audit")))
+        .filter(|r| r["reason"] == "fence_reset")
+        .collect();
+    assert_eq!(resets.len(), 1, "one audit record per reset: {resets:?}");
+    assert_eq!(resets[0]["store"], store);
+    assert_eq!(
+        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
+        (Some(999), Some(revision))
+    );
 }
 
 /// A PostgreSQL server with the fence schema installed and table `ledger` protected for
