@@ -180,18 +180,8 @@ fn alert_exprs(yaml: &str) -> Vec<String> {
 async fn metrics_after_traffic_pass_promtool_and_expose_every_name_the_dashboard_and_alerts_use() {
     let promtool = promtool();
     let gw = RedisGateway::start("", &[]);
-    let mut new = connect(&gw.url()).await;
-    let mut old = connect(&gw.url()).await;
+    let (mut old, _new) = gw.old_and_new().await;
     let mut none = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
     for _ in 0..2 {
         let e = cmd::<()>(&mut old, &["SET", "balance", "99"])
             .await

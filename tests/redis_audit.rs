@@ -18,17 +18,7 @@ use support::redis_client::{cmd, connect};
 #[tokio::test]
 async fn audit_log_verifies_and_an_edited_line_is_named() {
     let gw = RedisGateway::start("", &[]);
-    let mut new = connect(&gw.url()).await;
-    let mut old = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
+    let (mut old, _new) = gw.old_and_new().await;
     for _ in 0..3 {
         let e = cmd::<()>(&mut old, &["SET", "balance", "99"])
             .await
@@ -268,22 +258,6 @@ async fn refused_as_stale(old: &mut MultiplexedConnection, value: &str) {
     assert_eq!(e.code(), Some("FENCED"), "{e}");
 }
 
-/// Two connections: `old` fenced with revision 3, `new` with 4 (which wrote balance = 10).
-async fn old_and_new(gw: &RedisGateway) -> (MultiplexedConnection, MultiplexedConnection) {
-    let mut old = connect(&gw.url()).await;
-    let mut new = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
-    (old, new)
-}
-
 #[tokio::test]
 async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
     // A small rotate size, so the node rotates every two or three records.
@@ -295,7 +269,7 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
         "",
         &[],
     );
-    let (mut old, _new) = old_and_new(&gw).await;
+    let (mut old, _new) = gw.old_and_new().await;
     for n in 0..20 {
         refused_as_stale(&mut old, &n.to_string()).await;
     }
@@ -457,7 +431,7 @@ async fn a_full_audit_volume_still_refuses_reports_it_and_writing_resumes() {
         &[],
     );
     let dir = gw.node.audit_dir.to_str().unwrap().to_owned();
-    let (mut old, mut new) = old_and_new(&gw).await;
+    let (mut old, mut new) = gw.old_and_new().await;
     refused_as_stale(&mut old, "before").await;
     assert_eq!(gw.audit_records().len(), 1);
     assert_eq!(healthz(&gw).await.0, 200);
