@@ -549,24 +549,14 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
 
     // The reset runs on node 1. The wrong --current changes nothing: no log entry, still refused.
     let reset = |current: &str| {
-        cluster.cli(&[
-            "fence",
-            "reset",
-            "vault",
-            "--store",
+        fence_reset(
+            &cluster,
             "s3",
-            "--current",
             current,
-            "--endpoint",
-            &cluster.endpoints_of(&[1]),
-        ])
+            &["--endpoint", &cluster.endpoints_of(&[1])],
+        )
     };
-    let (code, out) = reset("998");
-    assert_ne!(code, 0, "{out}");
-    assert!(
-        out.contains("the store holds fence 999, not 998; nothing changed"),
-        "{out}"
-    );
+    assert_wrong_current_changes_nothing(reset("998"));
     let entry = |position: u64| {
         moto.direct(json!([{"op": "get", "bucket": "vault", "key": log_entry(position)}]))[0]
             .clone()
@@ -581,14 +571,7 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
     assert_eq!(answer[0]["status"], 412, "{answer}");
 
     // The right one: one reset entry at the next position, fence 999 -> the holder's token.
-    let (code, out) = reset("999");
-    assert_eq!(code, 0, "{out}");
-    let answer: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        (answer["from"].as_u64(), answer["to"].as_u64()),
-        (Some(999), Some(revision)),
-        "{out}"
-    );
+    assert_reset_from_999_to(reset("999"), revision);
     let appended = entry(2);
     assert_eq!(
         appended["body"],
@@ -865,37 +848,18 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         )
     };
     let reset = |current: &str| {
-        cluster.cli(&[
-            "fence",
-            "reset",
-            "vault",
-            "--store",
+        fence_reset(
+            &cluster,
             "postgres",
-            "--current",
             current,
-            "--dsn",
-            &pg.dsn("postgres"),
-            "--endpoint",
-            &cluster.endpoints(),
-        ])
+            &["--dsn", &pg.dsn("postgres"), "--endpoint", &cluster.endpoints()],
+        )
     };
-    let (code, out) = reset("998");
-    assert_ne!(code, 0, "{out}");
-    assert!(
-        out.contains("the store holds fence 999, not 998; nothing changed"),
-        "{out}"
-    );
+    assert_wrong_current_changes_nothing(reset("998"));
     assert_eq!(fence(), "999");
     // ...and the right one lowers it to the holder's token, so exactly that holder writes again.
-    let (code, out) = reset("999");
-    assert_eq!(code, 0, "{out}");
     let revision = grant["revision"].as_u64().unwrap();
-    let answer: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        (answer["from"].as_u64(), answer["to"].as_u64()),
-        (Some(999), Some(revision)),
-        "{out}"
-    );
+    assert_reset_from_999_to(reset("999"), revision);
     assert_eq!(fence(), revision.to_string());
     direct
         .batch_execute(&format!(
@@ -1108,6 +1072,35 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "2");
+}
+
+/// `fencegate fence reset vault --store <store> --current <current>` and `args`: exit code
+/// and output.
+fn fence_reset(cluster: &Cluster, store: &str, current: &str, args: &[&str]) -> (i32, String) {
+    let mut all = vec!["fence", "reset", "vault", "--store", store, "--current", current];
+    all.extend_from_slice(args);
+    cluster.cli(&all)
+}
+
+/// A reset with the wrong `--current` (998, the store holds 999) fails and says it changed
+/// nothing.
+fn assert_wrong_current_changes_nothing((code, out): (i32, String)) {
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("the store holds fence 999, not 998; nothing changed"),
+        "{out}"
+    );
+}
+
+/// A reset succeeded and reports the fence going from 999 to `revision`.
+fn assert_reset_from_999_to((code, out): (i32, String), revision: u64) {
+    assert_eq!(code, 0, "{out}");
+    let answer: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (answer["from"].as_u64(), answer["to"].as_u64()),
+        (Some(999), Some(revision)),
+        "{out}"
+    );
 }
 
 /// Exactly one `fence_reset` audit record among the logs of `nodes`, for `store`, naming the
