@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use support::cluster::Cluster;
 use support::gateway_node::GatewayNode;
-use support::redis_gateway::RedisGateway;
 use support::metrics::sample;
 use support::redis_client::{cmd, connect};
+use support::redis_gateway::RedisGateway;
 
 /// `promtool`, from the Debian/Ubuntu package `prometheus`; a clear failure without it.
 fn promtool() -> PathBuf {

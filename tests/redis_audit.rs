@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 use support::gateway_node::NodeOptions;
+use support::redis_client::{cmd, connect};
 use support::redis_gateway::RedisGateway;
 use support::tmpfs::Tmpfs;
-use support::redis_client::{cmd, connect};
 
 #[tokio::test]
 async fn audit_log_verifies_and_an_edited_line_is_named() {

@@ -6,8 +6,8 @@ mod support;
 use fencegate_redis::frame::{parse, Frame, Limits};
 use redis::aio::MultiplexedConnection;
 use redis::RedisResult;
-use support::redis_gateway::RedisGateway;
 use support::redis_client::{cmd, connect, fence};
+use support::redis_gateway::RedisGateway;
 
 fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
     gw.audit_records()

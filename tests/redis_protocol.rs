@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use redis::Value;
-use support::redis_gateway::RedisGateway;
 use support::redis_client::connect;
+use support::redis_gateway::RedisGateway;
 
 /// Sends `request` on a fresh raw connection and reads until `expect` bytes arrived.
 fn raw(gw: &RedisGateway, request: &[u8], expect: usize) -> Vec<u8> {

@@ -852,7 +852,12 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
             &cluster,
             "postgres",
             current,
-            &["--dsn", &pg.dsn("postgres"), "--endpoint", &cluster.endpoints()],
+            &[
+                "--dsn",
+                &pg.dsn("postgres"),
+                "--endpoint",
+                &cluster.endpoints(),
+            ],
         )
     };
     assert_wrong_current_changes_nothing(reset("998"));
@@ -1077,7 +1082,15 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
 /// `fencegate fence reset vault --store <store> --current <current>` and `args`: exit code
 /// and output.
 fn fence_reset(cluster: &Cluster, store: &str, current: &str, args: &[&str]) -> (i32, String) {
-    let mut all = vec!["fence", "reset", "vault", "--store", store, "--current", current];
+    let mut all = vec![
+        "fence",
+        "reset",
+        "vault",
+        "--store",
+        store,
+        "--current",
+        current,
+    ];
     all.extend_from_slice(args);
     cluster.cli(&all)
 }

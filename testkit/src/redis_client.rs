@@ -16,7 +16,10 @@ pub async fn connect(url: &str) -> MultiplexedConnection {
 
 /// Sends `args` (the command name first) and returns the reply, an error reply included, so
 /// that a test can assert a refusal.
-pub async fn cmd<T: FromRedisValue>(con: &mut MultiplexedConnection, args: &[&str]) -> RedisResult<T> {
+pub async fn cmd<T: FromRedisValue>(
+    con: &mut MultiplexedConnection,
+    args: &[&str],
+) -> RedisResult<T> {
     let mut c = redis::cmd(args[0]);
     for a in &args[1..] {
         c.arg(*a);

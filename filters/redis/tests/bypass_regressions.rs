@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::{Gateway, ProtectMode, ProtectRule, RedisConfig};
+use fencegate_testkit::redis_client::{cmd, connect};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisError, Value};
 use redis_server::RedisServer;
-use fencegate_testkit::redis_client::{cmd, connect};
 
 const FENCE_KEY: &str = "fencegate:fence:{billing}";
 
@@ -351,5 +351,7 @@ async fn a_token_for_another_resource_is_out_of_scope() {
     s.assert_untouched().await;
     s.assert_one_record("out_of_scope", "SET");
     // Unprotected keys are anyone's.
-    cmd::<()>(&mut other, &["SET", "cache:y", "1"]).await.unwrap();
+    cmd::<()>(&mut other, &["SET", "cache:y", "1"])
+        .await
+        .unwrap();
 }

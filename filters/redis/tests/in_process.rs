@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
+use fencegate_testkit::redis_client::{connect, fence};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
-use fencegate_testkit::redis_client::{connect, fence};
 
 struct Setup {
     _server: RedisServer,
