@@ -825,12 +825,7 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
     assert_eq!(sqlstate(&e), "FG002");
     // The cluster's own token passes the guard... but 999 was already let in before the sync:
     // the fence is 999 and a real token below it is stale, as the store must say.
-    let e = direct
-        .batch_execute(&format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES (4); COMMIT"
-        ))
-        .await
-        .unwrap_err();
+    let e = direct.batch_execute(&guarded(token, 4)).await.unwrap_err();
     assert_eq!(sqlstate(&e), "FG001");
     let _ = direct.batch_execute("ROLLBACK").await;
     let rows = pg.psql_as(
@@ -866,12 +861,7 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
     let revision = grant["revision"].as_u64().unwrap();
     assert_reset_from_999_to(reset("999"), revision);
     assert_eq!(fence(), revision.to_string());
-    direct
-        .batch_execute(&format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES (4); COMMIT"
-        ))
-        .await
-        .unwrap();
+    direct.batch_execute(&guarded(token, 4)).await.unwrap();
     assert_one_fence_reset(&cluster, &[1], "postgres", revision);
     // Never above the authority's revision: that would brick the resource again.
     let (code, out) = cluster.cli(&[
@@ -939,11 +929,6 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    let guarded = |token: &str, id: u32| {
-        format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
-        )
-    };
     // A typed token is refused by the store itself; the cluster's token writes.
     let e = direct
         .batch_execute(&guarded("fg1~999~vault", 1))
@@ -1016,11 +1001,6 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    let guarded = |id: u32| {
-        format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
-        )
-    };
     let sync = |extra: &[&str]| {
         let mut args = vec![
             "postgres",
@@ -1062,12 +1042,10 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         "{out}"
     );
     assert_eq!(store_keys(), "0:false");
-    direct.batch_execute(&guarded(2)).await.unwrap();
+    direct.batch_execute(&guarded(token, 2)).await.unwrap();
     // A typed token is still refused by the store.
     let e = direct
-        .batch_execute(
-            "BEGIN; SELECT fencegate.guard('fg1~999~vault'); INSERT INTO ledger VALUES (3); COMMIT",
-        )
+        .batch_execute(&guarded("fg1~999~vault", 3))
         .await
         .unwrap_err();
     assert_eq!(sqlstate(&e), "FG004", "{e:?}");
@@ -1130,6 +1108,11 @@ fn assert_one_fence_reset(cluster: &Cluster, nodes: &[u64], store: &str, revisio
         (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
         (Some(999), Some(revision))
     );
+}
+
+/// A transaction that inserts `id` into `ledger` under `token`: the store's guard decides.
+fn guarded(token: &str, id: u32) -> String {
+    format!("BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT")
 }
 
 /// A PostgreSQL server with the fence schema installed and table `ledger` protected for
