@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use redis::aio::MultiplexedConnection;
 use support::cluster::Cluster;
 use support::gateway_node::GatewayNode;
+use support::metrics::sample;
+use support::redis_client::{cmd, connect};
 use support::redis_gateway::RedisGateway;
 
 /// `promtool`, from the Debian/Ubuntu package `prometheus`; a clear failure without it.
@@ -36,25 +37,6 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn cmd<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> redis::RedisResult<T> {
-    let mut c = redis::cmd(args[0]);
-    for a in &args[1..] {
-        c.arg(*a);
-    }
-    c.query_async(con).await
-}
-
 /// `GET path` on the node's API: status, content type, body.
 async fn get(node: &GatewayNode, path: &str) -> (u16, String, String) {
     let reply = reqwest::get(format!("http://127.0.0.1:{}{path}", node.api))
@@ -67,12 +49,6 @@ async fn get(node: &GatewayNode, path: &str) -> (u16, String, String) {
         .map(|v| v.to_str().unwrap().to_owned())
         .unwrap_or_default();
     (status, kind, reply.text().await.unwrap())
-}
-
-/// The value of the sample `series` (name and labels exactly as exposed) in `text`.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Scrapes until `series` satisfies `done` (bounded: 30 s); returns that scrape.
@@ -204,18 +180,8 @@ fn alert_exprs(yaml: &str) -> Vec<String> {
 async fn metrics_after_traffic_pass_promtool_and_expose_every_name_the_dashboard_and_alerts_use() {
     let promtool = promtool();
     let gw = RedisGateway::start("", &[]);
-    let mut new = connect(&gw.url()).await;
-    let mut old = connect(&gw.url()).await;
+    let (mut old, _new) = gw.old_and_new().await;
     let mut none = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
     for _ in 0..2 {
         let e = cmd::<()>(&mut old, &["SET", "balance", "99"])
             .await

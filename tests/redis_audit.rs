@@ -11,42 +11,14 @@ use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 use support::gateway_node::NodeOptions;
+use support::redis_client::{cmd, connect};
 use support::redis_gateway::RedisGateway;
 use support::tmpfs::Tmpfs;
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn cmd<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> redis::RedisResult<T> {
-    let mut c = redis::cmd(args[0]);
-    for a in &args[1..] {
-        c.arg(*a);
-    }
-    c.query_async(con).await
-}
 
 #[tokio::test]
 async fn audit_log_verifies_and_an_edited_line_is_named() {
     let gw = RedisGateway::start("", &[]);
-    let mut new = connect(&gw.url()).await;
-    let mut old = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
+    let (mut old, _new) = gw.old_and_new().await;
     for _ in 0..3 {
         let e = cmd::<()>(&mut old, &["SET", "balance", "99"])
             .await
@@ -133,19 +105,7 @@ async fn audit_log_verifies_and_an_edited_line_is_named() {
     std::fs::write(&path, &text).unwrap();
 
     // Edit one line: verify fails and names it.
-    let edited: Vec<String> = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| {
-            if i == 1 {
-                l.replace("\"fence\":4", "\"fence\":2")
-            } else {
-                l.to_owned()
-            }
-        })
-        .collect();
-    assert_ne!(edited.join("\n") + "\n", text);
-    std::fs::write(&path, edited.join("\n") + "\n").unwrap();
+    std::fs::write(&path, fence_edited(&text)).unwrap();
     let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(
@@ -298,22 +258,6 @@ async fn refused_as_stale(old: &mut MultiplexedConnection, value: &str) {
     assert_eq!(e.code(), Some("FENCED"), "{e}");
 }
 
-/// Two connections: `old` fenced with revision 3, `new` with 4 (which wrote balance = 10).
-async fn old_and_new(gw: &RedisGateway) -> (MultiplexedConnection, MultiplexedConnection) {
-    let mut old = connect(&gw.url()).await;
-    let mut new = connect(&gw.url()).await;
-    cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
-        .await
-        .unwrap();
-    cmd::<()>(&mut new, &["SET", "balance", "10"])
-        .await
-        .unwrap();
-    (old, new)
-}
-
 #[tokio::test]
 async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
     // A small rotate size, so the node rotates every two or three records.
@@ -325,7 +269,7 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
         "",
         &[],
     );
-    let (mut old, _new) = old_and_new(&gw).await;
+    let (mut old, _new) = gw.old_and_new().await;
     for n in 0..20 {
         refused_as_stale(&mut old, &n.to_string()).await;
     }
@@ -378,6 +322,20 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
     // Editing a kept record fails and names it.
     let text = std::fs::read_to_string(&kept[0]).unwrap();
     assert!(text.starts_with("{\"checkpoint\""), "{text}");
+    std::fs::write(&kept[0], fence_edited(&text)).unwrap();
+    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
+    assert_eq!(code, 1, "{out}{err}");
+    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        err.contains(&format!("{name}:2: record seq")) && err.contains("was altered"),
+        "{err}"
+    );
+    println!("$ fencegate audit verify   (after editing a kept record)\n{err}exit code {code}");
+}
+
+/// `text` (a log file) with the fence of its second line changed from 4 to 2: an edit that
+/// `audit verify` must name.
+fn fence_edited(text: &str) -> String {
     let edited: Vec<String> = text
         .lines()
         .enumerate()
@@ -389,16 +347,9 @@ async fn audit_prune_keeps_two_files_and_verify_starts_from_their_checkpoint() {
             }
         })
         .collect();
-    assert_ne!(edited.join("\n") + "\n", text);
-    std::fs::write(&kept[0], edited.join("\n") + "\n").unwrap();
-    let (code, out, err) = gw.cli(&["audit", "verify", "--dir", &dir]);
-    assert_eq!(code, 1, "{out}{err}");
-    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
-    assert!(
-        err.contains(&format!("{name}:2: record seq")) && err.contains("was altered"),
-        "{err}"
-    );
-    println!("$ fencegate audit verify   (after editing a kept record)\n{err}exit code {code}");
+    let edited = edited.join("\n") + "\n";
+    assert_ne!(edited, text, "the second line has no \"fence\":4 to edit");
+    edited
 }
 
 /// `/healthz`: status and body.
@@ -439,9 +390,7 @@ async fn metric(gw: &RedisGateway, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    support::metrics::sample(&text, name).unwrap_or(0.0)
 }
 
 /// Fills the volume at `dir` with one file until it refuses even one more byte.
@@ -482,7 +431,7 @@ async fn a_full_audit_volume_still_refuses_reports_it_and_writing_resumes() {
         &[],
     );
     let dir = gw.node.audit_dir.to_str().unwrap().to_owned();
-    let (mut old, mut new) = old_and_new(&gw).await;
+    let (mut old, mut new) = gw.old_and_new().await;
     refused_as_stale(&mut old, "before").await;
     assert_eq!(gw.audit_records().len(), 1);
     assert_eq!(healthz(&gw).await.0, 200);

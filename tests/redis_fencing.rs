@@ -6,30 +6,8 @@ mod support;
 use fencegate_redis::frame::{parse, Frame, Limits};
 use redis::aio::MultiplexedConnection;
 use redis::RedisResult;
+use support::redis_client::{cmd, connect, fence};
 use support::redis_gateway::RedisGateway;
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn fence(con: &mut MultiplexedConnection, token: &str) -> RedisResult<()> {
-    redis::cmd("FENCE").arg(token).query_async(con).await
-}
-
-async fn q<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> RedisResult<T> {
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query_async(con).await
-}
 
 fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
     gw.audit_records()
@@ -44,30 +22,30 @@ async fn current_token_applies_and_equal_token_applies_again() {
     let mut direct = connect(&gw.redis.url()).await;
     let mut a = connect(&gw.url()).await;
     fence(&mut a, "fg1~7~billing").await.unwrap();
-    let _: () = q(&mut a, &["SET", "invoice:1", "first"]).await.unwrap();
-    let _: () = q(&mut a, &["SET", "invoice:1", "second"]).await.unwrap();
-    let _: i64 = q(&mut a, &["HSET", "customer:1", "billed", "yes"])
+    let _: () = cmd(&mut a, &["SET", "invoice:1", "first"]).await.unwrap();
+    let _: () = cmd(&mut a, &["SET", "invoice:1", "second"]).await.unwrap();
+    let _: i64 = cmd(&mut a, &["HSET", "customer:1", "billed", "yes"])
         .await
         .unwrap();
     // A second connection with the same (equal) token is accepted too.
     let mut a2 = connect(&gw.url()).await;
     fence(&mut a2, "fg1~7~billing").await.unwrap();
-    let n: i64 = q(&mut a2, &["INCR", "counter"]).await.unwrap();
+    let n: i64 = cmd(&mut a2, &["INCR", "counter"]).await.unwrap();
     assert_eq!(n, 1);
 
-    let v: String = q(&mut direct, &["GET", "invoice:1"]).await.unwrap();
+    let v: String = cmd(&mut direct, &["GET", "invoice:1"]).await.unwrap();
     assert_eq!(v, "second");
-    let fence_value: String = q(&mut direct, &["GET", "fencegate:fence:{billing}"])
+    let fence_value: String = cmd(&mut direct, &["GET", "fencegate:fence:{billing}"])
         .await
         .unwrap();
     assert_eq!(fence_value, "7");
-    let ttl: i64 = q(&mut direct, &["TTL", "fencegate:fence:{billing}"])
+    let ttl: i64 = cmd(&mut direct, &["TTL", "fencegate:fence:{billing}"])
         .await
         .unwrap();
     assert_eq!(ttl, -1, "the fence key never gets a TTL");
     // Reads pass through unchanged, with or without a token.
     let mut reader = connect(&gw.url()).await;
-    let v: String = q(&mut reader, &["GET", "invoice:1"]).await.unwrap();
+    let v: String = cmd(&mut reader, &["GET", "invoice:1"]).await.unwrap();
     assert_eq!(v, "second");
     assert!(gw.audit_records().is_empty());
     println!(
@@ -81,23 +59,23 @@ async fn lower_token_is_refused_after_a_higher_one_wrote() {
     let mut direct = connect(&gw.redis.url()).await;
     let mut old = connect(&gw.url()).await;
     fence(&mut old, "fg1~7~billing").await.unwrap();
-    let _: () = q(&mut old, &["SET", "s", "old"]).await.unwrap();
-    let _: i64 = q(&mut old, &["HSET", "h", "f", "old"]).await.unwrap();
-    let _: () = q(&mut old, &["SET", "d", "keep"]).await.unwrap();
-    let _: () = q(&mut old, &["SET", "n", "10"]).await.unwrap();
+    let _: () = cmd(&mut old, &["SET", "s", "old"]).await.unwrap();
+    let _: i64 = cmd(&mut old, &["HSET", "h", "f", "old"]).await.unwrap();
+    let _: () = cmd(&mut old, &["SET", "d", "keep"]).await.unwrap();
+    let _: () = cmd(&mut old, &["SET", "n", "10"]).await.unwrap();
 
     let mut new = connect(&gw.url()).await;
     fence(&mut new, "fg1~12~billing").await.unwrap();
-    let _: () = q(&mut new, &["SET", "s", "new"]).await.unwrap();
+    let _: () = cmd(&mut new, &["SET", "s", "new"]).await.unwrap();
 
     let snapshot = |direct: &mut MultiplexedConnection| {
         let mut direct = direct.clone();
         async move {
-            let s: String = q(&mut direct, &["GET", "s"]).await.unwrap();
-            let h: String = q(&mut direct, &["HGET", "h", "f"]).await.unwrap();
-            let d: i64 = q(&mut direct, &["EXISTS", "d"]).await.unwrap();
-            let n: String = q(&mut direct, &["GET", "n"]).await.unwrap();
-            let m: Option<String> = q(&mut direct, &["GET", "m"]).await.unwrap();
+            let s: String = cmd(&mut direct, &["GET", "s"]).await.unwrap();
+            let h: String = cmd(&mut direct, &["HGET", "h", "f"]).await.unwrap();
+            let d: i64 = cmd(&mut direct, &["EXISTS", "d"]).await.unwrap();
+            let n: String = cmd(&mut direct, &["GET", "n"]).await.unwrap();
+            let m: Option<String> = cmd(&mut direct, &["GET", "m"]).await.unwrap();
             (s, h, d, n, m)
         }
     };
@@ -110,7 +88,7 @@ async fn lower_token_is_refused_after_a_higher_one_wrote() {
         &["INCR", "n"],
     ];
     for (i, args) in cases.iter().enumerate() {
-        let err = q::<redis::Value>(&mut old, args).await.unwrap_err();
+        let err = cmd::<redis::Value>(&mut old, args).await.unwrap_err();
         assert_eq!(err.code(), Some("FENCED"), "{args:?}: {err}");
         assert!(
             err.to_string()
@@ -178,7 +156,7 @@ async fn missing_and_malformed_tokens_are_refused() {
     let gw = RedisGateway::start("", &[]);
     let mut direct = connect(&gw.redis.url()).await;
     let mut c = connect(&gw.url()).await;
-    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    let err = cmd::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
     assert_eq!(err.code(), Some("NOFENCE"), "{err}");
     for bad in [
         "fg1~0~job",
@@ -191,14 +169,14 @@ async fn missing_and_malformed_tokens_are_refused() {
         assert_eq!(err.code(), Some("BADFENCE"), "{bad}: {err}");
     }
     // An invalid token leaves the connection's token unchanged (here: none).
-    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    let err = cmd::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
     assert_eq!(err.code(), Some("NOFENCE"), "{err}");
     // FENCE alone clears a token.
     fence(&mut c, "fg1~3~job").await.unwrap();
     let _: () = redis::cmd("FENCE").query_async(&mut c).await.unwrap();
-    let err = q::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
+    let err = cmd::<()>(&mut c, &["SET", "k", "v"]).await.unwrap_err();
     assert_eq!(err.code(), Some("NOFENCE"), "{err}");
-    let v: Option<String> = q(&mut direct, &["GET", "k"]).await.unwrap();
+    let v: Option<String> = cmd(&mut direct, &["GET", "k"]).await.unwrap();
     assert_eq!(v, None);
     // Floods of tokenless or malformed refusals from one client may be written as one
     // aggregate record per second that counts them; every refusal is accounted for.
@@ -229,7 +207,7 @@ async fn forged_and_unsigned_tokens_are_refused_when_a_key_is_configured() {
         assert_eq!(err.code(), Some("BADFENCE"), "{err}");
     }
     fence(&mut c, &good).await.unwrap();
-    let _: () = q(&mut c, &["SET", "k", "v"]).await.unwrap();
+    let _: () = cmd(&mut c, &["SET", "k", "v"]).await.unwrap();
     let records = gw.audit_records();
     let reasons: Vec<&str> = records
         .iter()
@@ -272,9 +250,9 @@ async fn racing_writers_n_and_n_plus_1() {
                 }
                 // The data itself records the order writes applied in.
                 let entry = format!("{name}:{i}");
-                let r: RedisResult<i64> = q(&mut con, &["RPUSH", "race:log", &entry]).await;
+                let r: RedisResult<i64> = cmd(&mut con, &["RPUSH", "race:log", &entry]).await;
                 let s: RedisResult<()> =
-                    q(&mut con, &["SET", &format!("race:key:{}", i % 10), &entry]).await;
+                    cmd(&mut con, &["SET", &format!("race:key:{}", i % 10), &entry]).await;
                 match (r, s) {
                     (Ok(_), Ok(())) => {}
                     (r, s) => {
@@ -292,7 +270,7 @@ async fn racing_writers_n_and_n_plus_1() {
     let b = writer("n+1", "fg1~42~race");
     let (refused_a, refused_b) = (a.await.unwrap(), b.await.unwrap());
     assert_eq!(refused_b, 0, "the higher token is never refused");
-    let log: Vec<String> = q(&mut direct, &["LRANGE", "race:log", "0", "-1"])
+    let log: Vec<String> = cmd(&mut direct, &["LRANGE", "race:log", "0", "-1"])
         .await
         .unwrap();
     let first_new = log
@@ -313,7 +291,7 @@ async fn racing_writers_n_and_n_plus_1() {
         "n applied its first 100 writes before n+1 started"
     );
     for k in 0..10 {
-        let v: String = q(&mut direct, &["GET", &format!("race:key:{k}")])
+        let v: String = cmd(&mut direct, &["GET", &format!("race:key:{k}")])
             .await
             .unwrap();
         assert!(v.starts_with("n+1:"), "race:key:{k} = {v}");
@@ -348,7 +326,7 @@ async fn transactions_keep_their_meaning() {
         err.to_string().contains("NOFENCE") || err.code() == Some("EXECABORT"),
         "{err}"
     );
-    let a: Option<String> = q(&mut direct, &["GET", "a"]).await.unwrap();
+    let a: Option<String> = cmd(&mut direct, &["GET", "a"]).await.unwrap();
     assert_eq!(a, None);
 
     // With a token, MULTI/EXEC applies every command, replies unchanged.
@@ -371,16 +349,16 @@ async fn transactions_keep_their_meaning() {
     assert_eq!((x.as_str(), y, z.as_str()), ("1", 1, "e"));
 
     // WATCH still aborts EXEC when a watched key changed.
-    let _: () = q(&mut c, &["WATCH", "a"]).await.unwrap();
+    let _: () = cmd(&mut c, &["WATCH", "a"]).await.unwrap();
     let mut other = connect(&gw.url()).await;
     fence(&mut other, "fg1~2~tx").await.unwrap();
-    let _: () = q(&mut other, &["SET", "a", "changed"]).await.unwrap();
-    let _: () = q(&mut c, &["MULTI"]).await.unwrap();
-    let queued: String = q(&mut c, &["SET", "a", "mine"]).await.unwrap();
+    let _: () = cmd(&mut other, &["SET", "a", "changed"]).await.unwrap();
+    let _: () = cmd(&mut c, &["MULTI"]).await.unwrap();
+    let queued: String = cmd(&mut c, &["SET", "a", "mine"]).await.unwrap();
     assert_eq!(queued, "QUEUED");
-    let exec: redis::Value = q(&mut c, &["EXEC"]).await.unwrap();
+    let exec: redis::Value = cmd(&mut c, &["EXEC"]).await.unwrap();
     assert_eq!(exec, redis::Value::Nil);
-    let a: String = q(&mut direct, &["GET", "a"]).await.unwrap();
+    let a: String = cmd(&mut direct, &["GET", "a"]).await.unwrap();
     assert_eq!(a, "changed");
 }
 
@@ -390,14 +368,14 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
     let mut direct = connect(&gw.redis.url()).await;
     let mut c = connect(&gw.url()).await;
     fence(&mut c, "fg1~5~job").await.unwrap();
-    let _: () = q(&mut c, &["SET", "k", "1"]).await.unwrap();
-    let _: () = q(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
-    let _: () = q(&mut c, &["SET", "k", "2"]).await.unwrap();
-    let v: String = q(&mut direct, &["GET", "k"]).await.unwrap();
+    let _: () = cmd(&mut c, &["SET", "k", "1"]).await.unwrap();
+    let _: () = cmd(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
+    let _: () = cmd(&mut c, &["SET", "k", "2"]).await.unwrap();
+    let v: String = cmd(&mut direct, &["GET", "k"]).await.unwrap();
     assert_eq!(v, "2");
     // Pipelined writes behind a missing function: replies stay in order, and writes apply in
     // request order; one that cannot be resent without overtaking later ones gets TRYAGAIN.
-    let _: () = q(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
+    let _: () = cmd(&mut direct, &["FUNCTION", "FLUSH"]).await.unwrap();
     let replies = raw_pipeline(&gw, "fg1~5~job", 2_000);
     assert_eq!(replies.len(), 4_000);
     let mut last = 0;
@@ -417,8 +395,8 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
         .filter(|r| matches!(r, Frame::Integer(_)))
         .count() as i64;
     assert_eq!(last, applied, "every applied INCR counted once, in order");
-    let _: () = q(&mut c, &["SET", "after", "ok"]).await.unwrap();
-    let libs: redis::Value = q(&mut direct, &["FUNCTION", "LIST"]).await.unwrap();
+    let _: () = cmd(&mut c, &["SET", "after", "ok"]).await.unwrap();
+    let libs: redis::Value = cmd(&mut direct, &["FUNCTION", "LIST"]).await.unwrap();
     assert!(format!("{libs:?}").contains("fencegate_v1"), "{libs:?}");
     assert!(gw.log_text().contains("reloaded"), "{}", gw.log_text());
 }

@@ -8,17 +8,9 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
 use redis::Value;
+use support::redis_client::connect;
 use support::redis_gateway::RedisGateway;
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
 
 /// Sends `request` on a fresh raw connection and reads until `expect` bytes arrived.
 fn raw(gw: &RedisGateway, request: &[u8], expect: usize) -> Vec<u8> {

@@ -549,24 +549,14 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
 
     // The reset runs on node 1. The wrong --current changes nothing: no log entry, still refused.
     let reset = |current: &str| {
-        cluster.cli(&[
-            "fence",
-            "reset",
-            "vault",
-            "--store",
+        fence_reset(
+            &cluster,
             "s3",
-            "--current",
             current,
-            "--endpoint",
-            &cluster.endpoints_of(&[1]),
-        ])
+            &["--endpoint", &cluster.endpoints_of(&[1])],
+        )
     };
-    let (code, out) = reset("998");
-    assert_ne!(code, 0, "{out}");
-    assert!(
-        out.contains("the store holds fence 999, not 998; nothing changed"),
-        "{out}"
-    );
+    assert_wrong_current_changes_nothing(reset("998"));
     let entry = |position: u64| {
         moto.direct(json!([{"op": "get", "bucket": "vault", "key": log_entry(position)}]))[0]
             .clone()
@@ -581,14 +571,7 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
     assert_eq!(answer[0]["status"], 412, "{answer}");
 
     // The right one: one reset entry at the next position, fence 999 -> the holder's token.
-    let (code, out) = reset("999");
-    assert_eq!(code, 0, "{out}");
-    let answer: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        (answer["from"].as_u64(), answer["to"].as_u64()),
-        (Some(999), Some(revision)),
-        "{out}"
-    );
+    assert_reset_from_999_to(reset("999"), revision);
     let appended = entry(2);
     assert_eq!(
         appended["body"],
@@ -614,17 +597,7 @@ async fn an_s3_manifest_fence_is_reset_and_every_node_follows() {
     assert_eq!((stale(1), stale(2)), (1, 2));
 
     // Exactly one audit record of the reset, on the node that ran it; its report is cleared.
-    let resets: Vec<Value> = [1, 2]
-        .iter()
-        .flat_map(|node| support::audit::records(&cluster.data_dir(*node).join("audit")))
-        .filter(|r| r["reason"] == "fence_reset")
-        .collect();
-    assert_eq!(resets.len(), 1, "{resets:?}");
-    assert_eq!(resets[0]["store"], "s3");
-    assert_eq!(
-        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
-        (Some(999), Some(revision))
-    );
+    assert_one_fence_reset(&cluster, &[1, 2], "s3", revision);
     let (_, status) = cluster.get(1, "/v1/cluster").await.unwrap();
     assert_eq!(status["fence_above_authority"], Value::Null, "{status}");
 }
@@ -852,12 +825,7 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
     assert_eq!(sqlstate(&e), "FG002");
     // The cluster's own token passes the guard... but 999 was already let in before the sync:
     // the fence is 999 and a real token below it is stale, as the store must say.
-    let e = direct
-        .batch_execute(&format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES (4); COMMIT"
-        ))
-        .await
-        .unwrap_err();
+    let e = direct.batch_execute(&guarded(token, 4)).await.unwrap_err();
     assert_eq!(sqlstate(&e), "FG001");
     let _ = direct.batch_execute("ROLLBACK").await;
     let rows = pg.psql_as(
@@ -875,54 +843,26 @@ async fn the_store_refuses_typed_tokens_once_the_cluster_keys_are_synced() {
         )
     };
     let reset = |current: &str| {
-        cluster.cli(&[
-            "fence",
-            "reset",
-            "vault",
-            "--store",
+        fence_reset(
+            &cluster,
             "postgres",
-            "--current",
             current,
-            "--dsn",
-            &pg.dsn("postgres"),
-            "--endpoint",
-            &cluster.endpoints(),
-        ])
+            &[
+                "--dsn",
+                &pg.dsn("postgres"),
+                "--endpoint",
+                &cluster.endpoints(),
+            ],
+        )
     };
-    let (code, out) = reset("998");
-    assert_ne!(code, 0, "{out}");
-    assert!(
-        out.contains("the store holds fence 999, not 998; nothing changed"),
-        "{out}"
-    );
+    assert_wrong_current_changes_nothing(reset("998"));
     assert_eq!(fence(), "999");
     // ...and the right one lowers it to the holder's token, so exactly that holder writes again.
-    let (code, out) = reset("999");
-    assert_eq!(code, 0, "{out}");
     let revision = grant["revision"].as_u64().unwrap();
-    let answer: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(
-        (answer["from"].as_u64(), answer["to"].as_u64()),
-        (Some(999), Some(revision)),
-        "{out}"
-    );
+    assert_reset_from_999_to(reset("999"), revision);
     assert_eq!(fence(), revision.to_string());
-    direct
-        .batch_execute(&format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES (4); COMMIT"
-        ))
-        .await
-        .unwrap();
-    let resets: Vec<Value> = support::audit::records(&cluster.data_dir(1).join("audit"))
-        .into_iter()
-        .filter(|r| r["reason"] == "fence_reset")
-        .collect();
-    assert_eq!(resets.len(), 1, "one audit record per reset: {resets:?}");
-    assert_eq!(resets[0]["store"], "postgres");
-    assert_eq!(
-        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
-        (Some(999), Some(revision))
-    );
+    direct.batch_execute(&guarded(token, 4)).await.unwrap();
+    assert_one_fence_reset(&cluster, &[1], "postgres", revision);
     // Never above the authority's revision: that would brick the resource again.
     let (code, out) = cluster.cli(&[
         "fence",
@@ -989,11 +929,6 @@ async fn the_node_keeps_the_store_keys_in_step_with_the_cluster() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    let guarded = |token: &str, id: u32| {
-        format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
-        )
-    };
     // A typed token is refused by the store itself; the cluster's token writes.
     let e = direct
         .batch_execute(&guarded("fg1~999~vault", 1))
@@ -1066,11 +1001,6 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    let guarded = |id: u32| {
-        format!(
-            "BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT"
-        )
-    };
     let sync = |extra: &[&str]| {
         let mut args = vec![
             "postgres",
@@ -1112,12 +1042,10 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         "{out}"
     );
     assert_eq!(store_keys(), "0:false");
-    direct.batch_execute(&guarded(2)).await.unwrap();
+    direct.batch_execute(&guarded(token, 2)).await.unwrap();
     // A typed token is still refused by the store.
     let e = direct
-        .batch_execute(
-            "BEGIN; SELECT fencegate.guard('fg1~999~vault'); INSERT INTO ledger VALUES (3); COMMIT",
-        )
+        .batch_execute(&guarded("fg1~999~vault", 3))
         .await
         .unwrap_err();
     assert_eq!(sqlstate(&e), "FG004", "{e:?}");
@@ -1127,6 +1055,64 @@ async fn sync_keys_with_the_node_config_installs_the_operator_key() {
         "SELECT string_agg(id::text, ',' ORDER BY id) FROM ledger",
     );
     assert_eq!(rows, "2");
+}
+
+/// `fencegate fence reset vault --store <store> --current <current>` and `args`: exit code
+/// and output.
+fn fence_reset(cluster: &Cluster, store: &str, current: &str, args: &[&str]) -> (i32, String) {
+    let mut all = vec![
+        "fence",
+        "reset",
+        "vault",
+        "--store",
+        store,
+        "--current",
+        current,
+    ];
+    all.extend_from_slice(args);
+    cluster.cli(&all)
+}
+
+/// A reset with the wrong `--current` (998, the store holds 999) fails and says it changed
+/// nothing.
+fn assert_wrong_current_changes_nothing((code, out): (i32, String)) {
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("the store holds fence 999, not 998; nothing changed"),
+        "{out}"
+    );
+}
+
+/// A reset succeeded and reports the fence going from 999 to `revision`.
+fn assert_reset_from_999_to((code, out): (i32, String), revision: u64) {
+    assert_eq!(code, 0, "{out}");
+    let answer: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (answer["from"].as_u64(), answer["to"].as_u64()),
+        (Some(999), Some(revision)),
+        "{out}"
+    );
+}
+
+/// Exactly one `fence_reset` audit record among the logs of `nodes`, for `store`, naming the
+/// fence it found (999) and the revision it reset to.
+fn assert_one_fence_reset(cluster: &Cluster, nodes: &[u64], store: &str, revision: u64) {
+    let resets: Vec<Value> = nodes
+        .iter()
+        .flat_map(|node| support::audit::records(&cluster.data_dir(*node).join("audit")))
+        .filter(|r| r["reason"] == "fence_reset")
+        .collect();
+    assert_eq!(resets.len(), 1, "one audit record per reset: {resets:?}");
+    assert_eq!(resets[0]["store"], store);
+    assert_eq!(
+        (resets[0]["fence"].as_u64(), resets[0]["revision"].as_u64()),
+        (Some(999), Some(revision))
+    );
+}
+
+/// A transaction that inserts `id` into `ledger` under `token`: the store's guard decides.
+fn guarded(token: &str, id: u32) -> String {
+    format!("BEGIN; SELECT fencegate.guard('{token}'); INSERT INTO ledger VALUES ({id}); COMMIT")
 }
 
 /// A PostgreSQL server with the fence schema installed and table `ledger` protected for

@@ -20,6 +20,8 @@
 
 mod aggregate;
 mod files;
+#[cfg(test)]
+mod fixture;
 mod metrics;
 pub mod prune;
 pub mod query;

@@ -186,32 +186,11 @@ fn sync_dir(dir: &Path) -> Result<(), AuditError> {
 
 #[cfg(test)]
 mod tests {
-    use fencegate_core::{AuditEvent, AuditRecord, AuditSink, OperationSummary, GENESIS_HASH};
+    use fencegate_core::{AuditRecord, AuditSink, GENESIS_HASH};
 
     use super::*;
+    use crate::audit::fixture::event;
     use crate::audit::{AuditConfig, AuditWriter, FenceCounters};
-
-    fn event(n: usize) -> AuditEvent {
-        AuditEvent {
-            store: "redis".into(),
-            client_addr: "127.0.0.1:1".into(),
-            client_identity: None,
-            resource: Some("job".into()),
-            token: Some("fg1~3~job".into()),
-            token_signed: false,
-            revision: Some(3),
-            fence: Some(5),
-            reason: "stale".into(),
-            detail: format!("refusal {n}"),
-            operation: OperationSummary {
-                command: "SET".into(),
-                objects: vec!["k".into()],
-                args: 3,
-                bytes: 20,
-            },
-            request_id: format!("r{n}"),
-        }
-    }
 
     /// Writes `n` refusals through the real writer, rotating every ~2 KB (about 4 records).
     async fn write(dir: &Path, range: std::ops::Range<usize>) {

@@ -535,32 +535,9 @@ impl fencegate_core::Observer for AuditHandle {
 
 #[cfg(test)]
 mod tests {
-    use fencegate_core::OperationSummary;
-
     use super::*;
+    use crate::audit::fixture::event;
     use crate::audit::verify::verify;
-
-    fn event(n: usize) -> AuditEvent {
-        AuditEvent {
-            store: "redis".into(),
-            client_addr: "127.0.0.1:1".into(),
-            client_identity: None,
-            resource: Some("job".into()),
-            token: Some("fg1~3~job".into()),
-            token_signed: false,
-            revision: Some(3),
-            fence: Some(5),
-            reason: "stale".into(),
-            detail: format!("refusal {n}"),
-            operation: OperationSummary {
-                command: "SET".into(),
-                objects: vec!["k".into()],
-                args: 3,
-                bytes: 20,
-            },
-            request_id: format!("r{n}"),
-        }
-    }
 
     #[tokio::test]
     async fn writes_chains_rotates_and_resumes() {

@@ -4,6 +4,7 @@
 
 pub mod fd_limit;
 pub mod port;
+pub mod redis_client;
 pub mod redis_server;
 pub mod s3_server;
 pub mod tmpfs;

@@ -6,7 +6,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
+use redis::aio::MultiplexedConnection;
+
 use super::gateway_node::{GatewayNode, NodeOptions};
+use super::redis_client::{cmd, connect};
 use super::redis_server::RedisServer;
 
 /// A `fencegate serve` node whose Redis gateway relays to its own `redis-server`.
@@ -53,6 +56,23 @@ impl RedisGateway {
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
         self.node.log_text()
+    }
+
+    /// Two connections to the gateway: `old` fenced with revision 3 of `ledger`, `new` with 4
+    /// (which wrote balance = 10), so that `old`'s writes are refused as stale.
+    pub async fn old_and_new(&self) -> (MultiplexedConnection, MultiplexedConnection) {
+        let mut old = connect(&self.url()).await;
+        let mut new = connect(&self.url()).await;
+        cmd::<()>(&mut old, &["FENCE", "fg1~3~ledger"])
+            .await
+            .unwrap();
+        cmd::<()>(&mut new, &["FENCE", "fg1~4~ledger"])
+            .await
+            .unwrap();
+        cmd::<()>(&mut new, &["SET", "balance", "10"])
+            .await
+            .unwrap();
+        (old, new)
     }
 
     /// `redis://` URL of the gateway.

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::{Gateway, ProtectMode, ProtectRule, RedisConfig};
+use fencegate_testkit::redis_client::{cmd, connect};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisError, Value};
 use redis_server::RedisServer;
@@ -59,7 +60,7 @@ async fn setup() -> Setup {
     };
     // The current holder writes with token 9: fence = 9.
     let mut holder = s.client(Some("fg1~9~billing")).await;
-    q::<()>(&mut holder, &["SET", "billing:x", "current"])
+    cmd::<()>(&mut holder, &["SET", "billing:x", "current"])
         .await
         .unwrap();
     s
@@ -69,13 +70,13 @@ impl Setup {
     async fn client(&self, token: Option<&str>) -> MultiplexedConnection {
         let mut c = connect(&self.gateway_url).await;
         if let Some(token) = token {
-            q::<()>(&mut c, &["FENCE", token]).await.unwrap();
+            cmd::<()>(&mut c, &["FENCE", token]).await.unwrap();
         }
         c
     }
 
     async fn direct<T: redis::FromRedisValue>(&mut self, args: &[&str]) -> T {
-        q(&mut self.direct, args).await.unwrap()
+        cmd(&mut self.direct, args).await.unwrap()
     }
 
     /// The fence is still 9 and billing:x still holds the current holder's value.
@@ -99,25 +100,6 @@ impl Setup {
     fn assert_one_unsupported_record(&mut self, command: &str) {
         self.assert_one_record("unsupported", command);
     }
-}
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn q<T: redis::FromRedisValue>(
-    con: &mut MultiplexedConnection,
-    args: &[&str],
-) -> Result<T, RedisError> {
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    cmd.query_async(con).await
 }
 
 fn assert_unfenceable(result: Result<Value, RedisError>, what: &str) {
@@ -163,13 +145,13 @@ async fn georadius_store_twice_cannot_reach_the_fence_key() {
             ],
         ),
     ] {
-        assert_unfenceable(q(&mut attacker, &args).await, command);
+        assert_unfenceable(cmd(&mut attacker, &args).await, command);
         s.assert_untouched().await;
         s.assert_one_unsupported_record(command);
     }
     // The stale holder is still refused by the store.
     let mut stale = s.client(Some("fg1~5~billing")).await;
-    let err = q::<()>(&mut stale, &["SET", "billing:x", "stale"])
+    let err = cmd::<()>(&mut stale, &["SET", "billing:x", "stale"])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("FENCED"), "{err}");
@@ -197,7 +179,7 @@ async fn xreadgroup_repeated_streams_keyword_is_refused() {
         "billing:s",
         ">",
     ];
-    assert_unfenceable(q(&mut attacker, &args).await, "XREADGROUP trick");
+    assert_unfenceable(cmd(&mut attacker, &args).await, "XREADGROUP trick");
     let pending: Vec<Value> = s.direct(&["XPENDING", "billing:s", "STREAMS"]).await;
     assert_eq!(
         pending.first(),
@@ -216,7 +198,7 @@ async fn pfcount_is_a_write() {
     let _: i64 = s.direct(&["PFADD", "billing:h", "d"]).await;
     let before: Vec<u8> = s.direct(&["GET", "billing:h"]).await;
     let mut attacker = s.client(None).await;
-    let err = q::<i64>(&mut attacker, &["PFCOUNT", "billing:h"])
+    let err = cmd::<i64>(&mut attacker, &["PFCOUNT", "billing:h"])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("NOFENCE"), "{err}");
@@ -225,7 +207,7 @@ async fn pfcount_is_a_write() {
     s.assert_one_record("missing", "PFCOUNT");
     // With the current token it runs (under the fence) and answers the count.
     let mut holder = s.client(Some("fg1~9~billing")).await;
-    let n: i64 = q(&mut holder, &["PFCOUNT", "billing:h"]).await.unwrap();
+    let n: i64 = cmd(&mut holder, &["PFCOUNT", "billing:h"]).await.unwrap();
     assert_eq!(n, 4);
 }
 
@@ -272,12 +254,12 @@ async fn scripts_and_the_fence_function_are_refused() {
         ),
     ];
     for (command, args) in cases {
-        assert_unfenceable(q(&mut attacker, &args).await, command);
+        assert_unfenceable(cmd(&mut attacker, &args).await, command);
         s.assert_untouched().await;
         s.assert_one_unsupported_record(command);
     }
     // Read-only scripts still run: Redis itself refuses writes in them.
-    let v: String = q(
+    let v: String = cmd(
         &mut attacker,
         &[
             "EVAL_RO",
@@ -295,10 +277,10 @@ async fn scripts_and_the_fence_function_are_refused() {
 async fn other_databases_cannot_carry_a_stale_value_into_database_0() {
     let mut s = setup().await;
     let mut stale = s.client(Some("fg1~5~billing")).await;
-    assert_unfenceable(q(&mut stale, &["SELECT", "1"]).await, "SELECT 1");
+    assert_unfenceable(cmd(&mut stale, &["SELECT", "1"]).await, "SELECT 1");
     s.assert_one_unsupported_record("SELECT");
     // Still in database 0, where the fence is: the stale write is refused by the store.
-    let err = q::<()>(&mut stale, &["SET", "billing:x", "stale"])
+    let err = cmd::<()>(&mut stale, &["SET", "billing:x", "stale"])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("FENCED"), "{err}");
@@ -311,7 +293,7 @@ async fn other_databases_cannot_carry_a_stale_value_into_database_0() {
         ),
         ("SWAPDB", vec!["SWAPDB", "0", "1"]),
     ] {
-        assert_unfenceable(q(&mut stale, &args).await, command);
+        assert_unfenceable(cmd(&mut stale, &args).await, command);
         s.assert_untouched().await;
         s.assert_one_unsupported_record(command);
     }
@@ -346,7 +328,7 @@ async fn a_token_for_another_resource_is_out_of_scope() {
     let mut s = setup().await;
     // A higher revision of another resource's lease must not write billing's keys.
     let mut other = s.client(Some("fg1~99~payroll")).await;
-    let err = q::<()>(&mut other, &["SET", "billing:x", "payroll wrote this"])
+    let err = cmd::<()>(&mut other, &["SET", "billing:x", "payroll wrote this"])
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some("BADFENCE"), "{err}");
@@ -369,5 +351,7 @@ async fn a_token_for_another_resource_is_out_of_scope() {
     s.assert_untouched().await;
     s.assert_one_record("out_of_scope", "SET");
     // Unprotected keys are anyone's.
-    q::<()>(&mut other, &["SET", "cache:y", "1"]).await.unwrap();
+    cmd::<()>(&mut other, &["SET", "cache:y", "1"])
+        .await
+        .unwrap();
 }

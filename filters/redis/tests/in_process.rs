@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use fencegate_core::{MemoryAuditSink, TokenPolicy};
 use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
+use fencegate_testkit::redis_client::{connect, fence};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
 
@@ -41,18 +42,6 @@ async fn setup() -> Setup {
         gateway_url: format!("redis://{addr}/"),
         sink,
     }
-}
-
-async fn connect(url: &str) -> MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn fence(con: &mut MultiplexedConnection, token: &str) -> redis::RedisResult<()> {
-    redis::cmd("FENCE").arg(token).query_async(con).await
 }
 
 #[tokio::test]

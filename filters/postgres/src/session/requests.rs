@@ -110,25 +110,28 @@ const TERMINATE: [u8; 5] = [b'X', 0, 0, 0, 4];
 /// the session: clients and poolers know to reconnect elsewhere.
 fn say_goodbye(shared: &Shared) {
     tracing::debug!(conn = shared.conn, "draining: closing the idle session");
-    let bytes = message::error_response(&ErrorFields {
-        severity: "FATAL",
-        code: sqlstate::ADMIN_SHUTDOWN.to_owned(),
-        message: "fencegate: the gateway is shutting down; reconnect".to_owned(),
-        detail: None,
-    });
-    shared
-        .lock()
-        .pending
-        .push_back(Expect::Local { bytes, close: true });
-    shared.wake.notify_one();
+    fatal(
+        shared,
+        sqlstate::ADMIN_SHUTDOWN,
+        "fencegate: the gateway is shutting down; reconnect".to_owned(),
+    );
 }
 
 /// Queues a FATAL 08P01 for the client and the end of the session.
 fn protocol_error(shared: &Shared, message: &str) {
+    fatal(
+        shared,
+        sqlstate::PROTOCOL_VIOLATION,
+        format!("fencegate: {message}"),
+    );
+}
+
+/// Queues a FATAL error with `code` for the client, then the end of the session.
+fn fatal(shared: &Shared, code: &str, message: String) {
     let bytes = message::error_response(&ErrorFields {
         severity: "FATAL",
-        code: sqlstate::PROTOCOL_VIOLATION.to_owned(),
-        message: format!("fencegate: {message}"),
+        code: code.to_owned(),
+        message,
         detail: None,
     });
     shared
