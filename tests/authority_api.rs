@@ -279,7 +279,10 @@ fn check_config_names_the_line_of_an_error() {
     // The secrets they name by environment variable, as check-config requires.
     let key = [
         ("FENCEGATE_TOKEN_KEY", "a test secret of 32 or more bytes"),
-        ("FENCEGATE_PG_DSN", "host=postgres user=postgres dbname=postgres"),
+        (
+            "FENCEGATE_PG_DSN",
+            "host=postgres user=postgres dbname=postgres",
+        ),
         ("FENCEGATE_S3_UPSTREAM_SECRET", "upstream-secret"),
         ("FENCEGATE_S3_CLIENTS", "AKIABILLING:client-secret"),
     ];
