@@ -196,15 +196,9 @@ pub async fn serve(
         // Set while the accept loop runs (`/healthz`, `/readyz`).
         let running = Arc::new(AtomicBool::new(true));
         gateways.push(
-            GatewayHealth::new("redis", move || checked.health())
+            GatewayHealth::new(fencegate_core::Store::Redis, move || checked.health())
                 .listener(local_addr(&listener, redis.listen), running.clone())
-                .upstream(&redis.upstream, 6379)
-                .upstream_gauge(
-                    metrics
-                        .fences
-                        .gateway
-                        .upstream_up(fencegate_core::Store::Redis),
-                ),
+                .upstream(&redis.upstream, 6379, &metrics.fences.gateway),
         );
         sessions.push(("redis", gateway.sessions()));
         redis_gateway = Some(gateway.clone());
@@ -223,15 +217,9 @@ pub async fn serve(
         // Set while the accept loop runs (`/healthz`, `/readyz`).
         let running = Arc::new(AtomicBool::new(true));
         gateways.push(
-            GatewayHealth::new("postgres", || Ok(()))
+            GatewayHealth::new(fencegate_core::Store::Postgres, || Ok(()))
                 .listener(local_addr(&listener, postgres.listen), running.clone())
-                .upstream(&postgres.upstream, 5432)
-                .upstream_gauge(
-                    metrics
-                        .fences
-                        .gateway
-                        .upstream_up(fencegate_core::Store::Postgres),
-                ),
+                .upstream(&postgres.upstream, 5432, &metrics.fences.gateway),
         );
         sessions.push(("postgres", gateway.sessions()));
         listeners.spawn(log_end(
@@ -248,15 +236,9 @@ pub async fn serve(
                 .with_grace(config.node.shutdown_grace())
                 .start()?;
             gateways.push(
-                GatewayHealth::new("s3", || Ok(()))
+                GatewayHealth::new(fencegate_core::Store::S3, || Ok(()))
                     .listener(s3.listen, handle.running())
-                    .upstream(&s3.upstream, 80)
-                    .upstream_gauge(
-                        metrics
-                            .fences
-                            .gateway
-                            .upstream_up(fencegate_core::Store::S3),
-                    ),
+                    .upstream(&s3.upstream, 80, &metrics.fences.gateway),
             );
             Some(handle)
         }

@@ -29,6 +29,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// One gateway's health: its listener, its upstream, and its own check.
 #[derive(Clone)]
 pub struct GatewayHealth {
+    store: fencegate_core::Store,
     /// The config section (`redis`, ...).
     pub name: &'static str,
     /// `Err` says why the gateway cannot serve protected writes.
@@ -43,11 +44,12 @@ pub struct GatewayHealth {
 
 impl GatewayHealth {
     pub fn new(
-        name: &'static str,
+        store: fencegate_core::Store,
         check: impl Fn() -> Result<(), String> + Send + Sync + 'static,
     ) -> Self {
         Self {
-            name,
+            store,
+            name: store.as_str(),
             check: Arc::new(check),
             listener: None,
             upstream: None,
@@ -61,15 +63,16 @@ impl GatewayHealth {
         self
     }
 
-    /// Probes `upstream` (a `host:port`, or a URL whose scheme gives the default port).
-    pub fn upstream(mut self, upstream: &str, default_port: u16) -> Self {
+    /// Probes `upstream` (a `host:port`, or a URL whose scheme gives the default port) and
+    /// reports each probe in the store's `fencegate_gateway_upstream_up` (1 reachable, 0 not).
+    pub fn upstream(
+        mut self,
+        upstream: &str,
+        default_port: u16,
+        metrics: &crate::gateway_metrics::GatewayMetrics,
+    ) -> Self {
         self.upstream = Some(host_port(upstream, default_port));
-        self
-    }
-
-    /// Reports each probe of the upstream in `gauge` (1 reachable, 0 not).
-    pub fn upstream_gauge(mut self, gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
-        self.up = Some(gauge);
+        self.up = Some(metrics.upstream_up(self.store));
         self
     }
 
