@@ -185,6 +185,11 @@ pub async fn serve(
     let mut listeners = tokio::task::JoinSet::new();
     let mut sessions = Vec::new();
     let mut redis_gateway = None;
+    // Every TLS listener's certificate, for SIGHUP to reload.
+    let mut certs = Vec::new();
+    if let Some(tls) = &secrets.tls {
+        certs.push(("api and peer", tls.server_cert()));
+    }
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis.clone(), policy.clone(), audit.sink())?;
         let observed = gateway.clone();
@@ -202,6 +207,7 @@ pub async fn serve(
         );
         sessions.push(("redis", gateway.sessions()));
         redis_gateway = Some(gateway.clone());
+        certs.extend(gateway.server_cert().map(|c| ("redis", c)));
         listeners.spawn(log_end(
             "Redis",
             gateway.serve_until(listener, drain.clone()),
@@ -222,6 +228,7 @@ pub async fn serve(
                 .upstream(&postgres.upstream, 5432, &metrics.fences.gateway),
         );
         sessions.push(("postgres", gateway.sessions()));
+        certs.extend(gateway.server_cert().map(|c| ("postgres", c)));
         listeners.spawn(log_end(
             "PostgreSQL",
             gateway.serve_until(listener, drain.clone()),
@@ -235,6 +242,7 @@ pub async fn serve(
             let handle = fencegate_s3::S3Gateway::new(s3.clone(), policy.clone(), audit.sink())?
                 .with_grace(config.node.shutdown_grace())
                 .start()?;
+            certs.extend(handle.server_cert().map(|c| ("s3", c)));
             gateways.push(
                 GatewayHealth::new(fencegate_core::Store::S3, || Ok(()))
                     .listener(s3.listen, handle.running())
@@ -329,6 +337,8 @@ pub async fn serve(
             credentials,
             redis: redis_gateway,
             s3: s3.as_ref().map(|s3| s3.clients()),
+            certs,
+            node_tls: secrets.tls.clone(),
         },
     );
     tokio::select! {
