@@ -348,8 +348,8 @@ pub async fn serve(
     let started = tokio::time::Instant::now();
     let deadline = started + config.node.shutdown_grace();
     // A node on its way out must not campaign (it could win and then vanish: an election for
-    // nothing). A leader cannot hand over in openraft 0.9 (no leadership transfer), so it
-    // leads for as short a time as it can: the followers elect a successor once Raft stops.
+    // nothing). A leader leads for as short a time as it can, then names a successor that
+    // campaigns as soon as the leader lease allows (see `authority::hand_over`).
     let leading = authority.drain();
     // A removed node cannot complete what is in flight either (it has no leader to reach).
     let api_grace = if leading || *removed.borrow() {
@@ -385,7 +385,14 @@ pub async fn serve(
     if api_drained.is_err() {
         tracing::warn!("API requests still in flight after their grace period; closing them");
     }
+    // Chosen while still leading (the replication metrics say who is furthest along), told
+    // only once Raft has stopped here: no heartbeat or answer of this node's can follow.
+    let successor = leading.then(|| authority.successor()).flatten();
+    let term = authority.raft().metrics().borrow().current_term;
     let _ = authority.raft().shutdown().await;
+    if let Some(successor) = &successor {
+        authority.hand_over(successor, term).await;
+    }
     let _ = peer_stop_tx.send(true);
     let _ = tokio::time::timeout(API_GRACE, async {
         while peer_server.join_next().await.is_some() {}
