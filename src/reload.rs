@@ -6,7 +6,11 @@
 //! rules (`[[redis.protect]]`), which open sessions apply from their next request, and client
 //! credentials: the API's (`[security] credentials_file` / `credentials_env`) and the S3
 //! gateway's (`clients_file` / `clients_env`), read again on every SIGHUP since their files
-//! change without the config changing. Certificates need a restart.
+//! change without the config changing; and every TLS server certificate (the node's
+//! `[security] cert_file`/`key_file`, the gateways' `tls_cert`/`tls_key`), read again from the
+//! same paths: a pair whose key does not match stays out and the one in force stays. New
+//! handshakes present the new certificate; open connections keep theirs. The CA (`ca_file`) is
+//! read at start only: a changed one is named in a warning.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,6 +37,10 @@ pub struct Live {
     pub credentials: Arc<crate::api::auth::LiveCredentials>,
     pub redis: Option<Arc<fencegate_redis::Gateway>>,
     pub s3: Option<fencegate_s3::S3Clients>,
+    /// Every TLS listener's certificate, with the listener's name for the log.
+    pub certs: Vec<(&'static str, Arc<fencegate_core::ServerCert>)>,
+    /// The node's TLS (to tell a changed CA file).
+    pub node_tls: Option<crate::tls::NodeTls>,
 }
 
 /// What SIGHUP can change, and the config the node started with.
@@ -116,6 +124,19 @@ impl Reloader {
                     tracing::error!(error = %e, "SIGHUP: S3 client credentials not reloaded; the ones in force stay")
                 }
             }
+        }
+        for (listener, cert) in &self.live.certs {
+            match cert.reload() {
+                Ok(()) => {
+                    tracing::info!(listener, cert = %cert.cert_path().display(), "SIGHUP: certificate read again; new connections get it")
+                }
+                Err(e) => {
+                    tracing::error!(listener, error = %e, "SIGHUP: certificate not reloaded; the one in force stays: fix the files (the key must be the certificate's) and send SIGHUP again")
+                }
+            }
+        }
+        if let Some(tls) = self.live.node_tls.as_ref().filter(|tls| tls.ca_changed()) {
+            tracing::warn!(ca_file = %tls.ca_path().display(), "SIGHUP: the CA file changed on disk; the CA is read at start only: restart the node to use it");
         }
         if !plan.restart.is_empty() {
             tracing::warn!(keys = %plan.restart.join(", "), "SIGHUP: these changes need a restart and are not applied");

@@ -185,6 +185,11 @@ pub async fn serve(
     let mut listeners = tokio::task::JoinSet::new();
     let mut sessions = Vec::new();
     let mut redis_gateway = None;
+    // Every TLS listener's certificate, for SIGHUP to reload.
+    let mut certs = Vec::new();
+    if let Some(tls) = &secrets.tls {
+        certs.push(("api and peer", tls.server_cert()));
+    }
     if let Some(redis) = config.redis.clone() {
         let gateway = fencegate_redis::Gateway::new(redis.clone(), policy.clone(), audit.sink())?;
         let observed = gateway.clone();
@@ -202,6 +207,7 @@ pub async fn serve(
         );
         sessions.push(("redis", gateway.sessions()));
         redis_gateway = Some(gateway.clone());
+        certs.extend(gateway.server_cert().map(|c| ("redis", c)));
         listeners.spawn(log_end(
             "Redis",
             gateway.serve_until(listener, drain.clone()),
@@ -222,6 +228,7 @@ pub async fn serve(
                 .upstream(&postgres.upstream, 5432, &metrics.fences.gateway),
         );
         sessions.push(("postgres", gateway.sessions()));
+        certs.extend(gateway.server_cert().map(|c| ("postgres", c)));
         listeners.spawn(log_end(
             "PostgreSQL",
             gateway.serve_until(listener, drain.clone()),
@@ -235,6 +242,7 @@ pub async fn serve(
             let handle = fencegate_s3::S3Gateway::new(s3.clone(), policy.clone(), audit.sink())?
                 .with_grace(config.node.shutdown_grace())
                 .start()?;
+            certs.extend(handle.server_cert().map(|c| ("s3", c)));
             gateways.push(
                 GatewayHealth::new(fencegate_core::Store::S3, || Ok(()))
                     .listener(s3.listen, handle.running())
@@ -329,6 +337,8 @@ pub async fn serve(
             credentials,
             redis: redis_gateway,
             s3: s3.as_ref().map(|s3| s3.clients()),
+            certs,
+            node_tls: secrets.tls.clone(),
         },
     );
     tokio::select! {
@@ -338,8 +348,8 @@ pub async fn serve(
     let started = tokio::time::Instant::now();
     let deadline = started + config.node.shutdown_grace();
     // A node on its way out must not campaign (it could win and then vanish: an election for
-    // nothing). A leader cannot hand over in openraft 0.9 (no leadership transfer), so it
-    // leads for as short a time as it can: the followers elect a successor once Raft stops.
+    // nothing). A leader leads for as short a time as it can, then names a successor that
+    // campaigns as soon as the leader lease allows (see `authority::hand_over`).
     let leading = authority.drain();
     // A removed node cannot complete what is in flight either (it has no leader to reach).
     let api_grace = if leading || *removed.borrow() {
@@ -375,7 +385,14 @@ pub async fn serve(
     if api_drained.is_err() {
         tracing::warn!("API requests still in flight after their grace period; closing them");
     }
+    // Chosen while still leading (the replication metrics say who is furthest along), told
+    // only once Raft has stopped here: no heartbeat or answer of this node's can follow.
+    let successor = leading.then(|| authority.successor()).flatten();
+    let term = authority.raft().metrics().borrow().current_term;
     let _ = authority.raft().shutdown().await;
+    if let Some(successor) = &successor {
+        authority.hand_over(successor, term).await;
+    }
     let _ = peer_stop_tx.send(true);
     let _ = tokio::time::timeout(API_GRACE, async {
         while peer_server.join_next().await.is_some() {}

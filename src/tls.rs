@@ -1,15 +1,17 @@
 //! TLS for the node's own ports: the client API (server certificate) and the peer port (mutual
 //! TLS: a peer must present a certificate from the cluster CA), and the HTTP clients that talk
-//! to them.
+//! to them. The node's certificate is a [`ServerCert`]: SIGHUP replaces it for new handshakes
+//! on both ports and for the certificate the node presents to its peers. The CA is read once.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use fencegate_core::ServerCert;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::CertificateDer;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use thiserror::Error;
@@ -32,14 +34,13 @@ pub enum TlsError {
     Setup { path: PathBuf, message: String },
 }
 
-/// The node's certificates, loaded once at start.
+/// The node's certificates: the CA loaded once at start, its own certificate replaceable.
 #[derive(Clone)]
 pub struct NodeTls {
     ca_pem: Vec<u8>,
-    identity_pem: Vec<u8>,
+    ca_path: PathBuf,
     roots: Arc<RootCertStore>,
-    chain: Vec<CertificateDer<'static>>,
-    key: Arc<PrivateKeyDer<'static>>,
+    cert: Arc<ServerCert>,
     cert_path: PathBuf,
 }
 
@@ -84,28 +85,18 @@ impl NodeTls {
                 message: e.to_string(),
             })?;
         }
-        let cert_pem = read(cert)?;
-        let chain = certs(cert, &cert_pem)?;
-        let key_pem = read(key)?;
-        let private = rustls_pemfile::private_key(&mut &key_pem[..])
-            .map_err(|source| TlsError::Read {
-                path: key.clone(),
-                source,
-            })?
-            .ok_or_else(|| TlsError::Empty {
-                path: key.clone(),
-                what: "private key",
-            })?;
-        let mut identity_pem = cert_pem;
-        identity_pem.extend_from_slice(b"\n");
-        identity_pem.extend_from_slice(&key_pem);
+        let cert_path = cert.clone();
+        let cert = ServerCert::load_named(["security.cert_file", "security.key_file"], cert, key)
+            .map_err(|e| TlsError::Setup {
+            path: cert_path.clone(),
+            message: e.to_string(),
+        })?;
         let tls = Self {
             ca_pem,
-            identity_pem,
+            ca_path: ca.clone(),
             roots: Arc::new(roots),
-            chain,
-            key: Arc::new(private),
-            cert_path: cert.clone(),
+            cert,
+            cert_path,
         };
         // Build both server configs once now, so a bad file fails `check-config` and start.
         tls.api_acceptor()?;
@@ -120,12 +111,27 @@ impl NodeTls {
         }
     }
 
+    /// The node's certificate (both ports, and what it presents to peers): SIGHUP reloads it.
+    pub fn server_cert(&self) -> Arc<ServerCert> {
+        self.cert.clone()
+    }
+
+    /// Whether `ca_file` on disk differs from the CA the node runs with (read at start only: the
+    /// peer clients and the peer port's verifier both trust it, and must change together).
+    pub fn ca_changed(&self) -> bool {
+        std::fs::read(&self.ca_path).map_or(true, |pem| pem != self.ca_pem)
+    }
+
+    /// The CA file (for logs).
+    pub fn ca_path(&self) -> &Path {
+        &self.ca_path
+    }
+
     /// The API port: server authentication only (clients authenticate with bearer credentials).
     pub fn api_acceptor(&self) -> Result<TlsAcceptor, TlsError> {
         let config = ServerConfig::builder()
             .with_no_client_auth()
-            .with_single_cert(self.chain.clone(), self.key.clone_key())
-            .map_err(|e| self.setup_err(e))?;
+            .with_cert_resolver(self.cert.clone());
         Ok(TlsAcceptor::from(Arc::new(config)))
     }
 
@@ -136,17 +142,18 @@ impl NodeTls {
             .map_err(|e| self.setup_err(e))?;
         let config = ServerConfig::builder()
             .with_client_cert_verifier(verifier)
-            .with_single_cert(self.chain.clone(), self.key.clone_key())
-            .map_err(|e| self.setup_err(e))?;
+            .with_cert_resolver(self.cert.clone());
         Ok(TlsAcceptor::from(Arc::new(config)))
     }
 
-    /// A client for peers: trusts only the cluster CA and presents this node's certificate.
+    /// A client for peers: trusts only the cluster CA and presents this node's certificate (the
+    /// one in force at each handshake, so a reloaded certificate reaches the peers too).
     pub fn peer_client(&self) -> Result<reqwest::Client, TlsError> {
-        let identity =
-            reqwest::Identity::from_pem(&self.identity_pem).map_err(|e| self.setup_err(e))?;
-        self.client_builder()?
-            .identity(identity)
+        let config = rustls::ClientConfig::builder()
+            .with_root_certificates(self.roots.clone())
+            .with_client_cert_resolver(self.cert.clone());
+        reqwest::Client::builder()
+            .use_preconfigured_tls(config)
             .build()
             .map_err(|e| self.setup_err(e))
     }

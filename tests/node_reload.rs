@@ -160,3 +160,259 @@ fn wait_for_count(log: &std::path::Path, line: &str, n: usize) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A TLS client that trusts `ca` (PEM) and, for the peer port, presents `identity`.
+fn tls_connector(ca: &[u8], identity: Option<(&[u8], &[u8])>) -> tokio_rustls::TlsConnector {
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut &ca[..]) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots);
+    let mut config = match identity {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                rustls_pemfile::certs(&mut &cert[..])
+                    .collect::<Result<_, _>>()
+                    .unwrap(),
+                rustls_pemfile::private_key(&mut &key[..]).unwrap().unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    // Every handshake a full one: a resumed session carries the certificate of the handshake
+    // it resumes, and would tell nothing about what the server presents now.
+    config.resumption = rustls::client::Resumption::disabled();
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// Connects over TLS (bounded: 10 s) and returns the stream and the certificate the server
+/// presented (its leaf, DER).
+async fn handshake(addr: &str, connector: &tokio_rustls::TlsConnector) -> (Tls, Vec<u8>) {
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tokio::time::timeout(Duration::from_secs(10), async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        connector.connect(name, tcp).await
+    })
+    .await
+    .expect("handshake within 10 s")
+    .unwrap_or_else(|e| panic!("TLS handshake with {addr}: {e}"));
+    let leaf = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
+    (tls, leaf)
+}
+
+/// One HTTP/1.1 GET on a kept-alive connection; returns the status code (the body is read
+/// whole, so the connection is ready for the next request). Bounded: 10 s.
+async fn http_get(tls: &mut Tls, path: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tls.write_all(request.as_bytes()).await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert!(head.len() < 16 * 1024, "no end of headers");
+            tls.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .unwrap_or_else(|| panic!("no content-length in {head}"))
+            .trim()
+            .parse()
+            .unwrap();
+        let mut body = vec![0u8; length];
+        tls.read_exact(&mut body).await.unwrap();
+        head.split_whitespace().nth(1).unwrap().parse().unwrap()
+    })
+    .await
+    .expect("HTTP answer within 10 s")
+}
+
+/// PING on an open Redis connection (bounded: 10 s).
+async fn ping(tls: &mut Tls) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tls.write_all(b"*1\r\n$4\r\nPING\r\n").await.unwrap();
+        let mut out = Vec::new();
+        let mut byte = [0u8; 1];
+        while !out.ends_with(b"\r\n") {
+            tls.read_exact(&mut byte).await.unwrap();
+            out.push(byte[0]);
+        }
+        String::from_utf8_lossy(&out).trim_end().to_owned()
+    })
+    .await
+    .expect("PING answered within 10 s")
+}
+
+/// A server certificate for "localhost" signed by `ca` (PEM: ca, cert, key).
+fn gateway_cert(ca: &(rcgen::Certificate, rcgen::KeyPair)) -> (String, String, String) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca.0, &ca.1)
+        .unwrap();
+    (ca.0.pem(), cert.pem(), key.serialize_pem())
+}
+
+fn gateway_ca() -> (rcgen::Certificate, rcgen::KeyPair) {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    (params.self_signed(&key).unwrap(), key)
+}
+
+/// The port of the log line `message`'s `listen=` field (bounded: 30 s).
+fn logged_port(log: &std::path::Path, message: &str) -> u16 {
+    wait_for(log, message);
+    let text = std::fs::read_to_string(log).unwrap();
+    text.lines()
+        .filter(|l| l.contains(message))
+        .find_map(|l| {
+            let addr = l.split("listen=").nth(1)?.split_whitespace().next()?;
+            addr.rsplit(':').next()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no listen= in {message:?}:\n{text}"))
+}
+
+/// SIGHUP reads every TLS server certificate again: new handshakes on the API, the peer port
+/// and the Redis gateway's TLS listener present the renewed certificate while connections
+/// opened before keep working; a key that does not match its certificate, or a key file with no
+/// key, is refused, named in the log, and the certificate in force stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_certificates_for_new_handshakes_and_keeps_open_connections() {
+    use support::cluster::{Cluster, Security};
+    let redis = support::redis_server::RedisServer::start();
+    let gw_dir = tempfile::tempdir().unwrap();
+    let ca = gateway_ca();
+    let (gw_ca, gw_cert, gw_key) = gateway_cert(&ca);
+    let (gw_cert_path, gw_key_path) = (gw_dir.path().join("gw.crt"), gw_dir.path().join("gw.key"));
+    std::fs::write(&gw_cert_path, &gw_cert).unwrap();
+    std::fs::write(&gw_key_path, &gw_key).unwrap();
+    let section = format!(
+        "[redis]\nlisten = \"127.0.0.1:0\"\nupstream = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\n\n[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n",
+        redis.addr,
+        gw_cert_path.display(),
+        gw_key_path.display(),
+    );
+    let cluster = Cluster::start_secured(Security::Tls, 1, "", |_| section.clone(), &[]).await;
+    let log = cluster.log_path(1);
+    let redis_addr = format!("127.0.0.1:{}", logged_port(&log, "redis gateway listening"));
+    let api_addr = cluster.api_addr(1);
+    let peer_addr = cluster.peer_addr(1);
+    let certs = cluster.certs();
+    let node_ca = std::fs::read(certs.join("ca.crt")).unwrap();
+    let (node_cert, node_key) = (certs.join("node1.crt"), certs.join("node1.key"));
+    let old_key = std::fs::read(&node_key).unwrap();
+    let old_cert = std::fs::read(&node_cert).unwrap();
+    let api = tls_connector(&node_ca, None);
+    // A peer presents a certificate of the cluster CA: the node's first one, still valid.
+    let peer = tls_connector(&node_ca, Some((&old_cert, &old_key)));
+    let gw = tls_connector(gw_ca.as_bytes(), None);
+
+    let (mut api_open, api_first) = handshake(&api_addr, &api).await;
+    assert_eq!(http_get(&mut api_open, "/healthz").await, 200);
+    let (_, peer_first) = handshake(&peer_addr, &peer).await;
+    assert_eq!(
+        peer_first, api_first,
+        "both ports present the node's certificate"
+    );
+    let (mut redis_open, redis_first) = handshake(&redis_addr, &gw).await;
+    assert_eq!(ping(&mut redis_open).await, "+PONG");
+
+    // Renewal as an operator does it: a new node certificate from the same CA, and a new
+    // gateway certificate, written over the old files.
+    let renew = tempfile::tempdir().unwrap();
+    for f in ["ca.crt", "ca.key"] {
+        std::fs::copy(certs.join(f), renew.path().join(f)).unwrap();
+    }
+    let dir = renew.path().display().to_string();
+    let (code, out) = cluster.cli(&[
+        "certs",
+        "add-node",
+        "--dir",
+        &dir,
+        "--node",
+        "1=127.0.0.1,localhost",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    std::fs::copy(renew.path().join("node1.crt"), &node_cert).unwrap();
+    std::fs::copy(renew.path().join("node1.key"), &node_key).unwrap();
+    let (_, gw_cert2, gw_key2) = gateway_cert(&ca);
+    std::fs::write(&gw_cert_path, &gw_cert2).unwrap();
+    std::fs::write(&gw_key_path, &gw_key2).unwrap();
+    cluster.signal(1, Signal::SIGHUP);
+    wait_for_count(&log, "SIGHUP: certificate read again", 2);
+
+    let (_, api_second) = handshake(&api_addr, &api).await;
+    assert_ne!(
+        api_second, api_first,
+        "a new API handshake gets the new certificate"
+    );
+    let (_, peer_second) = handshake(&peer_addr, &peer).await;
+    assert_eq!(peer_second, api_second, "and so does a new peer handshake");
+    let (_, redis_second) = handshake(&redis_addr, &gw).await;
+    assert_ne!(
+        redis_second, redis_first,
+        "a new Redis handshake gets the new certificate"
+    );
+    assert_eq!(
+        http_get(&mut api_open, "/healthz").await,
+        200,
+        "the API connection opened before the reload still works"
+    );
+    assert_eq!(
+        ping(&mut redis_open).await,
+        "+PONG",
+        "the Redis connection opened before the reload still works"
+    );
+
+    // Bad files: the node's old key with its new certificate (a mismatched pair), and a key
+    // file with no key in it. Both refused and named; new handshakes keep the second pair.
+    std::fs::write(&node_key, &old_key).unwrap();
+    std::fs::write(&gw_key_path, "not a key\n").unwrap();
+    cluster.signal(1, Signal::SIGHUP);
+    wait_for_count(&log, "SIGHUP: certificate not reloaded", 2);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let refused: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("SIGHUP: certificate not reloaded"))
+        .collect();
+    let mismatch = format!(
+        "security.key_file {} is not the key of security.cert_file {}",
+        node_key.display(),
+        node_cert.display()
+    );
+    assert!(
+        refused.iter().any(|l| l.contains(&mismatch)),
+        "{mismatch:?} not in {refused:#?}"
+    );
+    let no_key = format!("tls_key {}: no PEM private key", gw_key_path.display());
+    assert!(
+        refused.iter().any(|l| l.contains(&no_key)),
+        "{no_key:?} not in {refused:#?}"
+    );
+    assert_eq!(count(&text, "SIGHUP: certificate read again"), 2);
+    assert!(!text.contains("PRIVATE KEY"), "no key material in the log");
+    let (_, api_third) = handshake(&api_addr, &api).await;
+    assert_eq!(
+        api_third, api_second,
+        "the API keeps the second certificate"
+    );
+    let (_, peer_third) = handshake(&peer_addr, &peer).await;
+    assert_eq!(peer_third, api_second, "the peer port too");
+    let (_, redis_third) = handshake(&redis_addr, &gw).await;
+    assert_eq!(redis_third, redis_second, "the Redis listener too");
+    assert_eq!(ping(&mut redis_open).await, "+PONG");
+    println!("SIGHUP: API, peer and Redis TLS listeners present the renewed certificates on new handshakes, open connections kept; a mismatched pair and a keyless file refused and named, the renewed certificates stay");
+}

@@ -19,7 +19,9 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post};
 use axum::Router;
 
-use crate::authority::network::{APPEND_PATH, MEMBERSHIP_PATH, SNAPSHOT_PATH, VOTE_PATH};
+use crate::authority::network::{
+    APPEND_PATH, HAND_OVER_PATH, MEMBERSHIP_PATH, SNAPSHOT_PATH, VOTE_PATH,
+};
 use crate::authority::Authority;
 use crate::config::AuthorityConfig;
 use crate::metrics::Metrics;
@@ -98,6 +100,7 @@ pub fn peer_router(state: ApiState) -> Router {
         .route(VOTE_PATH, post(raft_rpc::vote))
         .route(SNAPSHOT_PATH, post(raft_rpc::snapshot))
         .route(MEMBERSHIP_PATH, get(raft_rpc::membership))
+        .route(HAND_OVER_PATH, post(raft_rpc::hand_over))
         .layer(DefaultBodyLimit::max(LARGE_BODY))
         .with_state(state)
 }

@@ -9,6 +9,7 @@ use openraft::raft::{
 };
 
 use super::ApiState;
+use crate::authority::hand_over::HandOver;
 use crate::authority::membership::CommittedMembership;
 use crate::authority::type_config::{NodeId, TypeConfig};
 
@@ -39,4 +40,9 @@ pub async fn snapshot(
 /// whether it was removed.
 pub async fn membership(State(state): State<ApiState>) -> Json<CommittedMembership> {
     Json(state.authority.committed_membership().await)
+}
+
+/// A draining leader names this node its successor; `true` when it will campaign.
+pub async fn hand_over(State(state): State<ApiState>, Json(from): Json<HandOver>) -> Json<bool> {
+    Json(state.authority.campaign_after_hand_over(from))
 }

@@ -5,6 +5,7 @@
 //! after a quorum has confirmed its leadership, so a deposed or partitioned leader extends
 //! nothing.
 
+pub mod hand_over;
 mod lease_clock;
 mod lock_list;
 pub mod log_store;
@@ -208,6 +209,9 @@ pub struct Authority {
     confirmed: tokio::sync::Mutex<Option<(Instant, u64)>>,
     /// How long a confirmation may be reused; see `recent_leadership`.
     lease_window: Duration,
+    /// Set by [`Authority::drain`]: this node never campaigns again (not even after a
+    /// hand-over).
+    draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Authority {
@@ -278,6 +282,7 @@ impl Authority {
             max_ttl_ms: config.authority.max_ttl_ms,
             confirmed: tokio::sync::Mutex::new(None),
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
+            draining: Arc::default(),
         });
         tokio::spawn(watch_leadership(authority.clone()));
         tokio::spawn(membership::watch_membership(authority.clone()));
@@ -296,9 +301,15 @@ impl Authority {
         &self.raft
     }
 
+    fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Readies Raft for this node's shutdown: it never campaigns again, so a node going away
     /// cannot win an election it will not serve. Returns whether it leads now.
     pub fn drain(&self) -> bool {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.raft.runtime_config().elect(false);
         self.raft.metrics().borrow().state == ServerState::Leader
     }

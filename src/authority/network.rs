@@ -20,6 +20,8 @@ pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
 /// A member's committed membership, asked by a node that stopped hearing from the leader
 /// (see `authority::membership`).
 pub const MEMBERSHIP_PATH: &str = "/raft/membership";
+/// A draining leader names its successor (see `authority::hand_over`).
+pub const HAND_OVER_PATH: &str = "/raft/hand-over";
 
 /// Pause between attempts at a peer that refused the connection.
 const UNREACHABLE_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
@@ -49,6 +51,28 @@ impl Network {
         let url = format!("{}://{addr}{path}", self.scheme);
         self.http
             .get(url)
+            .timeout(timeout)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await
+    }
+}
+
+impl Network {
+    /// POSTs `body` as JSON to `path` on the peer port at `addr`, bounded by `timeout`.
+    pub async fn post<B: Serialize, T: DeserializeOwned>(
+        &self,
+        addr: &str,
+        path: &str,
+        body: &B,
+        timeout: std::time::Duration,
+    ) -> Result<T, reqwest::Error> {
+        let url = format!("{}://{addr}{path}", self.scheme);
+        self.http
+            .post(url)
+            .json(body)
             .timeout(timeout)
             .send()
             .await?

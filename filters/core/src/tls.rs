@@ -1,18 +1,27 @@
-//! TLS settings every gateway builds the same way, once: a server config from the section's
-//! `tls_cert`/`tls_key` (the client side) and a client config that trusts a CA file or the
-//! system roots (the upstream side). rustls with the ring provider (no C build).
+//! TLS settings every gateway builds the same way, once: a server config that presents the
+//! section's `tls_cert`/`tls_key` (the client side; a [`ServerCert`] that SIGHUP can replace)
+//! and a client config that trusts a CA file or the system roots (the upstream side). rustls
+//! with the ring provider (no C build).
 
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
 use rustls::pki_types::CertificateDer;
+
+use crate::ServerCert;
 use thiserror::Error;
 
 /// A TLS setting that cannot be used; the message names the setting and the file.
 #[derive(Debug, Error)]
 #[error("{0}")]
 pub struct TlsSetupError(String);
+
+impl TlsSetupError {
+    pub(crate) fn new(message: String) -> Self {
+        Self(message)
+    }
+}
 
 fn bad(what: &str, path: &Path, e: &dyn std::fmt::Display) -> TlsSetupError {
     TlsSetupError(format!("{what} {}: {e}", path.display()))
@@ -22,7 +31,10 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn read_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsSetupError> {
+pub(crate) fn read_certs(
+    what: &str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsSetupError> {
     let file = std::fs::File::open(path).map_err(|e| bad(what, path, &e))?;
     let certs: Vec<_> = rustls_pemfile::certs(&mut io::BufReader::new(file))
         .collect::<Result<_, _>>()
@@ -33,20 +45,14 @@ fn read_certs(what: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, T
     Ok(certs)
 }
 
-/// The server side: `cert` holds the chain (leaf first), `key` the private key (PKCS#8, PKCS#1
-/// or SEC1), both PEM. No client certificates are asked for.
-pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, TlsSetupError> {
-    let certs = read_certs("tls_cert", cert)?;
-    let file = std::fs::File::open(key).map_err(|e| bad("tls_key", key, &e))?;
-    let key_der = rustls_pemfile::private_key(&mut io::BufReader::new(file))
-        .map_err(|e| bad("tls_key", key, &e))?
-        .ok_or_else(|| bad("tls_key", key, &"no PEM private key in the file"))?;
+/// The server side: presents `cert` (the one in force at each handshake). No client
+/// certificates are asked for.
+pub fn server_config(cert: &Arc<ServerCert>) -> Result<Arc<rustls::ServerConfig>, TlsSetupError> {
     let config = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsSetupError(format!("TLS: {e}")))?
         .with_no_client_auth()
-        .with_single_cert(certs, key_der)
-        .map_err(|e| TlsSetupError(format!("TLS certificate and key: {e}")))?;
+        .with_cert_resolver(cert.clone());
     Ok(Arc::new(config))
 }
 

@@ -22,6 +22,8 @@ pub struct Gateway {
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) route: Option<Resource>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The certificate `tls` presents (SIGHUP replaces it).
+    server_cert: Option<Arc<fencegate_core::ServerCert>>,
     /// How sessions connect to the server (TLS or not).
     pub(crate) upstream: Upstream,
     /// Statement classifications by shape, shared by every session.
@@ -45,10 +47,11 @@ impl Gateway {
         config.validate()?;
         policy.accept_plain = config.accept_plain;
         let route = config.route();
-        let tls = match (&config.tls_cert, &config.tls_key) {
+        let (tls, server_cert) = match (&config.tls_cert, &config.tls_key) {
             (Some(cert), Some(key)) => Some(crate::tls::acceptor(cert, key)?),
             _ => None,
-        };
+        }
+        .unzip();
         let upstream = Upstream::new(&config)?;
         Ok(Arc::new(Self {
             upstream,
@@ -57,6 +60,7 @@ impl Gateway {
             sink,
             route,
             tls,
+            server_cert,
             classified: ClassifyCache::new(CLASSIFY_CACHE_SHAPES),
             connections: AtomicU64::new(0),
             sessions: TaskTracker::new(),
@@ -161,5 +165,10 @@ impl Gateway {
     /// returns when the last one ended.
     pub fn sessions(&self) -> TaskTracker {
         self.sessions.clone()
+    }
+
+    /// The certificate the TLS listener presents, when `tls_cert` is set: SIGHUP reloads it.
+    pub fn server_cert(&self) -> Option<Arc<fencegate_core::ServerCert>> {
+        self.server_cert.clone()
     }
 }

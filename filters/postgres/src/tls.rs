@@ -3,8 +3,10 @@
 //! [`crate::upstream`]).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use fencegate_core::stream::MaybeTls;
+use fencegate_core::ServerCert;
 use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
@@ -13,11 +15,12 @@ use crate::error::PostgresError;
 
 /// Builds the acceptor from PEM files: `cert` holds the chain (leaf first), `key` the private
 /// key (PKCS#8, PKCS#1 or SEC1). The settings are shared with the other gateways
-/// (`fencegate_core::tls`).
-pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, PostgresError> {
-    fencegate_core::tls::server_config(cert, key)
-        .map(TlsAcceptor::from)
-        .map_err(|e| PostgresError::Config(e.to_string()))
+/// (`fencegate_core::tls`); the certificate is returned too, for SIGHUP to replace.
+pub fn acceptor(cert: &Path, key: &Path) -> Result<(TlsAcceptor, Arc<ServerCert>), PostgresError> {
+    let config_err = |e: fencegate_core::tls::TlsSetupError| PostgresError::Config(e.to_string());
+    let cert = ServerCert::load(cert, key).map_err(config_err)?;
+    let settings = fencegate_core::tls::server_config(&cert).map_err(config_err)?;
+    Ok((TlsAcceptor::from(settings), cert))
 }
 
 /// A client connection: plain TCP, or TLS terminated by the gateway after an `SSLRequest` was

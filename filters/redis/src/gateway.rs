@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{AuditSink, Charge, RefusalBudget, TokenPolicy};
+use fencegate_core::{AuditSink, Charge, RefusalBudget, ServerCert, TokenPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 use tokio_rustls::TlsAcceptor;
@@ -33,6 +33,8 @@ pub struct Gateway {
     pub(crate) upstream: Upstream,
     /// The client side's TLS acceptor (`tls_cert`/`tls_key`).
     pub(crate) tls: Option<TlsAcceptor>,
+    /// The certificate `tls` presents (SIGHUP replaces it).
+    server_cert: Option<Arc<ServerCert>>,
     /// What was learned, and when the upstream's durability was last confirmed.
     info: Mutex<Option<(Arc<UpstreamInfo>, Instant)>>,
     connections: AtomicU64,
@@ -74,7 +76,7 @@ impl Gateway {
             ..Limits::default()
         };
         let upstream = Upstream::load(&config)?;
-        let tls = crate::tls::acceptor(&config)?;
+        let (tls, server_cert) = crate::tls::acceptor(&config)?.unzip();
         let refusals = RefusalBudget::new(
             config.refusals_per_second,
             config.refusal_burst,
@@ -89,6 +91,7 @@ impl Gateway {
             limits,
             upstream,
             tls,
+            server_cert,
             info: Mutex::new(None),
             connections: AtomicU64::new(0),
             degraded: std::sync::Mutex::new(None),
@@ -281,6 +284,11 @@ impl Gateway {
         self.sessions.close();
         tracing::info!(sessions = self.sessions.len(), "redis gateway stopped accepting; sessions finish their transactions and replies in flight");
         Ok(())
+    }
+
+    /// The certificate the TLS listener presents, when `tls_cert` is set: SIGHUP reloads it.
+    pub fn server_cert(&self) -> Option<Arc<ServerCert>> {
+        self.server_cert.clone()
     }
 
     /// The sessions running now: `len()` counts them, `wait()` (after the listener stopped)

@@ -3,6 +3,9 @@
 //! `upstream_ca_file` (or the system's roots) with the host checked against the certificate.
 //! The settings themselves are built by `fencegate_core::tls`, as for the other gateways.
 
+use std::sync::Arc;
+
+use fencegate_core::ServerCert;
 use tokio::net::TcpStream;
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -105,14 +108,18 @@ impl Upstream {
     }
 }
 
-/// The client side's acceptor, when `tls_cert` and `tls_key` are set.
-pub fn acceptor(config: &RedisConfig) -> Result<Option<TlsAcceptor>, RedisError> {
+/// The client side's acceptor, when `tls_cert` and `tls_key` are set, and the certificate it
+/// presents (which SIGHUP replaces).
+pub fn acceptor(
+    config: &RedisConfig,
+) -> Result<Option<(TlsAcceptor, Arc<ServerCert>)>, RedisError> {
     let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) else {
         return Ok(None);
     };
-    let settings = fencegate_core::tls::server_config(cert, key)
-        .map_err(|e| RedisError::Config(e.to_string()))?;
-    Ok(Some(TlsAcceptor::from(settings)))
+    let config_err = |e: fencegate_core::tls::TlsSetupError| RedisError::Config(e.to_string());
+    let cert = ServerCert::load(cert, key).map_err(config_err)?;
+    let settings = fencegate_core::tls::server_config(&cert).map_err(config_err)?;
+    Ok(Some((TlsAcceptor::from(settings), cert)))
 }
 
 #[cfg(test)]

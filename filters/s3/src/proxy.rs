@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use async_trait::async_trait;
-use fencegate_core::{AuditSink, OpenConnection, Store, TokenPolicy, UpstreamFailure};
+use fencegate_core::{AuditSink, OpenConnection, ServerCert, Store, TokenPolicy, UpstreamFailure};
+use pingora_core::listeners::tls::TlsSettings;
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 use pingora_core::upstreams::peer::HttpPeer;
@@ -57,6 +58,8 @@ pub(crate) fn load_clients(config: &S3Config) -> Result<HashMap<String, String>,
 /// A configured S3 gateway, ready to start.
 pub struct S3Gateway {
     shared: Arc<Shared>,
+    /// The certificate the HTTPS listener presents (`tls_cert`/`tls_key`); SIGHUP replaces it.
+    server_cert: Option<Arc<ServerCert>>,
     /// How long pingora keeps its runtimes after a graceful terminate.
     grace: std::time::Duration,
 }
@@ -71,6 +74,7 @@ pub struct GatewayHandle {
     /// request after: the drain counts it too).
     begun: Arc<std::sync::atomic::AtomicU64>,
     clients: S3Clients,
+    server_cert: Option<Arc<ServerCert>>,
 }
 
 /// What the node asked of the pingora server.
@@ -98,6 +102,12 @@ impl S3Gateway {
             ))
         })?;
         let clients = load_clients(&config)?;
+        let server_cert = match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => {
+                Some(ServerCert::load(cert, key).map_err(|e| S3Error::Config(e.to_string()))?)
+            }
+            _ => None,
+        };
         let upstream = Upstream::new(
             &config.upstream,
             &config.region,
@@ -106,6 +116,7 @@ impl S3Gateway {
         )?;
         Ok(Self {
             shared: Arc::new(Shared::new(config, clients, upstream, policy, audit)?),
+            server_cert,
             grace: std::time::Duration::ZERO,
         })
     }
@@ -152,20 +163,17 @@ impl S3Gateway {
             },
             "fencegate-s3",
         );
-        match (&config.tls_cert, &config.tls_key) {
-            (Some(cert), Some(key)) => {
-                let (Some(cert), Some(key)) = (cert.to_str(), key.to_str()) else {
-                    return Err(S3Error::Config(
-                        "tls_cert and tls_key must be UTF-8 paths".into(),
-                    ));
-                };
-                service
-                    .add_tls(&config.listen.to_string(), cert, key)
-                    .map_err(|e| {
-                        S3Error::Listen(format!("TLS listener on {}: {e}", config.listen))
-                    })?;
+        match &self.server_cert {
+            Some(cert) => {
+                // A resolver rather than the file paths: pingora would read them once, and a
+                // renewed certificate would need a restart.
+                let mut tls = TlsSettings::intermediate("", "").map_err(|e| {
+                    S3Error::Listen(format!("TLS listener on {}: {e}", config.listen))
+                })?;
+                tls.set_cert_resolver(cert.clone());
+                service.add_tls_with_settings(&config.listen.to_string(), None, tls);
             }
-            _ => service.add_tcp(&config.listen.to_string()),
+            None => service.add_tcp(&config.listen.to_string()),
         }
         server.add_service(service);
         let (stop, stop_rx) = watch::channel(Stop::Run);
@@ -190,6 +198,7 @@ impl S3Gateway {
             clients: S3Clients {
                 shared: self.shared.clone(),
             },
+            server_cert: self.server_cert.clone(),
         })
     }
 }
@@ -226,6 +235,11 @@ impl GatewayHandle {
     /// The gateway's client credentials, to reload them.
     pub fn clients(&self) -> S3Clients {
         self.clients.clone()
+    }
+
+    /// The certificate the HTTPS listener presents, when `tls_cert` is set: SIGHUP reloads it.
+    pub fn server_cert(&self) -> Option<Arc<ServerCert>> {
+        self.server_cert.clone()
     }
 
     /// Leaves the pingora thread to the process's exit, after a drain: pingora sleeps out its
