@@ -306,13 +306,158 @@ async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass() {
     let e = app
         .batch_execute(
             "BEGIN; \
-             SELECT set_config('fencegate.pass', format('%s:%s:job:99:%s', pg_backend_pid(), pg_current_xact_id(), repeat('A', 43)), true); \
+             SELECT set_config('fencegate.pass', format('99:job:%s', repeat('a', 64)), true); \
              DELETE FROM app.items; COMMIT",
         )
         .await
         .unwrap_err();
     assert_eq!(code(&e), "FG002");
     let _ = app.batch_execute("ROLLBACK").await;
+    assert_eq!(store.items().await, INITIAL);
+}
+
+/// The pass's MAC binds it to the transaction that made it: a pass taken from another backend's
+/// open transaction, with a valid MAC, is refused in this one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_from_another_backends_transaction_is_refused() {
+    let store = Store::start().await;
+    let holder = store.app().await;
+    let thief = store.app().await;
+    let t5 = store.token(5).await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    let pass: String = holder
+        .query_one(
+            &format!("SELECT fencegate.guard('{t5}')::text, current_setting('fencegate.pass')"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(1);
+    assert_eq!(pass.len(), "5:job:".len() + 64, "{pass}");
+    let e = thief
+        .batch_execute(&format!(
+            "BEGIN; SELECT set_config('fencegate.pass', '{pass}', true); DELETE FROM app.items; COMMIT"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002");
+    assert!(
+        format!("{e:?}").contains("not made by fencegate.guard"),
+        "{e:?}"
+    );
+    let _ = thief.batch_execute("ROLLBACK").await;
+    // The holder's own transaction still writes with it.
+    holder
+        .batch_execute("DELETE FROM app.items WHERE id = 2; COMMIT")
+        .await
+        .unwrap();
+    assert_eq!(store.items().await, vec![(1, 1)]);
+}
+
+/// fencegate.enforce() runs with its owner's rights and without a `SET search_path` of its own:
+/// whatever the caller puts first in its search_path (operators and functions that would make a
+/// forged pass verify or hide the fence) or in pg_temp (tables named like fencegate's), the
+/// trigger resolves none of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn shadowing_objects_in_the_search_path_do_not_subvert_the_trigger() {
+    let store = Store::start().await;
+    store.pg.psql_as(
+        "postgres",
+        &format!("CREATE SCHEMA evil AUTHORIZATION {APP}"),
+    );
+    let app = store.app().await;
+    app.batch_execute(
+        "CREATE FUNCTION evil.yes(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT true';
+         CREATE FUNCTION evil.no(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT false';
+         CREATE FUNCTION evil.no8(bigint, bigint) RETURNS boolean LANGUAGE sql AS 'SELECT false';
+         CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql AS 'SELECT ''x''';
+         CREATE FUNCTION evil.bcat(bytea, bytea) RETURNS bytea LANGUAGE sql AS 'SELECT ''\\x00''::bytea';
+         CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.yes);
+         CREATE OPERATOR evil.<> (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.no);
+         CREATE OPERATOR evil.> (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.no8);
+         CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat);
+         CREATE OPERATOR evil.|| (LEFTARG = bytea, RIGHTARG = bytea, FUNCTION = evil.bcat);
+         CREATE FUNCTION evil.encode(bytea, text) RETURNS text LANGUAGE sql AS 'SELECT ''x''';
+         CREATE FUNCTION evil.right(text, integer) RETURNS text LANGUAGE sql AS 'SELECT ''x''';
+         CREATE FUNCTION evil.sha256(bytea) RETURNS bytea LANGUAGE sql AS 'SELECT ''\\x00''::bytea';
+         CREATE FUNCTION evil.current_setting(text, boolean) RETURNS text LANGUAGE sql AS 'SELECT ''1:job:x''';
+         CREATE FUNCTION evil.split_part(text, text, integer) RETURNS text LANGUAGE sql AS 'SELECT ''99''';
+         CREATE TEMP TABLE pass_key (id boolean, ipad bytea, opad bytea);
+         CREATE TEMP TABLE fences (resource text, revision bigint);",
+    )
+    .await
+    .unwrap();
+    app.batch_execute("SET search_path = pg_temp, evil, pg_catalog")
+        .await
+        .unwrap();
+    // The stand-ins are live for unqualified names in this session.
+    let row = app
+        .query_one("SELECT 'a' = 'b', 'a' <> 'a', right('abc', 1)", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            row.get::<_, bool>(0),
+            row.get::<_, bool>(1),
+            row.get::<_, String>(2)
+        ),
+        (true, false, "x".to_string())
+    );
+    for pass in [
+        "99:job:x".to_string(),
+        format!("99:job:{}", "0".repeat(64)),
+        "1:job:x".to_string(),
+    ] {
+        let e = app
+            .batch_execute(&format!(
+                "BEGIN; SELECT pg_catalog.set_config('fencegate.pass', '{pass}', true); \
+                 DELETE FROM app.items; COMMIT"
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), "FG002", "{pass}: {e:?}");
+        let _ = app.batch_execute("ROLLBACK").await;
+    }
+    // The resource binding holds too: a pass for another resource is refused on the bound table.
+    let other = store.sign(KID, &SECRET, 9, "other").await;
+    let e = app
+        .batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{other}'); DELETE FROM app.items; COMMIT"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG005");
+    let _ = app.batch_execute("ROLLBACK").await;
+    assert_eq!(store.items().await, INITIAL);
+    // And a current token still writes under this search_path.
+    let t7 = store.token(7).await;
+    app.batch_execute(&format!(
+        "BEGIN; SELECT fencegate.guard('{t7}'); \
+         DELETE FROM app.items WHERE id OPERATOR(pg_catalog.=) 2; COMMIT"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(store.items().await, vec![(1, 1)]);
+}
+
+/// The trigger's own stale check (defence in depth behind the guard's row lock): a fence raised
+/// inside the pass holder's transaction by the schema owner makes the next write FG001.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_trigger_refuses_a_pass_below_the_fence() {
+    let store = Store::start().await;
+    let owner = store_admin(&store).await;
+    let t5 = store.token(5).await;
+    let e = owner
+        .batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{t5}'); \
+             UPDATE fencegate.fences SET revision = 6 WHERE resource = 'job'; \
+             DELETE FROM app.items; COMMIT"
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG001", "{e:?}");
+    assert!(format!("{e:?}").contains("below the fence 6"), "{e:?}");
+    let _ = owner.batch_execute("ROLLBACK").await;
     assert_eq!(store.items().await, INITIAL);
 }
 

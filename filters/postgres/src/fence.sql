@@ -8,8 +8,8 @@
 -- The store enforces the fence, not the gateway's SQL parser:
 --   fencegate.guard(token) verifies the token here (its signature against fencegate.token_keys
 --   when any key is installed, its resource, the fence) and leaves a transaction-local pass,
---   `fencegate.pass = pid:txid:resource:revision:mac`, keyed with a secret made at install time
---   that application roles cannot read. Statement-level triggers on protected tables (installed by
+--   `fencegate.pass = revision:resource:mac`, a MAC over backend pid, transaction id, revision
+--   and resource keyed with a secret made at install time that application roles cannot read. Statement-level triggers on protected tables (installed by
 --   `fencegate postgres protect`) call fencegate.enforce(), which refuses any INSERT, UPDATE,
 --   DELETE, TRUNCATE, COPY or MERGE, direct or through a view, rule, function, partition or DO
 --   block, in a transaction without a valid pass. A procedure that COMMITs starts a new
@@ -199,8 +199,10 @@ BEGIN
 END
 $check$;
 
--- Records this transaction's pass: only a SECURITY DEFINER function of this schema can read
--- the pass key, so no client can forge one, and it names this backend and transaction.
+-- Records this transaction's pass, `revision:resource:mac`. The MAC (HMAC-SHA256 with the pass
+-- key, hex) is over `pid:txid:revision:resource`: the pass verifies only in the backend and
+-- transaction that made it, and only SECURITY DEFINER functions of this schema can read the pass
+-- key, so no client can forge one. fencegate.enforce() computes the same MAC inline.
 CREATE OR REPLACE FUNCTION fencegate.set_pass(p_resource text, p_revision bigint)
 RETURNS void
 LANGUAGE plpgsql
@@ -208,11 +210,13 @@ VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $setpass$
 DECLARE
-    v_body text := format('%s:%s:%s:%s', pg_backend_pid(), pg_current_xact_id(), p_resource, p_revision);
+    v_held text := format('%s:%s', p_revision, p_resource);
+    v_message bytea := convert_to(format('%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8');
     k record;
 BEGIN
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
-    PERFORM set_config('fencegate.pass', v_body || ':' || fencegate.hmac_b64(k.ipad, k.opad, v_body), true);
+    PERFORM set_config('fencegate.pass',
+                       v_held || ':' || encode(sha256(k.opad || sha256(k.ipad || v_message)), 'hex'), true);
 END
 $setpass$;
 
@@ -312,7 +316,7 @@ END
 $guard2$;
 
 -- `resource:revision` of this transaction's valid pass, or NULL (no pass, another transaction's,
--- or a forged one).
+-- or a forged one). The same check as fencegate.enforce().
 CREATE OR REPLACE FUNCTION fencegate.pass_holder()
 RETURNS text
 LANGUAGE plpgsql
@@ -322,83 +326,90 @@ SET search_path = pg_catalog, pg_temp
 AS $holder$
 DECLARE
     v_pass text := current_setting('fencegate.pass', true);
-    v_prefix text := pg_backend_pid()::text || ':' || pg_current_xact_id()::text || ':';
+    v_held text := left(v_pass, -65);
     k record;
 BEGIN
-    -- String functions, not a regular expression: a bounded repetition made the regex cost
-    -- about a millisecond per check.
-    IF v_pass IS NULL OR length(v_pass) < length(v_prefix) + 47
-       OR left(v_pass, length(v_prefix)) <> v_prefix THEN
+    IF v_pass IS NULL OR length(v_pass) < 68 THEN
         RETURN NULL;
     END IF;
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
-    IF fencegate.hmac_b64(k.ipad, k.opad, left(v_pass, -44)) <> right(v_pass, 43) THEN
+    IF encode(sha256(k.opad || sha256(k.ipad || convert_to(format('%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8'))), 'hex')
+       <> right(v_pass, 64) THEN
         RETURN NULL;
     END IF;
-    -- `resource:revision`, made by set_pass (the MAC verified it).
-    RETURN substr(left(v_pass, -44), length(v_prefix) + 1);
+    RETURN format('%s:%s', substr(v_held, strpos(v_held, ':') + 1), split_part(v_held, ':', 1));
 END
 $holder$;
 
 -- The statement-level trigger on protected tables. TG_ARGV[0], when not empty, is the resource
--- the table is bound to.
+-- the table is bound to. It runs for every protected statement, so it is written to be cheap
+-- (issue 12 measured each part):
+-- * One query makes every check; plpgsql only raises. Each protected table has its own compiled
+--   copy of this function, so every plpgsql expression is set up again on almost every call.
+-- * No `SET search_path` clause (it saves and restores the setting on every call). Instead every
+--   type, function, operator and relation below is schema-qualified, so nothing in the caller's
+--   search_path or pg_temp (searched first for relations and types) can stand in for them while
+--   this runs with the owner's rights. Keep it so when editing: `OPERATOR(pg_catalog.=)`, not `=`;
+--   no `IN`, `BETWEEN`, `IS DISTINCT FROM` or simple `CASE x WHEN` (they look up `=` by name).
+-- * STABLE: its query reads with the statement's snapshot instead of taking a new one.
 CREATE OR REPLACE FUNCTION fencegate.enforce()
 RETURNS trigger
 LANGUAGE plpgsql
+STABLE
 SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
 AS $enforce$
 DECLARE
-    v_pass text := current_setting('fencegate.pass', true);
-    v_prefix text := pg_backend_pid()::text || ':' || pg_current_xact_id()::text || ':';
-    v_held text;
-    v_revision text;
-    v_resource text;
-    v_valid boolean;
-    v_fence bigint;
+    -- The pass is `revision:resource:mac` (see set_pass); v_held and v_resource are trusted only
+    -- once the MAC over `pid:txid:revision:resource` verifies.
+    v_pass pg_catalog.text := pg_catalog.current_setting('fencegate.pass', true);
+    v_held pg_catalog.text := pg_catalog.left(v_pass, -65);
+    v_resource pg_catalog.text := pg_catalog.substr(v_held, pg_catalog.strpos(v_held, ':') OPERATOR(pg_catalog.+) 1);
+    v_refusal pg_catalog.text;
+    v_fence pg_catalog.int8;
 BEGIN
-    -- String functions, not a regular expression: a bounded repetition made the regex cost
-    -- about a millisecond per statement.
-    IF v_pass IS NULL OR length(v_pass) < length(v_prefix) + 47
-       OR left(v_pass, length(v_prefix)) <> v_prefix THEN
+    SELECT CASE
+             WHEN v_pass IS NULL OR v_pass OPERATOR(pg_catalog.=) '' THEN 'none'
+             WHEN pg_catalog.encode(pg_catalog.sha256(k.opad OPERATOR(pg_catalog.||) pg_catalog.sha256(k.ipad
+                      OPERATOR(pg_catalog.||) pg_catalog.convert_to(pg_catalog.pg_backend_pid()::pg_catalog.text
+                          OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) pg_catalog.pg_current_xact_id()::pg_catalog.text
+                          OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) v_held, 'UTF8'))), 'hex')
+                  OPERATOR(pg_catalog.<>) pg_catalog.right(v_pass, 64) THEN 'invalid'
+             WHEN TG_ARGV[0] OPERATOR(pg_catalog.<>) '' AND TG_ARGV[0] OPERATOR(pg_catalog.<>) v_resource THEN 'FG005'
+             WHEN f.revision OPERATOR(pg_catalog.>) pg_catalog.split_part(v_held, ':', 1)::pg_catalog.int8 THEN 'FG001'
+           END,
+           f.revision
+      INTO STRICT v_refusal, v_fence
+      FROM fencegate.pass_key k
+           LEFT JOIN fencegate.fences f ON f.resource OPERATOR(pg_catalog.=) v_resource;
+    IF v_refusal IS NULL THEN
+        RETURN NULL;
+    ELSIF v_refusal OPERATOR(pg_catalog.=) 'none' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'FG002',
-            MESSAGE = format('fencegate: %s on %I.%I needs a fencing token: no fencegate.guard(token) in this transaction',
-                             TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME),
+            MESSAGE = pg_catalog.format('fencegate: %s on %I.%I needs a fencing token: no fencegate.guard(token) in this transaction',
+                                        TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME),
             HINT = 'Call SELECT fencegate.guard(''<token>'') first in the same transaction (the gateway does it for you). '
                    'A procedure that COMMITs ends the guarded transaction.';
-    END IF;
-    -- `resource:revision`; trusted only once the MAC verifies (one query for both checks).
-    v_held := substr(left(v_pass, -44), length(v_prefix) + 1);
-    v_revision := split_part(v_held, ':', -1);
-    v_resource := left(v_held, -(length(v_revision) + 1));
-    -- The HMAC inline (see fencegate.hmac_b64): this runs for every protected statement.
-    SELECT translate(rtrim(encode(sha256(p.opad || sha256(p.ipad || convert_to(left(v_pass, -44), 'UTF8'))),
-                                  'base64'), '='), '+/', '-_') = right(v_pass, 43),
-           (SELECT f.revision FROM fencegate.fences f WHERE f.resource = v_resource)
-      INTO STRICT v_valid, v_fence
-      FROM fencegate.pass_key p;
-    IF NOT v_valid THEN
+    ELSIF v_refusal OPERATOR(pg_catalog.=) 'invalid' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'FG002',
-            MESSAGE = format('fencegate: %s on %I.%I refused: fencegate.pass was not made by fencegate.guard',
-                             TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME);
-    END IF;
-    IF TG_NARGS > 0 AND TG_ARGV[0] <> '' AND TG_ARGV[0] <> v_resource THEN
+            MESSAGE = pg_catalog.format('fencegate: %s on %I.%I refused: fencegate.pass was not made by fencegate.guard in this transaction',
+                                        TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME),
+            HINT = 'Call SELECT fencegate.guard(''<token>'') first in the same transaction (the gateway does it for you). '
+                   'A procedure that COMMITs ends the guarded transaction.';
+    ELSIF v_refusal OPERATOR(pg_catalog.=) 'FG005' THEN
         RAISE EXCEPTION USING
             ERRCODE = 'FG005',
-            MESSAGE = format('fencegate: %s on %I.%I refused: the table belongs to resource %s, the token names %s',
-                             TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_ARGV[0], v_resource);
+            MESSAGE = pg_catalog.format('fencegate: %s on %I.%I refused: the table belongs to resource %s, the token names %s',
+                                        TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_ARGV[0], v_resource);
     END IF;
-    -- Defence in depth: the guard's row lock keeps the fence from moving during this transaction.
-    IF v_fence > v_revision::bigint THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'FG001',
-            MESSAGE = format('fencegate: stale token for resource %s: revision %s is below the fence %s',
-                             v_resource, v_revision, v_fence),
-            DETAIL = format('resource=%s revision=%s fence=%s', v_resource, v_revision, v_fence);
-    END IF;
-    RETURN NULL;
+    -- FG001. Defence in depth: the guard's row lock keeps the fence from moving during this transaction.
+    RAISE EXCEPTION USING
+        ERRCODE = 'FG001',
+        MESSAGE = pg_catalog.format('fencegate: stale token for resource %s: revision %s is below the fence %s',
+                                    v_resource, pg_catalog.split_part(v_held, ':', 1), v_fence),
+        DETAIL = pg_catalog.format('resource=%s revision=%s fence=%s',
+                                   v_resource, pg_catalog.split_part(v_held, ':', 1), v_fence);
 END
 $enforce$;
 
