@@ -158,11 +158,17 @@ pub fn check(evidence: &Evidence) -> Verdict {
             if refused.contains(record) {
                 flag(ViolationKind::RefusedPresent, format!("{store}: {record}"));
             } else if not_sent.contains(record) || !invoked.contains(record) {
-                flag(ViolationKind::NeverSentPresent, format!("{store}: {record}"));
+                flag(
+                    ViolationKind::NeverSentPresent,
+                    format!("{store}: {record}"),
+                );
             }
         }
         for record in acked.iter().filter(|r| !seen.contains(r.as_str())) {
-            flag(ViolationKind::AcknowledgedLost, format!("{store}: {record}"));
+            flag(
+                ViolationKind::AcknowledgedLost,
+                format!("{store}: {record}"),
+            );
         }
 
         // Refusals seen by clients against audit records, per (node, revision).
@@ -222,7 +228,10 @@ pub fn check(evidence: &Evidence) -> Verdict {
 
     for (node, verdict) in &evidence.verify {
         if let Err(message) = verdict {
-            flag(ViolationKind::AuditVerify, format!("node {node}: {message}"));
+            flag(
+                ViolationKind::AuditVerify,
+                format!("node {node}: {message}"),
+            );
         }
     }
 
@@ -253,4 +262,145 @@ pub fn check(evidence: &Evidence) -> Verdict {
         }
     }
     Verdict { writes, violations }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(t: u64, worker: u32, rev: u64, op: Op, seq: Option<u64>, node: u64) -> Event {
+        Event {
+            t,
+            worker,
+            rev,
+            op,
+            seq,
+            store: seq.map(|_| "redis".to_owned()),
+            node: Some(node),
+            detail: None,
+            pid: None,
+        }
+    }
+
+    /// Worker 1 (revision 1) writes seq 1 and 2; worker 2 (revision 3) writes seq 1; worker 1's
+    /// seq 3 is refused by node 2, which audits it once.
+    fn clean() -> Evidence {
+        let mut events = vec![
+            event(1, 1, 1, Op::Start, None, 0),
+            event(10, 2, 3, Op::Start, None, 0),
+        ];
+        for (t, w, rev, seq, node, outcome) in [
+            (2, 1, 1, 1, 1, Op::Ok),
+            (3, 1, 1, 2, 2, Op::Ok),
+            (11, 2, 3, 1, 3, Op::Ok),
+            (12, 1, 1, 3, 2, Op::Refused),
+        ] {
+            events.push(event(t, w, rev, Op::Invoke, Some(seq), node));
+            events.push(event(t, w, rev, outcome, Some(seq), node));
+        }
+        Evidence {
+            events,
+            stored: [(
+                "redis".to_owned(),
+                vec!["1:1:1".into(), "1:2:1".into(), "2:1:3".into()],
+            )]
+            .into(),
+            audit: vec![AuditRow {
+                node: 2,
+                store: "redis".into(),
+                revision: Some(1),
+            }],
+            verify: [(1, Ok(())), (2, Ok(())), (3, Ok(()))].into(),
+        }
+    }
+
+    fn kinds(evidence: &Evidence) -> Vec<ViolationKind> {
+        check(evidence).by_kind().into_keys().collect()
+    }
+
+    #[test]
+    fn a_clean_history_has_no_violation() {
+        let verdict = check(&clean());
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        let w = &verdict.writes["redis"];
+        assert_eq!(
+            (w.attempted, w.acknowledged, w.refused, w.stored),
+            (4, 3, 1, 3)
+        );
+    }
+
+    #[test]
+    fn each_violation_kind_is_caught() {
+        let store = |e: &mut Evidence| e.stored.get_mut("redis").unwrap().clone();
+        let cases: Vec<(ViolationKind, Box<dyn Fn(&mut Evidence)>)> = vec![
+            (
+                ViolationKind::RevisionDecreased,
+                Box::new(|e| e.stored.get_mut("redis").unwrap().swap(1, 2)),
+            ),
+            (
+                ViolationKind::AcknowledgedLost,
+                Box::new(|e| {
+                    e.stored.get_mut("redis").unwrap().pop();
+                }),
+            ),
+            (
+                ViolationKind::RefusedPresent,
+                Box::new(|e| e.stored.get_mut("redis").unwrap().insert(2, "1:3:1".into())),
+            ),
+            (
+                ViolationKind::NeverSentPresent,
+                Box::new(|e| e.stored.get_mut("redis").unwrap().push("2:9:3".into())),
+            ),
+            (
+                ViolationKind::Duplicated,
+                Box::new(move |e| {
+                    let mut records = store(e);
+                    records.push("2:1:3".into());
+                    e.stored.insert("redis".into(), records);
+                }),
+            ),
+            (ViolationKind::AuditMissing, Box::new(|e| e.audit.clear())),
+            (
+                ViolationKind::AuditExtra,
+                Box::new(|e| {
+                    let row = e.audit[0].clone();
+                    e.audit.push(row);
+                }),
+            ),
+            (
+                ViolationKind::AuditVerify,
+                Box::new(|e| {
+                    e.verify
+                        .insert(2, Err("chain broken at audit.jsonl:3".into()));
+                }),
+            ),
+            (ViolationKind::GrantOrder, Box::new(|e| e.events[1].rev = 0)),
+            (
+                ViolationKind::GrantDuplicated,
+                Box::new(|e| {
+                    let again = event(20, 3, 3, Op::Start, None, 0);
+                    e.events.push(again);
+                }),
+            ),
+        ];
+        for (kind, break_it) in cases {
+            let mut evidence = clean();
+            break_it(&mut evidence);
+            assert!(
+                kinds(&evidence).contains(&kind),
+                "{kind} not caught: {:?}",
+                check(&evidence).violations
+            );
+        }
+    }
+
+    #[test]
+    fn a_lost_answer_may_add_one_audit_record() {
+        let mut evidence = clean();
+        evidence
+            .events
+            .push(event(13, 1, 1, Op::Invoke, Some(4), 2));
+        evidence.audit.push(evidence.audit[0].clone());
+        assert!(check(&evidence).violations.is_empty());
+    }
 }

@@ -99,7 +99,8 @@ impl HistoryWriter {
             .open(path)
             .map_err(|e| ChaosError::file(path, e))?;
         if earlier.last().is_some_and(|b| *b != b'\n') {
-            file.write_all(b"\n").map_err(|e| ChaosError::file(path, e))?;
+            file.write_all(b"\n")
+                .map_err(|e| ChaosError::file(path, e))?;
         }
         Ok(Self {
             file,

@@ -48,6 +48,10 @@ struct RunArgs {
     /// report violations (its self-test).
     #[arg(long)]
     bypass_fencing: bool,
+    /// Only these faults (comma-separated: pause-worker, kill-worker, kill-leader,
+    /// kill-follower); all by default.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<nemesis::FaultKind>,
     /// Keep each seed's histories and node logs under DIR/seed-N.
     #[arg(long)]
     keep: Option<PathBuf>,
@@ -116,6 +120,7 @@ fn main() -> anyhow::Result<ExitCode> {
             duration: args.duration,
             workers: args.workers,
             bypass: args.bypass_fencing,
+            faults: args.faults.clone(),
             dir: args.keep.clone(),
         }))?;
         print!("{}", summary::seed_text(&report, args.bypass_fencing));

@@ -41,6 +41,20 @@ impl FaultKind {
     ];
 }
 
+impl std::str::FromStr for FaultKind {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.to_string() == text)
+            .ok_or_else(|| {
+                let names: Vec<String> = Self::ALL.iter().map(|k| k.to_string()).collect();
+                format!("unknown fault {text:?}; one of {}", names.join(", "))
+            })
+    }
+}
+
 impl fmt::Display for FaultKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -69,6 +83,7 @@ enum Heal {
 
 pub struct Nemesis {
     rng: StdRng,
+    kinds: Vec<FaultKind>,
     pub faults: Vec<Fault>,
     heals: Vec<(Instant, Heal)>,
     down: Option<u64>,
@@ -76,9 +91,15 @@ pub struct Nemesis {
 }
 
 impl Nemesis {
-    pub fn new(rng: StdRng) -> Self {
+    /// A nemesis choosing among `kinds` (all when empty).
+    pub fn new(rng: StdRng, kinds: &[FaultKind]) -> Self {
         Self {
             rng,
+            kinds: if kinds.is_empty() {
+                FaultKind::ALL.to_vec()
+            } else {
+                kinds.to_vec()
+            },
             faults: Vec::new(),
             heals: Vec::new(),
             down: None,
@@ -106,8 +127,17 @@ impl Nemesis {
     }
 
     async fn inject(&mut self, world: &mut World, workload: &Workload) {
-        let kind = FaultKind::ALL[self.rng.gen_range(0..FaultKind::ALL.len())];
-        let worker = workload.ids()[self.rng.gen_range(0..workload.ids().len())];
+        let kind = self.kinds[self.rng.gen_range(0..self.kinds.len())];
+        // A pause only tests something when it stops a job that holds the lock.
+        let candidates: Vec<u32> = workload
+            .ids()
+            .into_iter()
+            .filter(|id| kind != FaultKind::PauseWorker || workload.job(*id).is_some())
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let worker = candidates[self.rng.gen_range(0..candidates.len())];
         let target = match kind {
             FaultKind::PauseWorker => {
                 if self.paused {
@@ -154,7 +184,8 @@ impl Nemesis {
                 };
                 world.cluster.kill(id);
                 self.down = Some(id);
-                let back = Instant::now() + Duration::from_millis(self.rng.gen_range(1_000..=3_000));
+                let back =
+                    Instant::now() + Duration::from_millis(self.rng.gen_range(1_000..=3_000));
                 self.heals.push((back, Heal::RestartNode { id }));
                 format!("node {id}")
             }

@@ -24,6 +24,8 @@ pub struct RunOptions {
     /// Workers write straight to the store, without gateway or token: the checker must then
     /// find violations.
     pub bypass: bool,
+    /// The faults the nemesis chooses from (all when empty).
+    pub faults: Vec<FaultKind>,
     /// Where the run's histories and logs go (kept); a temp dir otherwise.
     pub dir: Option<PathBuf>,
 }
@@ -69,7 +71,7 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
             max_time: opts.duration + Duration::from_secs(60),
         },
     );
-    let mut nemesis = Nemesis::new(rand::rngs::StdRng::seed_from_u64(opts.seed));
+    let mut nemesis = Nemesis::new(rand::rngs::StdRng::seed_from_u64(opts.seed), &opts.faults);
     let until = tokio::time::Instant::now() + opts.duration;
     nemesis.run(&mut world, &workload, until).await;
     let runs = workload.runs();

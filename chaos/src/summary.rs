@@ -28,7 +28,11 @@ pub fn seed_text(report: &SeedReport, bypass: bool) -> String {
     let _ = writeln!(out, "|---|---:|---:|---:|");
     for kind in FaultKind::ALL {
         let n = report.faults.get(&kind).copied().unwrap_or(0);
-        let u = report.unavailability.get(&kind).cloned().unwrap_or_default();
+        let u = report
+            .unavailability
+            .get(&kind)
+            .cloned()
+            .unwrap_or_default();
         let mean = if n > 0 { u.total_ms / n as u64 } else { 0 };
         let _ = writeln!(out, "| {kind} | {n} | {mean} | {} |", u.max_ms);
     }
