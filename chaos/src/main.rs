@@ -52,6 +52,9 @@ struct RunArgs {
     /// kill-follower); all by default.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<nemesis::FaultKind>,
+    /// The stores written to (comma-separated: redis, postgres).
+    #[arg(long, value_delimiter = ',', default_value = "redis,postgres")]
+    stores: Vec<String>,
     /// Keep each seed's histories and node logs under DIR/seed-N.
     #[arg(long)]
     keep: Option<PathBuf>,
@@ -69,8 +72,11 @@ enum Cmd {
         #[arg(long)]
         history: PathBuf,
         /// `NODE=HOST:PORT` of a Redis gateway (node 0: the store itself). Repeatable.
-        #[arg(long = "redis", required = true, value_parser = parse_target)]
+        #[arg(long = "redis", value_parser = parse_target)]
         redis: Vec<(u64, String)>,
+        /// `NODE=HOST:PORT` of a PostgreSQL gateway (node 0: the server itself). Repeatable.
+        #[arg(long = "postgres", value_parser = parse_target)]
+        postgres: Vec<(u64, String)>,
         #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
         interval: Duration,
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
@@ -96,15 +102,28 @@ fn main() -> anyhow::Result<ExitCode> {
         id,
         history,
         redis,
+        postgres,
         interval,
         max_time,
         pid_file,
     }) = cli.command
     {
+        let stores = [
+            (worker::Store::Redis, redis),
+            (worker::Store::Postgres, postgres),
+        ];
+        let targets: Vec<(worker::Store, u64, String)> = stores
+            .into_iter()
+            .flat_map(|(store, list)| list.into_iter().map(move |(n, a)| (store, n, a)))
+            .collect();
+        anyhow::ensure!(
+            !targets.is_empty(),
+            "give at least one --redis or --postgres"
+        );
         let code = worker::run(worker::WorkerOptions {
             id,
             history,
-            redis,
+            targets,
             interval,
             max_time,
             pid_file,
@@ -121,6 +140,8 @@ fn main() -> anyhow::Result<ExitCode> {
             workers: args.workers,
             bypass: args.bypass_fencing,
             faults: args.faults.clone(),
+            redis: args.stores.iter().any(|s| s == "redis"),
+            postgres: args.stores.iter().any(|s| s == "postgres"),
             dir: args.keep.clone(),
         }))?;
         print!("{}", summary::seed_text(&report, args.bypass_fencing));

@@ -13,9 +13,11 @@ use crate::check::{check, AuditRow, Evidence, Verdict};
 use crate::error::ChaosError;
 use crate::history::{read_all, Event, Op};
 use crate::nemesis::{Fault, FaultKind, Nemesis};
-use crate::worker::REDIS_KEY;
+use crate::worker::{PG_TABLE, REDIS_KEY};
 use crate::workload::{WorkerSpec, Workload};
 use crate::world::World;
+use fencegate_testkit::postgres_server::PgServer;
+use fencegate_testkit::redis_server::RedisServer;
 
 pub struct RunOptions {
     pub seed: u64,
@@ -26,6 +28,9 @@ pub struct RunOptions {
     pub bypass: bool,
     /// The faults the nemesis chooses from (all when empty).
     pub faults: Vec<FaultKind>,
+    /// Which stores the workers write to.
+    pub redis: bool,
+    pub postgres: bool,
     /// Where the run's histories and logs go (kept); a temp dir otherwise.
     pub dir: Option<PathBuf>,
 }
@@ -57,7 +62,7 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
         }
         None => temp.path().to_owned(),
     };
-    let mut world = World::start(3).await;
+    let mut world = World::start(3, opts.redis, opts.postgres, opts.bypass).await;
     let fencegate = fencegate_testkit::fencegate_bin();
     let me = std::env::current_exe().map_err(|e| ChaosError::file(Path::new("self"), e))?;
     let workload = Workload::start(
@@ -67,7 +72,7 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
             fencegate: fencegate.clone(),
             me,
             endpoints: world.cluster.endpoints(),
-            redis: world.redis_targets(opts.bypass),
+            targets: world.worker_targets(opts.bypass),
             max_time: opts.duration + Duration::from_secs(60),
         },
     );
@@ -79,7 +84,12 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
 
     let (events, torn_lines) = read_all(&dir)?;
     let mut stored = BTreeMap::new();
-    stored.insert("redis".to_owned(), redis_records(&world)?);
+    if let Some(redis) = &world.redis {
+        stored.insert("redis".to_owned(), redis_records(redis)?);
+    }
+    if let Some(pg) = &world.pg {
+        stored.insert("postgres".to_owned(), pg_records(pg).await?);
+    }
     let mut audit = Vec::new();
     let mut verify = BTreeMap::new();
     for id in world.cluster.ids() {
@@ -117,9 +127,9 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
 }
 
 /// The records the Redis list holds, in list order, read from the server itself.
-fn redis_records(world: &World) -> Result<Vec<String>, ChaosError> {
+fn redis_records(redis: &RedisServer) -> Result<Vec<String>, ChaosError> {
     let store = |e: redis::RedisError| ChaosError::Store(format!("redis: {e}"));
-    let client = redis::Client::open(world.redis.url()).map_err(store)?;
+    let client = redis::Client::open(redis.url()).map_err(store)?;
     let mut connection = client
         .get_connection_with_timeout(Duration::from_secs(5))
         .map_err(store)?;
@@ -129,6 +139,24 @@ fn redis_records(world: &World) -> Result<Vec<String>, ChaosError> {
         .arg(-1)
         .query(&mut connection)
         .map_err(store)
+}
+
+/// The records the table holds, in commit order (the server tracks commit timestamps), read
+/// from the server itself.
+async fn pg_records(pg: &PgServer) -> Result<Vec<String>, ChaosError> {
+    let store = |e: tokio_postgres::Error| ChaosError::Store(format!("postgres: {e}"));
+    let (client, connection) = tokio_postgres::connect(&pg.dsn("postgres"), tokio_postgres::NoTls)
+        .await
+        .map_err(store)?;
+    tokio::spawn(connection);
+    let rows = client
+        .query(
+            &format!("SELECT record FROM {PG_TABLE} ORDER BY pg_xact_commit_timestamp(xmin), id"),
+            &[],
+        )
+        .await
+        .map_err(store)?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// Node `id`'s refusal records, through `fencegate audit query --json`.

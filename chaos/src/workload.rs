@@ -38,7 +38,8 @@ pub struct WorkerSpec {
     pub fencegate: PathBuf,
     pub me: PathBuf,
     pub endpoints: String,
-    pub redis: Vec<String>,
+    /// The worker's target options (`--redis 1=127.0.0.1:port`, ...).
+    pub targets: Vec<String>,
     /// The longest a worker may live (bounds a job whose runner was killed).
     pub max_time: Duration,
 }
@@ -152,9 +153,7 @@ fn runner_command(spec: &WorkerSpec, dir: &Path, id: u32) -> Command {
         .arg("--pid-file")
         .arg(pid_file(dir, id))
         .args(["--max-time", &secs(spec.max_time)]);
-    for target in &spec.redis {
-        command.args(["--redis", target]);
-    }
+    command.args(&spec.targets);
     command
         .process_group(0)
         .stdin(std::process::Stdio::null())
