@@ -49,7 +49,7 @@ struct RunArgs {
     #[arg(long)]
     bypass_fencing: bool,
     /// Only these faults (comma-separated: pause-worker, kill-worker, kill-leader,
-    /// kill-follower); all by default.
+    /// kill-follower, restart-store); all by default.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<nemesis::FaultKind>,
     /// The stores written to (comma-separated: redis, postgres).

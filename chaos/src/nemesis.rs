@@ -4,7 +4,10 @@
 //!   lease TTL, then SIGCONT the job and, a moment later, the runner: the job wakes up stale
 //!   and writes before its runner can stop it (the paused holder of the design notes).
 //! - `kill-worker`: SIGKILL a worker's runner and job.
-//! - `kill-leader` / `kill-follower`: SIGKILL a node, restart it 1-3 s later.
+//! - `kill-leader` / `kill-follower`: SIGKILL a node (its gateways die mid-write), restart it
+//!   1-3 s later.
+//! - `restart-store`: crash and restart Redis (SIGKILL) or PostgreSQL (`-m immediate`) at once;
+//!   what they acknowledged must survive, and so must their fences.
 //!
 //! At most one node is down and one worker paused at a time, so a majority and a writer are
 //! always possible.
@@ -30,14 +33,16 @@ pub enum FaultKind {
     KillWorker,
     KillLeader,
     KillFollower,
+    RestartStore,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 4] = [
+    pub const ALL: [FaultKind; 5] = [
         FaultKind::PauseWorker,
         FaultKind::KillWorker,
         FaultKind::KillLeader,
         FaultKind::KillFollower,
+        FaultKind::RestartStore,
     ];
 }
 
@@ -62,6 +67,7 @@ impl fmt::Display for FaultKind {
             FaultKind::KillWorker => "kill-worker",
             FaultKind::KillLeader => "kill-leader",
             FaultKind::KillFollower => "kill-follower",
+            FaultKind::RestartStore => "restart-store",
         })
     }
 }
@@ -127,6 +133,7 @@ impl Nemesis {
     }
 
     async fn inject(&mut self, world: &mut World, workload: &Workload) {
+        let t = monotonic_ns();
         let kind = self.kinds[self.rng.gen_range(0..self.kinds.len())];
         // A pause only tests something when it stops a job that holds the lock.
         let candidates: Vec<u32> = workload
@@ -168,6 +175,26 @@ impl Nemesis {
                 stop_group(runner, Signal::SIGKILL);
                 format!("worker {worker}")
             }
+            FaultKind::RestartStore => {
+                let mut stores = Vec::new();
+                if world.redis.is_some() {
+                    stores.push("redis");
+                }
+                if world.pg.is_some() {
+                    stores.push("postgres");
+                }
+                if stores.is_empty() {
+                    return;
+                }
+                let store = stores[self.rng.gen_range(0..stores.len())];
+                // Blocking for the second or two a restart takes; the workers run on other
+                // threads.
+                tokio::task::block_in_place(|| match store {
+                    "redis" => world.redis.as_mut().expect("redis runs").restart(),
+                    _ => world.pg.as_ref().expect("postgres runs").restart(),
+                });
+                store.to_owned()
+            }
             FaultKind::KillLeader | FaultKind::KillFollower => {
                 if self.down.is_some() {
                     return;
@@ -190,11 +217,7 @@ impl Nemesis {
                 format!("node {id}")
             }
         };
-        self.faults.push(Fault {
-            t: monotonic_ns(),
-            kind,
-            target,
-        });
+        self.faults.push(Fault { t, kind, target });
     }
 
     /// Undoes what is due (everything, when `all`), in order.

@@ -70,6 +70,8 @@ pub struct PgServer {
     pub port: u16,
     bin: PathBuf,
     data: PathBuf,
+    /// The server's command-line settings, for a restart.
+    options: String,
     dir: TempDir,
 }
 
@@ -152,24 +154,14 @@ impl PgServer {
             }
             options.push_str(" -c ssl=on");
         }
-        check(
-            as_postgres(&bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&data)
-                .arg("-l")
-                .arg(dir.path().join("server.log"))
-                .args(["-o", &options, "-w", "-t", "60", "start"])
-                .stdout(Stdio::null())
-                .output(),
-            "pg_ctl start",
-        );
         let server = Self {
             port,
             bin,
             data,
+            options,
             dir,
         };
-        server.wait_ready(Duration::from_secs(30));
+        server.pg_ctl_start();
         server.psql_as(
             "postgres",
             &format!(
@@ -181,6 +173,36 @@ impl PgServer {
             ),
         );
         server
+    }
+
+    fn pg_ctl_start(&self) {
+        check(
+            as_postgres(&self.bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&self.data)
+                .arg("-l")
+                .arg(self.dir.path().join("server.log"))
+                .args(["-o", &self.options, "-w", "-t", "60", "start"])
+                .stdout(Stdio::null())
+                .output(),
+            "pg_ctl start",
+        );
+        self.wait_ready(Duration::from_secs(30));
+    }
+
+    /// Stops the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, sessions
+    /// cut) and starts it again on the same port and data; recovery replays what it committed.
+    pub fn restart(&self) {
+        check(
+            as_postgres(&self.bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&self.data)
+                .args(["-m", "immediate", "-w", "stop"])
+                .stdout(Stdio::null())
+                .output(),
+            "pg_ctl stop",
+        );
+        self.pg_ctl_start();
     }
 
     fn wait_ready(&self, within: Duration) {
