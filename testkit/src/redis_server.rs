@@ -13,6 +13,8 @@ pub struct RedisServer {
     child: Child,
     /// Where it listens.
     pub addr: SocketAddr,
+    binary: String,
+    args: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
@@ -36,38 +38,36 @@ impl RedisServer {
             });
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
-        let child = Command::new(binary)
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--maxmemory-policy",
-                "noeviction",
-            ])
-            .args([
-                "--dir",
-                dir.path().to_str().unwrap(),
-                "--daemonize",
-                "no",
-                "--loglevel",
-                "warning",
-            ])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn redis-server");
+        let mut args: Vec<String> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--maxmemory-policy",
+            "noeviction",
+            "--dir",
+            dir.path().to_str().unwrap(),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let child = spawn(&binary, &args);
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let server = Self {
             child,
             addr,
+            binary,
+            args,
             _dir: dir,
         };
         server.wait_ready(Duration::from_secs(10));
@@ -97,6 +97,15 @@ impl RedisServer {
         }
     }
 
+    /// Kills the server (SIGKILL) and starts it again on the same port and data directory; its
+    /// append-only file brings back what it acknowledged.
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn(&self.binary, &self.args);
+        self.wait_ready(Duration::from_secs(10));
+    }
+
     /// `redis://` URL for clients.
     pub fn url(&self) -> String {
         format!("redis://{}/", self.addr)
@@ -108,6 +117,15 @@ impl Drop for RedisServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn spawn(binary: &str, args: &[String]) -> Child {
+    Command::new(binary)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn redis-server")
 }
 
 fn which(name: &str) -> Option<String> {

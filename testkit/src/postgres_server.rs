@@ -1,0 +1,271 @@
+//! A real PostgreSQL: initdb into a temp dir, run as the `postgres` OS user, on a free loopback
+//! port; stopped on drop.
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use crate::port::free_port;
+
+/// Users the harness creates, with the login each one uses (see `pg_hba.conf` below).
+pub const SCRAM_USER: &str = "scram_user";
+pub const MD5_USER: &str = "md5_user";
+pub const CLEARTEXT_USER: &str = "cleartext_user";
+pub const PASSWORD: &str = "s3cret-Pa55";
+
+/// Where Debian and Ubuntu install the server binaries; `PG_BIN` overrides.
+fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    for version in ["17", "16", "15", "14"] {
+        let dir = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
+        if dir.join("initdb").exists() {
+            return dir;
+        }
+    }
+    panic!(
+        "PostgreSQL server binaries (initdb, pg_ctl) not found under /usr/lib/postgresql/*/bin; \
+         install them with `apt-get install postgresql` (or set PG_BIN)"
+    );
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Runs a server binary as the `postgres` OS user (PostgreSQL refuses to run as root).
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn check(output: std::io::Result<Output>, what: &str) -> Output {
+    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A running PostgreSQL server.
+pub struct PgServer {
+    /// Where it listens (127.0.0.1).
+    pub port: u16,
+    bin: PathBuf,
+    data: PathBuf,
+    /// The server's command-line settings, for a restart.
+    options: String,
+    dir: TempDir,
+}
+
+impl PgServer {
+    /// initdb, configure trust + SCRAM + MD5 + cleartext logins, start, wait until it answers.
+    pub fn start() -> Self {
+        Self::start_with(None)
+    }
+
+    /// The same, with `ssl=on` and this PEM certificate chain and key (TCP clients may then
+    /// use TLS; `host` lines in pg_hba.conf match both).
+    pub fn start_tls(cert_pem: &str, key_pem: &str) -> Self {
+        Self::start_with(Some((cert_pem, key_pem)))
+    }
+
+    fn start_with(tls: Option<(&str, &str)>) -> Self {
+        let bin = bin_dir();
+        let dir = tempfile::tempdir().expect("temp dir");
+        if is_root() {
+            check(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .output(),
+                "chown the temp dir to postgres",
+            );
+        }
+        let data = dir.path().join("data");
+        check(
+            as_postgres(&bin.join("initdb"))
+                .arg("-D")
+                .arg(&data)
+                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
+                .output(),
+            "initdb",
+        );
+        let hba = format!(
+            "host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
+             host all {MD5_USER} 127.0.0.1/32 md5\n\
+             host all {CLEARTEXT_USER} 127.0.0.1/32 password\n\
+             host all all 127.0.0.1/32 trust\n\
+             local all all trust\n"
+        );
+        std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        let port = free_port();
+        let sockdir = dir.path().join("sock");
+        std::fs::create_dir(&sockdir).unwrap();
+        if is_root() {
+            check(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .output(),
+                "chown the socket dir",
+            );
+        }
+        let mut options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
+            sockdir.display()
+        );
+        if let Some((cert, key)) = tls {
+            use std::os::unix::fs::PermissionsExt;
+            // The server refuses a key readable by others; both files belong to `postgres`.
+            std::fs::write(data.join("server.crt"), cert).unwrap();
+            std::fs::write(data.join("server.key"), key).unwrap();
+            std::fs::set_permissions(
+                data.join("server.key"),
+                std::fs::Permissions::from_mode(0o600),
+            )
+            .unwrap();
+            if is_root() {
+                check(
+                    Command::new("chown")
+                        .args(["postgres:postgres"])
+                        .arg(data.join("server.crt"))
+                        .arg(data.join("server.key"))
+                        .output(),
+                    "chown the server's certificate and key",
+                );
+            }
+            options.push_str(" -c ssl=on");
+        }
+        let server = Self {
+            port,
+            bin,
+            data,
+            options,
+            dir,
+        };
+        server.pg_ctl_start();
+        server.psql_as(
+            "postgres",
+            &format!(
+                "CREATE ROLE {SCRAM_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';\
+                 SET password_encryption = 'md5';\
+                 CREATE ROLE {MD5_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';\
+                 RESET password_encryption;\
+                 CREATE ROLE {CLEARTEXT_USER} LOGIN SUPERUSER PASSWORD '{PASSWORD}';"
+            ),
+        );
+        server
+    }
+
+    fn pg_ctl_start(&self) {
+        check(
+            as_postgres(&self.bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&self.data)
+                .arg("-l")
+                .arg(self.dir.path().join("server.log"))
+                .args(["-o", &self.options, "-w", "-t", "60", "start"])
+                .stdout(Stdio::null())
+                .output(),
+            "pg_ctl start",
+        );
+        self.wait_ready(Duration::from_secs(30));
+    }
+
+    /// Stops the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, sessions
+    /// cut) and starts it again on the same port and data; recovery replays what it committed.
+    pub fn restart(&self) {
+        check(
+            as_postgres(&self.bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&self.data)
+                .args(["-m", "immediate", "-w", "stop"])
+                .stdout(Stdio::null())
+                .output(),
+            "pg_ctl stop",
+        );
+        self.pg_ctl_start();
+    }
+
+    fn wait_ready(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = TcpStream::connect(self.addr()).is_ok()
+                && Command::new("psql")
+                    .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                    .args(["-U", "postgres", "-d", "postgres", "-Atqc", "SELECT 1"])
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "PostgreSQL on port {} did not accept a connection within {within:?}:\n{}",
+                self.port,
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `127.0.0.1:port`.
+    pub fn addr(&self) -> SocketAddr {
+        format!("127.0.0.1:{}", self.port).parse().unwrap()
+    }
+
+    /// A libpq key/value DSN for `user` on database `postgres`, directly (not via the gateway).
+    pub fn dsn(&self, user: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user={user} dbname=postgres",
+            self.port
+        )
+    }
+
+    /// Runs `sql` with psql directly against the server; returns stdout (unaligned, tuples only).
+    pub fn psql_as(&self, user: &str, sql: &str) -> String {
+        let out = check(
+            Command::new("psql")
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", user])
+                .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-Atqc", sql])
+                .output(),
+            "psql",
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// The server log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = as_postgres(&self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
