@@ -44,6 +44,8 @@ trait Store: Sync {
     fn read(&self, key: &str) -> Option<String>;
     /// The node's audit log directory.
     fn audit_dir(&self) -> &Path;
+    /// The node's HTTP API port: its lease service (plain HTTP, the test node runs insecure).
+    fn api(&self) -> u16;
 }
 
 /// Per-store state shared by the scenarios: the store's fence is per resource, so every
@@ -86,8 +88,10 @@ type Scenario = fn(&dyn Store, &mut Ctx, &str) -> Audit;
 /// Refusals a scenario expects in the audit log, by reason.
 type Audit = Vec<(&'static str, u64)>;
 
-/// The list every store runs.
+/// The list every store runs. Scenarios with leases from the node's lease service come first:
+/// its revisions start at 1, below the locally signed tokens of the others.
 const SCENARIOS: &[(&str, Scenario)] = &[
+    ("paused_holder_wakes_stale", paused_holder_wakes_stale),
     ("current_token_applies", current_token_applies),
     ("equal_token_applies", equal_token_applies),
     ("stale_token_is_refused", stale_token_is_refused),
@@ -97,6 +101,31 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ),
     ("racing_writers_n_and_n_plus_1", racing_writers),
 ];
+
+/// A holder that stops renewing (a GC pause, a SIGSTOP) loses its lease; the next holder's token
+/// comes from the lease service and is higher; the woken holder's next write is refused.
+fn paused_holder_wakes_stale(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
+    let leases = Leases::new(store.api());
+    let a = leases.acquire("a", 1_000, 0);
+    assert_eq!(store.write(key, "a:1", Some(&a.token)), Outcome::Applied);
+    // A is paused: it sends no keepalive. B waits for the lock; the service grants it only
+    // once A's lease has expired (the grant is the event waited for).
+    let b = leases.acquire("b", 30_000, 20_000);
+    assert!(
+        b.revision > a.revision,
+        "{} after {}",
+        b.revision,
+        a.revision
+    );
+    assert_eq!(store.write(key, "b:1", Some(&b.token)), Outcome::Applied);
+    // A wakes and writes as if it still held the lock.
+    let outcome = store.write(key, "a:2", Some(&a.token));
+    assert!(matches!(outcome, Outcome::Refused(_)), "{outcome:?}");
+    assert_eq!(store.read(key).as_deref(), Some("b:1"));
+    leases.release(&b.lease_id);
+    ctx.revision = ctx.revision.max(b.revision);
+    vec![("stale", 1)]
+}
 
 fn current_token_applies(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
     let revision = ctx.next();
@@ -217,6 +246,64 @@ fn racing_writers(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
     vec![("stale", refused)]
 }
 
+/// A grant from the lease service.
+struct Grant {
+    token: String,
+    revision: u64,
+    lease_id: String,
+}
+
+/// The node's lease service over its HTTP API (the scenarios are synchronous; each call runs
+/// on a small runtime of its own).
+struct Leases {
+    base: String,
+    http: reqwest::Client,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Leases {
+    fn new(api: u16) -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        Self {
+            base: format!("http://127.0.0.1:{api}"),
+            http: reqwest::Client::new(),
+            rt,
+        }
+    }
+
+    /// Acquires the scenarios' resource for `holder`, waiting up to `wait_ms` if it is held.
+    fn acquire(&self, holder: &str, ttl_ms: u64, wait_ms: u64) -> Grant {
+        let url = format!("{}/v1/locks/{RESOURCE}", self.base);
+        let body = json!({ "ttl_ms": ttl_ms, "wait_ms": wait_ms, "holder": holder });
+        let (status, grant) = self.rt.block_on(async {
+            let reply = self.http.post(&url).json(&body).send().await.unwrap();
+            let status = reply.status();
+            (status, reply.json::<serde_json::Value>().await.unwrap())
+        });
+        assert_eq!(
+            status,
+            reqwest::StatusCode::OK,
+            "acquire for {holder}: {grant}"
+        );
+        Grant {
+            token: grant["token"].as_str().unwrap().to_owned(),
+            revision: grant["revision"].as_u64().unwrap(),
+            lease_id: grant["lease_id"].as_str().unwrap().to_owned(),
+        }
+    }
+
+    fn release(&self, lease_id: &str) {
+        let url = format!("{}/v1/leases/{lease_id}", self.base);
+        let status = self
+            .rt
+            .block_on(async { self.http.delete(&url).send().await.unwrap().status() });
+        assert_eq!(status, reqwest::StatusCode::OK, "release {lease_id}");
+    }
+}
+
 /// Refusals in `dir` by reason; one record counts one refusal unless it is an aggregate.
 fn refusals(dir: &Path) -> BTreeMap<String, u64> {
     support::audit::refusals_by_reason(dir)
@@ -320,6 +407,10 @@ impl Store for RedisStore {
     fn audit_dir(&self) -> &Path {
         &self.gw.node.audit_dir
     }
+
+    fn api(&self) -> u16 {
+        self.gw.node.api
+    }
 }
 
 // ---- PostgreSQL: a `[postgres]` gateway in front of PostgreSQL; the token is a startup option.
@@ -375,6 +466,10 @@ impl Store for PostgresStore {
 
     fn audit_dir(&self) -> &Path {
         &self.gw.node.audit_dir
+    }
+
+    fn api(&self) -> u16 {
+        self.gw.node.api
     }
 }
 
@@ -470,6 +565,10 @@ impl Store for S3Store {
 
     fn audit_dir(&self) -> &Path {
         &self.audit_dir
+    }
+
+    fn api(&self) -> u16 {
+        self.node.api
     }
 }
 

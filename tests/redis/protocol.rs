@@ -1,16 +1,14 @@
 //! Done-means 5 and 6 of the Redis filter: unchanged clients (`redis-cli`, the `redis` crate),
 //! pipelining order, RESP3, and garbage on a connection. Through a real `fencegate serve`.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::redis_client::connect;
+use crate::support::redis_gateway::RedisGateway;
 use redis::Value;
-use support::redis_client::connect;
-use support::redis_gateway::RedisGateway;
 
 /// Sends `request` on a fresh raw connection and reads until `expect` bytes arrived.
 fn raw(gw: &RedisGateway, request: &[u8], expect: usize) -> Vec<u8> {

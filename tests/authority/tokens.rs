@@ -1,12 +1,10 @@
 //! Tokens only grow: over many cycles, across a full restart, and across a restore.
 
-mod support;
-
 use std::collections::BTreeSet;
 
+use crate::support::cluster::Cluster;
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
-use support::cluster::Cluster;
 
 fn token_of(grant: &Value) -> u64 {
     let revision = grant["revision"].as_u64().expect("revision");

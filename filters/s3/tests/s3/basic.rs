@@ -1,9 +1,7 @@
 //! Done-means 1: boto3 at default settings puts, gets, lists, copies, does a multipart
 //! upload and deletes through the gateway with a current token.
 
-mod harness;
-
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::json;
 
 #[test]

@@ -2,17 +2,15 @@
 //! and the spread printed (not asserted: it measures the machine as much as the code).
 //!
 //! Ignored by default (about a minute); run it with
-//! `cargo test --test authority_failover_time -- --ignored --nocapture`. The `[authority]`
+//! `cargo test --test authority failover_time -- --ignored --nocapture`. The `[authority]`
 //! settings under test come from FAILOVER_CONFIG (e.g. "heartbeat_ms = 100\n..."); without it,
 //! the defaults.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::Cluster;
 use reqwest::StatusCode;
 use serde_json::json;
-use support::cluster::Cluster;
 
 const KILLS: usize = 20;
 

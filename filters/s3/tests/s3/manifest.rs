@@ -2,9 +2,7 @@
 //! lost by the stale holder with one audit record, the manifest and every logical read showing
 //! only the new holder's data; and boto3's ordinary operations on logical keys.
 
-mod harness;
-
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::{json, Value};
 
 fn print(label: &str, results: &[Value]) {

@@ -1,10 +1,8 @@
 //! Done-means 2 and 3: stale writes refused with 412 and audited once each, the object
 //! unchanged; missing, malformed and forged tokens; bad signatures; presigned URLs.
 
-mod harness;
-
+use crate::harness::{token, Harness};
 use fencegate_core::{Resource, Revision, Token, TokenKey};
-use harness::{token, Harness};
 use serde_json::json;
 
 #[test]
@@ -206,7 +204,7 @@ fn signatures_are_checked_and_presigned_urls_work() {
         .contains("SignatureDoesNotMatch"));
     assert_eq!(results[6]["status"], 403);
     // Unknown access key.
-    let unknown = harness::s3_server::run_client(
+    let unknown = crate::harness::s3_server::run_client(
         &h.endpoint,
         "AKIDUNKNOWN",
         "x",

@@ -5,15 +5,13 @@
 //! faults (issue 17, done-means 4): with the audit log on a full volume, refusals still refuse,
 //! the node reports it, what was written still verifies, and writing resumes once space returns.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::gateway_node::NodeOptions;
+use crate::support::redis_client::{cmd, connect};
+use crate::support::redis_gateway::RedisGateway;
+use crate::support::tmpfs::Tmpfs;
 use redis::aio::MultiplexedConnection;
-use support::gateway_node::NodeOptions;
-use support::redis_client::{cmd, connect};
-use support::redis_gateway::RedisGateway;
-use support::tmpfs::Tmpfs;
 
 #[tokio::test]
 async fn audit_log_verifies_and_an_edited_line_is_named() {
@@ -390,7 +388,7 @@ async fn metric(gw: &RedisGateway, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    support::metrics::sample(&text, name).unwrap_or(0.0)
+    crate::support::metrics::sample(&text, name).unwrap_or(0.0)
 }
 
 /// Fills the volume at `dir` with one file until it refuses even one more byte.

@@ -4,17 +4,15 @@
 //! The CLI cannot add a `Fencing-Token` header; it sends the token as the SigV4 session token
 //! (`AWS_SESSION_TOKEN`), which the gateway takes as the token when the header is absent.
 
-mod harness;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use harness::{Harness, ACCESS_KEY, SECRET};
+use crate::harness::{Harness, ACCESS_KEY, SECRET};
 use serde_json::Value;
 
 /// The aws CLI of the venv moto runs from; panics with install instructions.
 fn aws_binary() -> PathBuf {
-    let python = harness::s3_server::venv_python();
+    let python = crate::harness::s3_server::venv_python();
     let aws = python.parent().unwrap().join("aws");
     assert!(
         aws.exists(),

@@ -1,12 +1,10 @@
 //! `/healthz` reports the Redis gateway's health: 503 naming the reason while fence keys can be
 //! evicted or the upstream is down, 200 with the gateway's status otherwise.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::gateway_node::GatewayNode;
-use support::redis_server::RedisServer;
+use crate::support::gateway_node::GatewayNode;
+use crate::support::redis_server::RedisServer;
 
 const PROTECT_ALL: &str = "[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n";
 

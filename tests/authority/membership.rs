@@ -1,14 +1,12 @@
 //! Online membership changes with real processes: a fourth node joins a running cluster and
 //! the first one leaves while clients acquire and release, as when a node is replaced.
 
-mod support;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::{Cluster, Security};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use support::cluster::{Cluster, Security};
 use tokio::sync::watch;
 
 /// The lock both clients take in turn.

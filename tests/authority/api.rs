@@ -1,11 +1,9 @@
 //! Bad input is refused with 400 and a reason; the CLI finds a live endpoint; config errors
 //! name the line.
 
-mod support;
-
+use crate::support::cluster::{free_port, Cluster, BIN};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use support::cluster::{free_port, Cluster, BIN};
 
 async fn raw(cluster: &Cluster, method: Method, path: &str, body: &str) -> (StatusCode, Value) {
     let answer = cluster

@@ -8,9 +8,7 @@
 //! made this test flaky once; the harness runs moto through `tests/s3/moto_atomic.py`, which
 //! applies one request at a time. The assertions are the ones S3 guarantees, unchanged.
 
-mod harness;
-
-use harness::Harness;
+use crate::harness::Harness;
 use serde_json::json;
 
 #[test]

@@ -1,15 +1,13 @@
 //! The S3 gateway inside a real `fencegate serve` node: configured from `[s3]`, refusals in
 //! the node's hash-chained audit log, stopped with the node by SIGINT.
 
-mod support;
-
 use std::fs::File;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::free_port;
+use crate::support::s3_server::{run_client, wait_for_port, MotoServer};
 use serde_json::json;
-use support::free_port;
-use support::s3_server::{run_client, wait_for_port, MotoServer};
 
 #[test]
 fn node_serves_s3_and_audits_refusals() {
@@ -89,7 +87,7 @@ fn node_serves_s3_and_audits_refusals() {
         std::fs::read_to_string(&log).unwrap()
     );
     // Refusal records only (the audit writer may keep other lines, e.g. a seal, next to them).
-    let mut records = support::audit::records(&audit_dir);
+    let mut records = crate::support::audit::records(&audit_dir);
     records.retain(|r| r.get("store").is_some());
     for r in &records {
         println!("audit: {r}");

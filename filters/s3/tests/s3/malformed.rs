@@ -1,13 +1,11 @@
 //! Done-means 6 (malformed requests get 4xx and do not disturb other clients), and aws-chunked
 //! uploads end to end: signed chunks, the unsigned-with-trailer form, tampered chunks.
 
-mod harness;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::json;
 
 /// Sends raw bytes, returns the status line of the answer ("" if the connection closed).

@@ -2,10 +2,8 @@
 //! stamps it in the store at CreateMultipartUpload; after a restart (SIGKILL, nothing kept in
 //! memory) the holder's completion works, and a stale one is still refused and audited.
 
-mod support;
-
+use crate::support::s3_gateway::S3Node;
 use serde_json::{json, Value};
-use support::s3_gateway::S3Node;
 
 fn token(revision: u64) -> String {
     format!("fg1~{revision}~job")

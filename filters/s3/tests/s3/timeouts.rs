@@ -1,12 +1,10 @@
 //! A hung store (accepts connections, never answers) is given up on within
 //! `upstream_timeout_ms`: writes answer 503, reads 502/504, instead of waiting forever.
 
-mod harness;
-
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::json;
 
 #[test]

@@ -1,16 +1,14 @@
 //! The lock service stays available through faults that leave a majority healthy: a node that
 //! freezes, a leader killed during a waited acquire, a follower restarted gracefully.
 
-mod support;
-
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::{Cluster, Security, BIN};
 use nix::sys::signal::Signal;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
-use support::cluster::{Cluster, Security, BIN};
 
 /// Starts `fencegate lock run` against `endpoints` (in that order), stdin/stdout/stderr piped.
 fn lock_run(endpoints: &str, args: &[&str]) -> Child {

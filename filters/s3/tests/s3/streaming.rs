@@ -2,9 +2,7 @@
 //! the gateway keep the gateway's memory flat. The gateway runs in this test process, so the
 //! process's peak RSS (VmHWM) bounds the gateway's.
 
-mod harness;
-
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::json;
 
 fn vm_kib(field: &str) -> u64 {

@@ -4,19 +4,17 @@
 //! signed by another CA, or whose certificate does not name the host, is refused with a clear
 //! error (on the client's connection and in /healthz).
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::free_port;
+use crate::support::gateway_node::GatewayNode;
+use crate::support::redis_server::RedisServer;
 use bytes::BytesMut;
 use fencegate_redis::frame::{parse, Frame, Limits};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-use support::free_port;
-use support::gateway_node::GatewayNode;
-use support::redis_server::RedisServer;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};

@@ -4,13 +4,11 @@
 //! store refuses the old holder's `If-Match` (the ETag changed), the gateway re-reads the fence,
 //! and the client gets 412 FencingTokenStale, audited once. The new holder's data survives.
 
-mod harness;
-
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use harness::s3_server::{repo_root, venv_python};
-use harness::{token, Harness, ACCESS_KEY, SECRET};
+use crate::harness::s3_server::{repo_root, venv_python};
+use crate::harness::{token, Harness, ACCESS_KEY, SECRET};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::json;

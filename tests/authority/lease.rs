@@ -1,12 +1,10 @@
 //! Lease lifetimes and waiting acquires.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::{Cluster, ELECTION_MAX};
 use reqwest::{Method, StatusCode};
 use serde_json::json;
-use support::cluster::{Cluster, ELECTION_MAX};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepalives_hold_a_lease_for_three_ttls_and_silence_lets_it_expire() {
@@ -94,7 +92,7 @@ async fn waiting_now(cluster: &Cluster, id: u64) -> u64 {
         .await
         .unwrap();
     // A gauge of whole acquires, so the cast loses nothing.
-    support::metrics::sample(&text, "fencegate_authority_waiting_acquires")
+    crate::support::metrics::sample(&text, "fencegate_authority_waiting_acquires")
         .expect("waiting_acquires gauge") as u64
 }
 

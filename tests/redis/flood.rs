@@ -6,9 +6,7 @@
 //! asserted: that client's fenced-write latency (p50/p99/max) before and during the flood.
 //!
 //! Ignored by default (about 80 s; mounts a tmpfs, so it needs root); run it with
-//! `cargo test --test redis_flood -- --ignored --nocapture`.
-
-mod support;
+//! `cargo test --test redis flood -- --ignored --nocapture`.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -16,12 +14,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::gateway_node::{GatewayNode, NodeOptions};
+use crate::support::redis_server::RedisServer;
+use crate::support::tmpfs::Tmpfs;
 use bytes::BytesMut;
 use fencegate_redis::frame::{parse, Frame, Limits};
 use serde_json::{json, Value};
-use support::gateway_node::{GatewayNode, NodeOptions};
-use support::redis_server::RedisServer;
-use support::tmpfs::Tmpfs;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MIB: u64 = 1024 * 1024;

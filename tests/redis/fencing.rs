@@ -1,13 +1,11 @@
 //! Done-means 1 to 4 of the Redis filter, through a real `fencegate serve` process in front of
 //! a real `redis-server`.
 
-mod support;
-
+use crate::support::redis_client::{cmd, connect, fence};
+use crate::support::redis_gateway::RedisGateway;
 use fencegate_redis::frame::{parse, Frame, Limits};
 use redis::aio::MultiplexedConnection;
 use redis::RedisResult;
-use support::redis_client::{cmd, connect, fence};
-use support::redis_gateway::RedisGateway;
 
 fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
     gw.audit_records()
@@ -180,7 +178,10 @@ async fn missing_and_malformed_tokens_are_refused() {
     assert_eq!(v, None);
     // Floods of tokenless or malformed refusals from one client may be written as one
     // aggregate record per second that counts them; every refusal is accounted for.
-    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 3), ("malformed", 5)]);
+    crate::support::audit::wait_for_refusals(
+        &gw.node.audit_dir,
+        &[("missing", 3), ("malformed", 5)],
+    );
     println!(
         "done-means 3: missing token -> NOFENCE, malformed tokens -> BADFENCE, 8 audit records"
     );

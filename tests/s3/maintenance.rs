@@ -2,13 +2,11 @@
 //! bucket in moto: gc keeps every referenced object and the young unreferenced ones and removes
 //! the old unreferenced ones; export writes exactly the committed view.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::support::s3_gateway::S3Node;
 use serde_json::{json, Value};
-use support::s3_gateway::S3Node;
 
 fn token(revision: u64) -> String {
     format!("fg1~{revision}~job")
@@ -130,7 +128,7 @@ fn gc_removes_only_old_unreferenced_objects_and_export_writes_the_committed_view
     assert_eq!(left.difference(&old).count(), 4, "every young object kept");
     assert_eq!(left.intersection(&old).count(), 3, "old a2, c7, z5 kept");
     assert_eq!(
-        support::audit::records(&stale.node.audit_dir)
+        crate::support::audit::records(&stale.node.audit_dir)
             .iter()
             .filter(|r| r["reason"] == "stale")
             .count(),

@@ -2,9 +2,7 @@
 //! fence that the gateway used to let through, against moto, and checks it is refused, audited
 //! once, and that the protected data is unchanged.
 
-mod harness;
-
-use harness::{token, Harness};
+use crate::harness::{token, Harness};
 use serde_json::json;
 
 fn print(results: &[serde_json::Value]) {

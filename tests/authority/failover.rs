@@ -1,13 +1,11 @@
 //! The authority's leader dies or freezes while a lease is held.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::cluster::{Cluster, ELECTION_MAX};
 use nix::sys::signal::Signal;
 use reqwest::{Method, StatusCode};
 use serde_json::json;
-use support::cluster::{Cluster, ELECTION_MAX};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_leader_never_shortens_a_lease() {

@@ -1,0 +1,14 @@
+//! The Redis filter in process in front of a real redis-server: one test binary, one module
+//! per concern. `accept_emfile.rs` (it lowers the process's file limit) and
+//! `trickle_latency.rs` (a latency measurement) stay binaries of their own.
+
+mod gateway {
+    mod availability;
+    mod bypass_regressions;
+    mod durability;
+    mod glob_differential;
+    mod in_process;
+    mod keyspec_differential;
+    mod refusal_tarpit;
+    mod reply_streams;
+}
