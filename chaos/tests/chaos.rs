@@ -1,8 +1,8 @@
 //! `fencegate-chaos` end to end: one seed with every fault finds no violation, and the same
 //! workload with fencing bypassed is caught (the checker can fail).
 //!
-//! Needs redis-server; builds the `fencegate` binary the run starts (cargo builds only this
-//! package's own binary for its tests).
+//! Needs redis-server and PostgreSQL; makes sure the `fencegate` binary the run starts is built
+//! (see `fencegate()`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,14 +13,18 @@ use serde_json::Value;
 /// One chaos run at a time: each starts a 3-node cluster and workers.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// Builds `fencegate` (a no-op when it is fresh) and returns its path.
+/// The `fencegate` binary the run starts, fresh. Cargo builds only this package's own binary for
+/// its tests, so the test asks cargo for the rest, as `cargo test --workspace --no-run`: under the
+/// README's `cargo test --workspace` that is the very build just made (nothing to do), where a
+/// `cargo build -p fencegate` would resolve other features and compile the dependencies again.
+/// Run alone (`cargo test -p fencegate-chaos`), it builds the workspace's tests once.
 fn fencegate() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
-        .args(["build", "-p", "fencegate", "--bin", "fencegate"])
+        .args(["test", "--workspace", "--no-run", "--quiet"])
         .status()
-        .expect("run cargo build");
-    assert!(status.success(), "cargo build --bin fencegate failed");
+        .expect("run cargo test --no-run");
+    assert!(status.success(), "cargo test --workspace --no-run failed");
     let me = std::env::current_exe().unwrap();
     let bin = me.parent().unwrap().parent().unwrap().join("fencegate");
     assert!(bin.is_file(), "{} was not built", bin.display());
