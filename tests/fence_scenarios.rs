@@ -46,6 +46,9 @@ trait Store: Sync {
     fn audit_dir(&self) -> &Path;
     /// The node's HTTP API port: its lease service (plain HTTP, the test node runs insecure).
     fn api(&self) -> u16;
+    /// Crashes the store and starts it again on its own data; `Err` says why this store's test
+    /// server cannot.
+    fn restart_store(&self) -> Result<(), &'static str>;
 }
 
 /// Per-store state shared by the scenarios: the store's fence is per resource, so every
@@ -100,6 +103,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
         bad_tokens_are_refused_before_the_store,
     ),
     ("racing_writers_n_and_n_plus_1", racing_writers),
+    (
+        "store_restart_keeps_the_fence",
+        store_restart_keeps_the_fence,
+    ),
 ];
 
 /// A holder that stops renewing (a GC pause, a SIGSTOP) loses its lease; the next holder's token
@@ -304,6 +311,28 @@ impl Leases {
     }
 }
 
+/// The store crashes and comes back on its own data: the fence came back with the data, so a
+/// stale token is still refused, and the holder's session-less next write applies.
+fn store_restart_keeps_the_fence(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
+    let current = ctx.next();
+    let token = ctx.token(RESOURCE, current);
+    assert_eq!(store.write(key, "before", Some(&token)), Outcome::Applied);
+    if let Err(why) = store.restart_store() {
+        println!(
+            "{:<10} store_restart_keeps_the_fence: not run: {why}",
+            store.name()
+        );
+        return vec![];
+    }
+    assert_eq!(store.read(key).as_deref(), Some("before"));
+    let outcome = store.write(key, "stale", Some(&ctx.token(RESOURCE, current - 1)));
+    assert!(matches!(outcome, Outcome::Refused(_)), "{outcome:?}");
+    assert_eq!(store.read(key).as_deref(), Some("before"));
+    assert_eq!(store.write(key, "after", Some(&token)), Outcome::Applied);
+    assert_eq!(store.read(key).as_deref(), Some("after"));
+    vec![("stale", 1)]
+}
+
 /// Refusals in `dir` by reason; one record counts one refusal unless it is an aggregate.
 fn refusals(dir: &Path) -> BTreeMap<String, u64> {
     support::audit::refusals_by_reason(dir)
@@ -358,7 +387,12 @@ fn run_all(store: &dyn Store) {
 // ---- Redis: a `[redis]` gateway in front of redis-server; the token goes in with FENCE.
 
 struct RedisStore {
-    gw: RedisGateway,
+    /// In a mutex only so `restart_store` can restart its redis-server through `&self`.
+    gw: std::sync::Mutex<RedisGateway>,
+    url: String,
+    direct_url: String,
+    audit_dir: PathBuf,
+    api: u16,
 }
 
 impl RedisStore {
@@ -371,7 +405,13 @@ impl RedisStore {
             ),
             &[KEY_ENV],
         );
-        Self { gw }
+        Self {
+            url: gw.url(),
+            direct_url: gw.redis.url(),
+            audit_dir: gw.node.audit_dir.clone(),
+            api: gw.node.api,
+            gw: std::sync::Mutex::new(gw),
+        }
     }
 }
 
@@ -381,7 +421,7 @@ impl Store for RedisStore {
     }
 
     fn write(&self, key: &str, value: &str, token: Option<&str>) -> Outcome {
-        let mut con = redis::Client::open(self.gw.url())
+        let mut con = redis::Client::open(self.url.as_str())
             .unwrap()
             .get_connection()
             .unwrap();
@@ -397,7 +437,7 @@ impl Store for RedisStore {
     }
 
     fn read(&self, key: &str) -> Option<String> {
-        let mut con = redis::Client::open(self.gw.redis.url())
+        let mut con = redis::Client::open(self.direct_url.as_str())
             .unwrap()
             .get_connection()
             .unwrap();
@@ -405,11 +445,18 @@ impl Store for RedisStore {
     }
 
     fn audit_dir(&self) -> &Path {
-        &self.gw.node.audit_dir
+        &self.audit_dir
     }
 
     fn api(&self) -> u16 {
-        self.gw.node.api
+        self.api
+    }
+
+    /// SIGKILL, then the same server on its append-only file (`appendfsync everysec`: a process
+    /// crash loses nothing Redis has answered, only a machine crash can).
+    fn restart_store(&self) -> Result<(), &'static str> {
+        self.gw.lock().unwrap().redis.restart();
+        Ok(())
     }
 }
 
@@ -470,6 +517,12 @@ impl Store for PostgresStore {
 
     fn api(&self) -> u16 {
         self.gw.node.api
+    }
+
+    /// `pg_ctl stop -m immediate` (a crash: recovery replays the WAL), then start.
+    fn restart_store(&self) -> Result<(), &'static str> {
+        self.gw.pg.restart();
+        Ok(())
     }
 }
 
@@ -569,6 +622,10 @@ impl Store for S3Store {
 
     fn api(&self) -> u16 {
         self.node.api
+    }
+
+    fn restart_store(&self) -> Result<(), &'static str> {
+        Err("moto keeps its objects in memory: a restart loses the bucket, fence and data alike")
     }
 }
 
