@@ -19,6 +19,7 @@ pub mod config;
 pub mod decide;
 pub mod durability;
 pub mod error;
+pub mod fence_batch;
 mod fence_reset;
 pub mod frame;
 mod gateway;
