@@ -2,7 +2,9 @@
 //!
 //! The reader task parses client requests, decides each one (relay, rewrite into the fence
 //! script call, answer locally, refuse), writes the batch upstream with one write, and queues a
-//! *slot* per request, in order, for the writer task. The writer takes slots in order: a local
+//! *slot* per request, in order, for the writer task. Fenced writes under one token that come
+//! back to back in one read share one slot and one batch fence call, whose reply the writer
+//! splits back into one reply per write. The writer takes slots in order: a local
 //! reply is written at once, an upstream slot takes the next upstream reply. So pipelined
 //! requests keep their order even when some are answered by the gateway. Client output is
 //! flushed once per batch: whenever the writer would wait.
