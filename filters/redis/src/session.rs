@@ -340,7 +340,14 @@ impl Batch {
     }
 
     /// Adds a fenced write to the run, closing the run first when the write cannot join it.
-    fn fenced(&mut self, mode: &ScriptMode, token: Token, resp3: bool, write: RunWrite, bytes: usize) {
+    fn fenced(
+        &mut self,
+        mode: &ScriptMode,
+        token: Token,
+        resp3: bool,
+        write: RunWrite,
+        bytes: usize,
+    ) {
         let size = write.args.len() + write.keys.len();
         if self
             .run
@@ -381,12 +388,13 @@ impl Batch {
             .collect();
         let call = rewrite_batch(&mode, &token, &batched, resp3);
         self.send(&call);
-        self.slots
-            .push(Slot::Upstream(Expect::FencedBatch(Box::new(BatchContext {
+        self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
+            BatchContext {
                 attempts: writes.into_iter().map(|w| w.attempt).collect(),
                 call,
                 resp3,
-            }))));
+            },
+        ))));
     }
 }
 
@@ -494,7 +502,7 @@ impl Reader {
                 self.read_at
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .extend(std::iter::repeat(read_at).take(slot.requests()));
+                    .extend(std::iter::repeat_n(read_at, slot.requests()));
                 if self.slots.send(slot).await.is_err() {
                     return Ok(());
                 }
@@ -795,9 +803,9 @@ impl Reader {
                     bytes: multi.bytes,
                 };
                 batch.push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
-                        attempt,
-                        call: Vec::new(),
-                    }))));
+                    attempt,
+                    call: Vec::new(),
+                }))));
             }
         }
     }

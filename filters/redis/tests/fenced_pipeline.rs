@@ -196,10 +196,16 @@ async fn a_stale_token_refuses_the_whole_pipeline_with_one_audit_record_per_writ
         let mut direct = connect(behind);
         let out = exchange(
             &mut direct,
-            &strings(&["GET k0", "EXISTS k1 k2 k3 k4 k5 k6 k7 k8 k9 k10 k11 k12 k13 k14 k15"]),
+            &strings(&[
+                "GET k0",
+                "EXISTS k1 k2 k3 k4 k5 k6 k7 k8 k9 k10 k11 k12 k13 k14 k15",
+            ]),
             b":0\r\n",
         );
-        assert_eq!(out, b"$3\r\nnew\r\n:0\r\n", "nothing of the stale batch applied");
+        assert_eq!(
+            out, b"$3\r\nnew\r\n:0\r\n",
+            "nothing of the stale batch applied"
+        );
     })
     .await
     .unwrap();
@@ -220,7 +226,10 @@ async fn a_stale_token_refuses_the_whole_pipeline_with_one_audit_record_per_writ
         .iter()
         .map(|e| e.operation.objects.join(","))
         .collect();
-    assert_eq!(objects, (0..16).map(|i| format!("k{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        objects,
+        (0..16).map(|i| format!("k{i}")).collect::<Vec<_>>()
+    );
 }
 
 /// Fenced writes with every kind of reply: errors in the middle, nulls, RESP3 doubles, sets,
@@ -337,7 +346,11 @@ async fn the_batch_library_coexists_with_the_single_one_and_is_reloaded_when_mis
         let mut pipeline = sets("k", 8);
         pipeline.push("ECHO fg-end".into());
         exchange(&mut c, &pipeline, END);
-        let listed = exchange(&mut direct, &strings(&["FUNCTION LIST", "ECHO fg-end"]), END);
+        let listed = exchange(
+            &mut direct,
+            &strings(&["FUNCTION LIST", "ECHO fg-end"]),
+            END,
+        );
         let text = String::from_utf8_lossy(&listed);
         assert!(
             text.contains("fencegate_v1") && text.contains("fencegate_batch_v1"),
@@ -355,7 +368,11 @@ async fn the_batch_library_coexists_with_the_single_one_and_is_reloaded_when_mis
         assert!(out.starts_with("+OK\r\n".repeat(8).as_bytes()), "{out:?}");
         // The batch library deleted (by hand): the next batch reloads it and is sent again.
         assert_eq!(
-            exchange(&mut direct, &strings(&["FUNCTION DELETE fencegate_batch_v1"]), b"\r\n"),
+            exchange(
+                &mut direct,
+                &strings(&["FUNCTION DELETE fencegate_batch_v1"]),
+                b"\r\n"
+            ),
             b"+OK\r\n"
         );
         // Nothing pipelined behind the batch, so it is resent (with a request behind it, it
@@ -369,7 +386,11 @@ async fn the_batch_library_coexists_with_the_single_one_and_is_reloaded_when_mis
             out.extend_from_slice(&buf[..n]);
         }
         assert_eq!(String::from_utf8_lossy(&out), "+OK\r\n".repeat(8));
-        let out = exchange(&mut direct, &strings(&["EXISTS r0 r1 r2 r3 r4 r5 r6 r7"]), b"\r\n");
+        let out = exchange(
+            &mut direct,
+            &strings(&["EXISTS r0 r1 r2 r3 r4 r5 r6 r7"]),
+            b"\r\n",
+        );
         assert_eq!(out, b":8\r\n");
     })
     .await
