@@ -397,3 +397,36 @@ async fn the_batch_library_coexists_with_the_single_one_and_is_reloaded_when_mis
     .unwrap();
     assert!(s.sink.events().is_empty(), "{:?}", s.sink.events());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_in_the_middle_of_a_batch_answers_that_write_only() {
+    let s = setup().await;
+    let (addr, behind) = (s.gateway, s.behind.addr);
+    tokio::task::spawn_blocking(move || {
+        let mut c = connect(addr);
+        fence(&mut c, "fg1~2~job");
+        let out = exchange(&mut c, &strings(&["LPUSH l x", "ECHO fg-end"]), END);
+        assert_eq!(out, b":1\r\n$6\r\nfg-end\r\n");
+        let mut direct = connect(behind);
+        let before = fcalls(&mut direct);
+        let out = exchange(
+            &mut c,
+            &strings(&["SET a 1", "INCR l", "SET b 2", "ECHO fg-end"]),
+            END,
+        );
+        assert_eq!(
+            replies(&out),
+            [
+                "+OK\r\n",
+                "-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+                "+OK\r\n",
+                "$6\r\nfg-end\r\n"
+            ]
+        );
+        assert_eq!(fcalls(&mut direct) - before, 1, "one batch call");
+        let out = exchange(&mut direct, &strings(&["MGET a b"]), b"\r\n2\r\n");
+        assert_eq!(out, b"*2\r\n$1\r\n1\r\n$1\r\n2\r\n");
+    })
+    .await
+    .unwrap();
+}
