@@ -4,7 +4,7 @@
 //!
 //! - [`frame`]: the RESP codec. [`command_table`]: commands, flags and key specs learned from
 //!   the upstream. [`classify`] and [`rewrite`]: pure decisions and the rewrite into the fence
-//!   call. `session`: the only I/O module, one client connection to one upstream connection.
+//!   call. [`fence_batch`]: pipelined fenced writes as one call of `fence_batch.lua`. `session`: the only I/O module, one client connection to one upstream connection.
 //! - The token carrier is the gateway-local command `FENCE <token>` (`FENCE` alone clears it).
 //! - Refusals: `-NOFENCE` (no token), `-FENCED <resource> token <n> is below fence <m>` (stale,
 //!   decided in the store), `-BADFENCE` (malformed, forged, out of scope), `-UNFENCEABLE` (a
@@ -19,6 +19,7 @@ pub mod config;
 pub mod decide;
 pub mod durability;
 pub mod error;
+pub mod fence_batch;
 mod fence_reset;
 pub mod frame;
 mod gateway;

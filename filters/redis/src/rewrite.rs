@@ -1,4 +1,5 @@
-//! The pure rewrite: a protected write plus a token becomes one call of the fence script.
+//! The pure rewrite: a protected write plus a token becomes one call of the fence script, and a
+//! pipelined run of them one call of the batch fence script.
 
 use bytes::Bytes;
 use fencegate_core::Token;
@@ -15,6 +16,17 @@ pub const LIBRARY_NAME: &str = "fencegate_v1";
 /// The name of the fence function inside it.
 pub const FUNCTION_NAME: &str = "fencegate_fence_v1";
 
+/// The batch fence script, as shipped in the crate.
+pub const BATCH_LUA: &str = include_str!("fence_batch.lua");
+
+/// The Redis Function library of the batch fence script: a library of its own, so a gateway that
+/// loads only [`LIBRARY_NAME`] (an older one sharing the server) never replaces or deletes it.
+/// Function names are unique across libraries: a new version gets new library and function names.
+pub const BATCH_LIBRARY_NAME: &str = "fencegate_batch_v1";
+
+/// The name of the batch fence function inside it.
+pub const BATCH_FUNCTION_NAME: &str = "fencegate_fence_batch_v1";
+
 /// How the fence script is called on this upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScriptMode {
@@ -22,8 +34,10 @@ pub enum ScriptMode {
     Function,
     /// `EVALSHA` of the cached script with this SHA-1 (older servers).
     Script {
-        /// The SHA-1 `SCRIPT LOAD` returned.
+        /// The SHA-1 `SCRIPT LOAD` returned for the fence script.
         sha: String,
+        /// The SHA-1 `SCRIPT LOAD` returned for the batch fence script.
+        batch_sha: String,
     },
 }
 
@@ -35,6 +49,16 @@ pub fn function_source() -> String {
 /// The source for `SCRIPT LOAD` / `EVAL`.
 pub fn script_source() -> String {
     format!("{FENCE_LUA}\nreturn fencegate_fence(KEYS, ARGV)\n")
+}
+
+/// The source for `FUNCTION LOAD REPLACE` of the batch fence library.
+pub fn batch_function_source() -> String {
+    format!("#!lua name={BATCH_LIBRARY_NAME}\n{BATCH_LUA}\nredis.register_function('{BATCH_FUNCTION_NAME}', fencegate_fence_batch)\n")
+}
+
+/// The source for `SCRIPT LOAD` of the batch fence script.
+pub fn batch_script_source() -> String {
+    format!("{BATCH_LUA}\nreturn fencegate_fence_batch(KEYS, ARGV)\n")
 }
 
 /// The fence key of `token`'s resource: `fencegate:fence:{<resource>}`.
@@ -57,7 +81,7 @@ pub fn rewrite(
             out.push(Bytes::from_static(b"FCALL"));
             out.push(Bytes::from_static(FUNCTION_NAME.as_bytes()));
         }
-        ScriptMode::Script { sha } => {
+        ScriptMode::Script { sha, .. } => {
             out.push(Bytes::from_static(b"EVALSHA"));
             out.push(Bytes::from(sha.clone()));
         }
@@ -69,6 +93,54 @@ pub fn rewrite(
     out.push(Bytes::from(token.revision().to_string()));
     out.push(Bytes::from_static(if resp3 { b"3" } else { b"2" }));
     out.extend(args.iter().cloned());
+    out
+}
+
+/// One write of a batch: the original command and its keys.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchedWrite<'a> {
+    /// The command and its arguments.
+    pub args: &'a [Bytes],
+    /// The keys it writes (declared to Redis).
+    pub keys: &'a [Bytes],
+}
+
+/// Rewrites a run of writes under one `token` into one call of the batch fence script (see
+/// `fence_batch.lua` for the argument layout). Every write's keys are declared.
+pub fn rewrite_batch(
+    mode: &ScriptMode,
+    token: &Token,
+    writes: &[BatchedWrite],
+    resp3: bool,
+) -> Vec<Bytes> {
+    let keys: usize = writes.iter().map(|w| w.keys.len()).sum();
+    let args: usize = writes.iter().map(|w| w.args.len()).sum();
+    let mut out = Vec::with_capacity(8 + keys + writes.len() + args);
+    match mode {
+        ScriptMode::Function => {
+            out.push(Bytes::from_static(b"FCALL"));
+            out.push(Bytes::from_static(BATCH_FUNCTION_NAME.as_bytes()));
+        }
+        ScriptMode::Script { batch_sha, .. } => {
+            out.push(Bytes::from_static(b"EVALSHA"));
+            out.push(Bytes::from(batch_sha.clone()));
+        }
+    }
+    out.push(Bytes::from((keys + 1).to_string()));
+    out.push(fence_key(token));
+    for write in writes {
+        out.extend(write.keys.iter().cloned());
+    }
+    out.push(Bytes::from(token.resource().to_string()));
+    out.push(Bytes::from(token.revision().to_string()));
+    out.push(Bytes::from_static(if resp3 { b"3" } else { b"2" }));
+    out.push(Bytes::from(writes.len().to_string()));
+    for write in writes {
+        out.push(Bytes::from(write.args.len().to_string()));
+    }
+    for write in writes {
+        out.extend(write.args.iter().cloned());
+    }
     out
 }
 
@@ -117,11 +189,46 @@ mod tests {
     fn golden_script_call_resp3_multi_key() {
         let mode = ScriptMode::Script {
             sha: "abc123".into(),
+            batch_sha: "def456".into(),
         };
         let out = rewrite(&mode, &token(), &b("MSET a 1 b 2"), &b("a b"), true);
         assert_eq!(
             words(&out),
             "EVALSHA abc123 3 fencegate:fence:{billing:2026-09-28} a b billing:2026-09-28 12 3 MSET a 1 b 2"
+        );
+    }
+
+    #[test]
+    fn golden_batch_function_call() {
+        let (set, mset, incr) = (b("SET k v"), b("MSET a 1 b 2"), b("INCR n"));
+        let (ka, kb, kc) = (b("k"), b("a b"), b("n"));
+        let writes = [
+            BatchedWrite {
+                args: &set,
+                keys: &ka,
+            },
+            BatchedWrite {
+                args: &mset,
+                keys: &kb,
+            },
+            BatchedWrite {
+                args: &incr,
+                keys: &kc,
+            },
+        ];
+        let out = rewrite_batch(&ScriptMode::Function, &token(), &writes, false);
+        assert_eq!(
+            words(&out),
+            "FCALL fencegate_fence_batch_v1 5 fencegate:fence:{billing:2026-09-28} k a b n billing:2026-09-28 12 2 3 3 5 2 SET k v MSET a 1 b 2 INCR n"
+        );
+        let mode = ScriptMode::Script {
+            sha: "abc123".into(),
+            batch_sha: "def456".into(),
+        };
+        let out = rewrite_batch(&mode, &token(), &writes[..2], true);
+        assert_eq!(
+            words(&out),
+            "EVALSHA def456 4 fencegate:fence:{billing:2026-09-28} k a b billing:2026-09-28 12 3 2 3 5 SET k v MSET a 1 b 2"
         );
     }
 
@@ -142,10 +249,18 @@ mod tests {
         assert!(function_source()
             .contains("redis.register_function('fencegate_fence_v1', fencegate_fence)"));
         assert!(script_source().ends_with("return fencegate_fence(KEYS, ARGV)\n"));
-        assert!(
-            !FENCE_LUA.contains("EXPIRE")
-                && !FENCE_LUA.contains(" PX")
-                && !FENCE_LUA.contains(" EX")
-        );
+        assert!(batch_function_source().starts_with("#!lua name=fencegate_batch_v1\n"));
+        assert!(batch_function_source().contains(
+            "redis.register_function('fencegate_fence_batch_v1', fencegate_fence_batch)"
+        ));
+        assert!(batch_script_source().ends_with("return fencegate_fence_batch(KEYS, ARGV)\n"));
+        // Both libraries on one server: their function names must differ (Redis refuses a
+        // library whose function another library already registered).
+        assert_ne!(FUNCTION_NAME, BATCH_FUNCTION_NAME);
+        assert_ne!(LIBRARY_NAME, BATCH_LIBRARY_NAME);
+        assert!(BATCH_FUNCTION_NAME.starts_with("fencegate_"));
+        for lua in [FENCE_LUA, BATCH_LUA] {
+            assert!(!lua.contains("EXPIRE") && !lua.contains(" PX") && !lua.contains(" EX"));
+        }
     }
 }

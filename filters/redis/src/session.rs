@@ -2,7 +2,9 @@
 //!
 //! The reader task parses client requests, decides each one (relay, rewrite into the fence
 //! script call, answer locally, refuse), writes the batch upstream with one write, and queues a
-//! *slot* per request, in order, for the writer task. The writer takes slots in order: a local
+//! *slot* per request, in order, for the writer task. Fenced writes under one token that come
+//! back to back in one read share one slot and one batch fence call, whose reply the writer
+//! splits back into one reply per write. The writer takes slots in order: a local
 //! reply is written at once, an upstream slot takes the next upstream reply. So pipelined
 //! requests keep their order even when some are answered by the gateway. Client output is
 //! flushed once per batch: whenever the writer would wait.
@@ -30,10 +32,11 @@ use tokio_util::sync::CancellationToken;
 use crate::classify::{classify, Class};
 use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
+use crate::fence_batch::{self, Run, Split};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
 use crate::request_parser::RequestParser;
-use crate::rewrite::rewrite;
+use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
@@ -178,6 +181,16 @@ enum Slot {
     Close,
 }
 
+impl Slot {
+    /// How many client requests this slot answers.
+    fn requests(&self) -> usize {
+        match self {
+            Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.attempts.len(),
+            _ => 1,
+        }
+    }
+}
+
 enum Expect {
     /// Relay the reply unchanged.
     Plain,
@@ -201,6 +214,18 @@ enum Expect {
     Fenced(Box<FenceContext>),
     /// The `EXEC` of a fenced transaction.
     Exec(Box<FenceContext>),
+    /// A batch fence call for several pipelined writes: one reply per write, each handled as
+    /// `Fenced` would handle it alone.
+    FencedBatch(Box<BatchContext>),
+}
+
+struct BatchContext {
+    /// The writes, in request order, to audit if the store refuses them.
+    attempts: Vec<Attempt>,
+    /// The rewritten call, to send again after a reload.
+    call: Vec<Bytes>,
+    /// Whether the client speaks RESP3 (how a null reply is written).
+    resp3: bool,
 }
 
 struct FenceContext {
@@ -279,17 +304,97 @@ impl Drop for Reader {
 }
 
 /// One batch of work from one read: bytes for the upstream and slots for the writer.
+///
+/// Fenced writes under one token that come back to back are held in `run` and sent as one call
+/// of the batch fence script (one write alone: the plain fence call). Anything else that goes
+/// upstream or into the slots first closes the run, so requests keep their order by construction.
 #[derive(Default)]
 struct Batch {
     upstream: BytesMut,
     requests: u64,
     slots: Vec<Slot>,
+    run: Option<(ScriptMode, Run<RunWrite>)>,
+}
+
+/// A fenced write waiting in a run.
+struct RunWrite {
+    args: Vec<Bytes>,
+    keys: Vec<Bytes>,
+    attempt: Attempt,
 }
 
 impl Batch {
     fn forward(&mut self, args: &[Bytes]) {
+        self.close_run();
+        self.send(args);
+    }
+
+    fn push(&mut self, slot: Slot) {
+        self.close_run();
+        self.slots.push(slot);
+    }
+
+    fn send(&mut self, args: &[Bytes]) {
         Frame::command(args.iter().cloned()).encode(&mut self.upstream);
         self.requests += 1;
+    }
+
+    /// Adds a fenced write to the run, closing the run first when the write cannot join it.
+    fn fenced(
+        &mut self,
+        mode: &ScriptMode,
+        token: Token,
+        resp3: bool,
+        write: RunWrite,
+        bytes: usize,
+    ) {
+        let size = write.args.len() + write.keys.len();
+        if self
+            .run
+            .as_ref()
+            .is_some_and(|(_, run)| !run.admits(&token, resp3, size, bytes))
+        {
+            self.close_run();
+        }
+        self.run
+            .get_or_insert_with(|| (mode.clone(), Run::new(token, resp3)))
+            .1
+            .push(write, size, bytes);
+    }
+
+    /// Sends the run: one write as the plain fence call, several as one batch fence call.
+    fn close_run(&mut self) {
+        let Some((mode, run)) = self.run.take() else {
+            return;
+        };
+        let (token, resp3, mut writes) = run.into_parts();
+        if writes.len() == 1 {
+            let write = writes.pop().expect("one write");
+            let call = rewrite(&mode, &token, &write.args, &write.keys, resp3);
+            self.send(&call);
+            self.slots
+                .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                    attempt: write.attempt,
+                    call,
+                }))));
+            return;
+        }
+        let batched: Vec<BatchedWrite> = writes
+            .iter()
+            .map(|w| BatchedWrite {
+                args: &w.args,
+                keys: &w.keys,
+            })
+            .collect();
+        let call = rewrite_batch(&mode, &token, &batched, resp3);
+        self.send(&call);
+        self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
+            BatchContext {
+                attempts: writes.into_iter().map(|w| w.attempt).collect(),
+                call,
+                resp3,
+            },
+        ))));
     }
 }
 
@@ -384,6 +489,7 @@ impl Reader {
                     }
                 }
             }
+            batch.close_run();
             if !batch.upstream.is_empty() {
                 let mut up = self.upstream.lock().await;
                 up.half
@@ -396,7 +502,7 @@ impl Reader {
                 self.read_at
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .push_back(read_at);
+                    .extend(std::iter::repeat_n(read_at, slot.requests()));
                 if self.slots.send(slot).await.is_err() {
                     return Ok(());
                 }
@@ -505,7 +611,7 @@ impl Reader {
                 self.token = None;
                 self.resp3.store(false, Ordering::Relaxed);
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::Reset));
+                batch.push(Slot::Upstream(Expect::Reset));
                 return;
             }
             "AUTH" if self.multi.is_none() => {
@@ -515,7 +621,7 @@ impl Reader {
                     "default".to_owned()
                 };
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::Auth(user)));
+                batch.push(Slot::Upstream(Expect::Auth(user)));
                 return;
             }
             "HELLO" if self.multi.is_none() => {
@@ -531,9 +637,7 @@ impl Reader {
                     .and_then(|i| args.get(i + 1))
                     .map(|u| lossy(u, 64));
                 batch.forward(args);
-                batch
-                    .slots
-                    .push(Slot::Upstream(Expect::Hello { previous, user }));
+                batch.push(Slot::Upstream(Expect::Hello { previous, user }));
                 return;
             }
             // Replies are matched to requests in order; a server that stops replying would
@@ -544,13 +648,13 @@ impl Reader {
                     .is_some_and(|a| a.eq_ignore_ascii_case(b"REPLY")) =>
             {
                 let text = "ERR fencegate: CLIENT REPLY is not supported through the gateway";
-                batch.slots.push(Slot::Local(Frame::error(text)));
+                batch.push(Slot::Local(Frame::error(text)));
                 return;
             }
             // These answer with a stream that is not one reply per request.
             "MONITOR" | "SYNC" | "PSYNC" | "REPLCONF" => {
                 let text = format!("ERR fencegate: {name} is not supported through the gateway; connect to Redis directly");
-                batch.slots.push(Slot::Local(Frame::error(&text)));
+                batch.push(Slot::Local(Frame::error(&text)));
                 return;
             }
             _ if SubKind::of(&name).is_some() => {
@@ -559,12 +663,12 @@ impl Reader {
                     // connection would change mode mid-transaction: not worth the risk.
                     multi.dirty = true;
                     let text = format!("ERR fencegate: {name} inside MULTI is not supported; subscribe outside the transaction");
-                    batch.slots.push(Slot::Local(Frame::error(&text)));
+                    batch.push(Slot::Local(Frame::error(&text)));
                     return;
                 }
                 let kind = SubKind::of(&name).expect("checked");
                 batch.forward(args);
-                batch.slots.push(Slot::Upstream(Expect::PubSub {
+                batch.push(Slot::Upstream(Expect::PubSub {
                     kind,
                     channels: args.len() - 1,
                 }));
@@ -598,15 +702,23 @@ impl Reader {
             Decision::Fence { keys, token } => {
                 self.accepted();
                 let resp3 = self.resp3.load(Ordering::Relaxed);
-                let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
                 let attempt = self.attempt(&request, &keys, Some(&token));
-                batch.forward(&call);
-                batch
-                    .slots
-                    .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                if self.multi.is_none() {
+                    // Joins the batch's run of fenced writes (sent when the run closes).
+                    let write = RunWrite {
+                        args: request.args,
+                        keys,
                         attempt,
-                        call,
-                    }))));
+                    };
+                    batch.fenced(&self.info.mode, token, resp3, write, request.wire_len);
+                    return;
+                }
+                let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
+                batch.forward(&call);
+                batch.push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                    attempt,
+                    call,
+                }))));
             }
         }
     }
@@ -668,7 +780,7 @@ impl Reader {
             self.resp3.load(Ordering::Relaxed),
         );
         batch.forward(&call);
-        batch.slots.push(Slot::Upstream(Expect::Plain));
+        batch.push(Slot::Upstream(Expect::Plain));
     }
 
     fn exec(&mut self, batch: &mut Batch) {
@@ -676,12 +788,12 @@ impl Reader {
         if multi.dirty {
             batch.forward(&[Bytes::from_static(b"DISCARD")]);
             let abort = Frame::error("EXECABORT Transaction discarded because of previous errors.");
-            batch.slots.push(Slot::Upstream(Expect::Replace(abort)));
+            batch.push(Slot::Upstream(Expect::Replace(abort)));
             return;
         }
         batch.forward(&[Bytes::from_static(b"EXEC")]);
         match &multi.token {
-            None => batch.slots.push(Slot::Upstream(Expect::Plain)),
+            None => batch.push(Slot::Upstream(Expect::Plain)),
             Some(token) => {
                 let mut attempt = self.base_attempt(Some(token));
                 attempt.operation = OperationSummary {
@@ -690,12 +802,10 @@ impl Reader {
                     args: multi.commands.len(),
                     bytes: multi.bytes,
                 };
-                batch
-                    .slots
-                    .push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
-                        attempt,
-                        call: Vec::new(),
-                    }))));
+                batch.push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
+                    attempt,
+                    call: Vec::new(),
+                }))));
             }
         }
     }
@@ -731,7 +841,7 @@ impl Reader {
                     } else {
                         tracing::debug!(conn = self.id, peer = %self.peer, reason = %reason, "FENCE refused: {e}");
                     }
-                    batch.slots.push(Slot::Refuse(
+                    batch.push(Slot::Refuse(
                         Frame::error(&decide::refusal_text(&reason, &e.to_string())),
                         Box::new(event),
                     ));
@@ -739,7 +849,7 @@ impl Reader {
                 }
             }
         };
-        batch.slots.push(Slot::Local(reply));
+        batch.push(Slot::Local(reply));
     }
 
     /// A command the upstream did not list: answered like Redis answers an unknown command. Not
@@ -757,12 +867,12 @@ impl Reader {
         let text = format!(
             "ERR unknown command '{name} {sub}' (fencegate relays only commands the upstream listed in COMMAND)"
         );
-        batch.slots.push(Slot::Local(Frame::error(&text)));
+        batch.push(Slot::Local(Frame::error(&text)));
     }
 
     fn pass(&mut self, args: &[Bytes], batch: &mut Batch) {
         batch.forward(args);
-        batch.slots.push(Slot::Upstream(Expect::Plain));
+        batch.push(Slot::Upstream(Expect::Plain));
     }
 
     fn refuse(&mut self, request: &Request, reason: RejectReason, detail: &str, batch: &mut Batch) {
@@ -789,7 +899,7 @@ impl Reader {
         } else {
             tracing::debug!(conn = self.id, peer = %self.peer, reason = %reason, command = %request.name(), "write refused: {detail}");
         }
-        batch.slots.push(Slot::Refuse(
+        batch.push(Slot::Refuse(
             Frame::error(&decide::refusal_text(&reason, detail)),
             Box::new(event),
         ));
@@ -893,6 +1003,7 @@ impl Writer {
                     }
                 }
             };
+            let requests = slot.requests();
             match slot {
                 Slot::Local(frame) => frame.encode(self.out()),
                 Slot::Refuse(frame, event) => {
@@ -906,15 +1017,17 @@ impl Writer {
                     self.completed += 1;
                 }
             }
-            let read_at = self
-                .read_at
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front();
-            if let Some(read_at) = read_at {
-                self.gateway
-                    .sink
-                    .request_done(Store::Redis, read_at.elapsed());
+            for _ in 0..requests {
+                let read_at = self
+                    .read_at
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .pop_front();
+                if let Some(read_at) = read_at {
+                    self.gateway
+                        .sink
+                        .request_done(Store::Redis, read_at.elapsed());
+                }
             }
         }
     }
@@ -1043,18 +1156,28 @@ impl Writer {
                 } else {
                     (frame, raw)
                 };
-                let mut restated = None;
-                match frame.as_error() {
-                    Some(e) if stale_fence(e).is_some() => {
-                        let fence = stale_fence(e).expect("checked");
-                        restated = self.audit_stale(&ctx.attempt, fence).await;
+                self.fenced_reply(&ctx.attempt, &frame, &raw).await;
+            }
+            Expect::FencedBatch(ctx) => {
+                let (frame, raw) = if frame.as_error().is_some_and(is_missing_script) {
+                    self.retry(&ctx.call).await?
+                } else {
+                    (frame, raw)
+                };
+                match fence_batch::split(&frame, &raw, ctx.attempts.len(), ctx.resp3) {
+                    Ok(Split::Each(replies)) => {
+                        for (attempt, (frame, raw)) in ctx.attempts.iter().zip(&replies) {
+                            self.fenced_reply(attempt, frame, raw).await;
+                        }
                     }
-                    Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
-                    _ => self.gateway.sink.applied(STORE),
-                }
-                match restated {
-                    Some(frame) => frame.encode(self.out()),
-                    None => self.out().extend_from_slice(&raw),
+                    // A stale fence refuses every write of the batch, each audited.
+                    Ok(Split::Whole) => {
+                        for attempt in &ctx.attempts {
+                            self.fenced_reply(attempt, &frame, &raw).await;
+                        }
+                    }
+                    // Which writes applied is unknown: the client must not guess either.
+                    Err(why) => return Err(RedisError::Upstream(why)),
                 }
             }
             Expect::Exec(ctx) => {
@@ -1080,6 +1203,25 @@ impl Writer {
             }
         }
         Ok(())
+    }
+
+    /// Answers one fenced write with the store's reply: a `FENCED` refusal is audited (and
+    /// restated when the fence is above every issued revision), anything else but a missing
+    /// function counts as applied.
+    async fn fenced_reply(&mut self, attempt: &Attempt, frame: &Frame, raw: &Bytes) {
+        let mut restated = None;
+        match frame.as_error() {
+            Some(e) if stale_fence(e).is_some() => {
+                let fence = stale_fence(e).expect("checked");
+                restated = self.audit_stale(attempt, fence).await;
+            }
+            Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
+            _ => self.gateway.sink.applied(STORE),
+        }
+        match restated {
+            Some(frame) => frame.encode(self.out()),
+            None => self.out().extend_from_slice(raw),
+        }
     }
 
     /// The fence script was missing (flush or restart): load it again and, when nothing else of

@@ -9,7 +9,9 @@ use crate::config::RedisConfig;
 use crate::durability::{self, Settings};
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
-use crate::rewrite::{function_source, script_source, ScriptMode};
+use crate::rewrite::{
+    batch_function_source, batch_script_source, function_source, script_source, ScriptMode,
+};
 use crate::stream::Connection;
 pub use crate::tls::Upstream;
 
@@ -99,12 +101,12 @@ impl ControlConnection {
         request_on(&mut self.stream, &mut self.buf, args).await
     }
 
-    /// Loads the fence script: as a Redis Function where the server has them, else as a cached
-    /// script. Safe to repeat (the function is loaded with `REPLACE`).
+    /// Loads the fence script and the batch fence script: as Redis Functions (two libraries)
+    /// where the server has them, else as cached scripts. Safe to repeat (functions are loaded
+    /// with `REPLACE`; a library of the same name holds the same code).
     pub async fn load_fence(&mut self) -> Result<ScriptMode, RedisError> {
-        let source = function_source();
         match self
-            .request(&["FUNCTION", "LOAD", "REPLACE", &source])
+            .request(&["FUNCTION", "LOAD", "REPLACE", &function_source()])
             .await?
         {
             Frame::Error(e) => {
@@ -115,12 +117,27 @@ impl ControlConnection {
                     )));
                 }
             }
-            _ => return Ok(ScriptMode::Function),
+            _ => {
+                if let Frame::Error(e) = self
+                    .request(&["FUNCTION", "LOAD", "REPLACE", &batch_function_source()])
+                    .await?
+                {
+                    return Err(RedisError::Upstream(format!(
+                        "refused FUNCTION LOAD of the batch fence library: {}",
+                        String::from_utf8_lossy(&e)
+                    )));
+                }
+                return Ok(ScriptMode::Function);
+            }
         }
-        match self.request(&["SCRIPT", "LOAD", &script_source()]).await? {
-            Frame::Bulk(sha) => Ok(ScriptMode::Script {
-                sha: String::from_utf8_lossy(&sha).into_owned(),
-            }),
+        let sha = self.script_load(&script_source()).await?;
+        let batch_sha = self.script_load(&batch_script_source()).await?;
+        Ok(ScriptMode::Script { sha, batch_sha })
+    }
+
+    async fn script_load(&mut self, source: &str) -> Result<String, RedisError> {
+        match self.request(&["SCRIPT", "LOAD", source]).await? {
+            Frame::Bulk(sha) => Ok(String::from_utf8_lossy(&sha).into_owned()),
             other => Err(RedisError::Upstream(format!(
                 "answered SCRIPT LOAD with {other:?}"
             ))),
