@@ -6,6 +6,7 @@ mod gateway {
     mod availability;
     mod bypass_regressions;
     mod durability;
+    mod fenced_pipeline;
     mod glob_differential;
     mod in_process;
     mod keyspec_differential;
