@@ -385,6 +385,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["etcd 3.4".into(), "fencegate".into()],
         rows,
+        tables: Vec::new(),
         notes: cases
             .iter()
             .zip(latency.iter_mut())

@@ -206,6 +206,7 @@ pub async fn run(reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["before".into(), "after".into()],
         rows,
+        tables: Vec::new(),
         notes: Vec::new(),
     })
 }

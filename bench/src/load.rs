@@ -60,6 +60,12 @@ pub fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// The `q` quantile of values already sorted (as [`median`] leaves them).
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let i = ((sorted.len() as f64 * q) as usize).min(sorted.len() - 1);
+    sorted[i]
+}
+
 /// Per-worker counts merged into one [`Outcome`]; for loops that keep a connection per worker.
 pub struct Tally {
     histogram: Histogram<u64>,

@@ -29,6 +29,14 @@ pub fn describe() -> String {
     )
 }
 
+/// The 1, 5 and 15-minute load averages (`/proc/loadavg`), as "a, b, c".
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(", "))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// First line a command prints about its own version, or "not found".
 pub fn version(command: &[&str]) -> String {
     Command::new(command[0])

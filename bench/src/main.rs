@@ -5,9 +5,12 @@
 //!     ./target/release/fencegate-bench all
 
 mod authority;
+mod cpu;
 mod footprint;
+mod hop;
 mod load;
 mod machine;
+mod peer;
 mod postgres;
 mod process;
 mod redis;
@@ -50,14 +53,19 @@ enum Suite {
     Postgres,
     /// Signed PUTs to moto directly and fenced through the S3 gateway; upstream requests per PUT.
     S3,
+    /// Redis and PostgreSQL direct, through their usual proxy (twemproxy, PgBouncer) and
+    /// through fencegate as a pass-through, interleaved: throughput, latency and the proxy's CPU
+    /// time per request.
+    Peers,
     /// The gateway's RSS idle and after 1,000 idle connections per gateway.
     Footprint,
     /// Every suite above, in one invocation.
     All,
 }
 
-const EVERY: [Suite; 5] = [
+const EVERY: [Suite; 6] = [
     Suite::Redis,
+    Suite::Peers,
     Suite::Postgres,
     Suite::S3,
     Suite::Footprint,
@@ -69,6 +77,7 @@ async fn run_suite(suite: Suite, run: Duration, reps: usize) -> anyhow::Result<r
         Suite::Authority => authority::run(run, reps).await,
         Suite::Redis => redis::run(run, reps).await,
         Suite::Postgres => postgres::run(run, reps).await,
+        Suite::Peers => hop::run(run, reps).await,
         Suite::S3 => s3::run(run, reps).await,
         Suite::Footprint => footprint::run(reps).await,
         Suite::All => unreachable!("expanded by main"),

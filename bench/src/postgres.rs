@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use crate::load::median;
+use crate::load::{median, quantile};
 use crate::machine;
 use crate::report::{Row, Section};
 use crate::servers::{install_fence_sql, pg_bin, postgres_section, Node, Postgres};
@@ -80,17 +80,25 @@ fn set_triggers(pg: &Postgres, enabled: bool) -> anyhow::Result<()> {
 type TpsPair = (Vec<f64>, Vec<f64>);
 
 #[derive(Clone, Copy)]
-enum Workload {
+pub enum Workload {
+    /// `pgbench -S`, simple query protocol.
     SelectOnly,
+    /// `pgbench -S -M prepared`: extended protocol, statements prepared once per connection.
+    SelectPrepared,
+    /// The script given.
     Write,
 }
 
-struct Run {
-    tps: f64,
-    p50_us: f64,
+pub struct Run {
+    pub tps: f64,
+    /// Transactions completed (pgbench's "number of transactions actually processed").
+    pub transactions: u64,
+    /// From the per-transaction log; 0 without one.
+    pub p50_us: f64,
+    pub p99_us: f64,
 }
 
-fn pgbench_path() -> String {
+pub fn pgbench_path() -> String {
     if let Ok(bin) = pg_bin() {
         let p = bin.join("pgbench");
         if p.exists() {
@@ -102,7 +110,7 @@ fn pgbench_path() -> String {
 
 /// One pgbench run; with `log`, the per-transaction log gives the p50 latency.
 #[allow(clippy::too_many_arguments)]
-fn pgbench(
+pub fn pgbench(
     port: u16,
     workload: Workload,
     clients: usize,
@@ -114,7 +122,7 @@ fn pgbench(
     let mut command = Command::new(pgbench_path());
     command
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
-        .args(["-n", "-M", "simple", "-c", &clients.to_string()])
+        .args(["-n", "-c", &clients.to_string()])
         .args([
             "-j",
             &clients.min(2).to_string(),
@@ -122,8 +130,9 @@ fn pgbench(
             &seconds.to_string(),
         ]);
     match workload {
-        Workload::SelectOnly => command.arg("-S"),
-        Workload::Write => command.arg("-f").arg(script),
+        Workload::SelectOnly => command.args(["-M", "simple", "-S"]),
+        Workload::SelectPrepared => command.args(["-M", "prepared", "-S"]),
+        Workload::Write => command.args(["-M", "simple", "-f"]).arg(script),
     };
     if let Some(dir) = log {
         let _ = std::fs::remove_dir_all(dir);
@@ -153,7 +162,13 @@ fn pgbench(
         .and_then(|l| l.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .with_context(|| format!("no tps in pgbench's output:\n{stdout}"))?;
-    let p50_us = match log {
+    let transactions = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+        .and_then(|l| l.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no transaction count in pgbench's output:\n{stdout}"))?;
+    let (p50_us, p99_us) = match log {
         Some(dir) => {
             let mut latencies = Vec::new();
             for entry in std::fs::read_dir(dir)? {
@@ -167,22 +182,20 @@ fn pgbench(
             if latencies.is_empty() {
                 bail!("pgbench wrote no transaction log");
             }
-            median(&mut latencies)
+            (median(&mut latencies), quantile(&latencies, 0.99))
         }
-        None => 0.0,
+        None => (0.0, 0.0),
     };
-    Ok(Run { tps, p50_us })
+    Ok(Run {
+        tps,
+        transactions,
+        p50_us,
+        p99_us,
+    })
 }
 
-pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
-    let dir = tempfile::Builder::new()
-        .prefix("fencegate-bench-pgb")
-        .tempdir()?;
-    let script = dir.path().join("write.sql");
-    std::fs::write(&script, WRITE_SCRIPT)?;
-    let guarded = dir.path().join("guarded.sql");
-    std::fs::write(&guarded, GUARDED_SCRIPT)?;
-    let pg = Postgres::start(100)?;
+/// `pgbench -i -s 1` directly on `pg`: the tables every pgbench run reads and writes.
+pub fn pgbench_init(pg: &Postgres) -> anyhow::Result<()> {
     let init = Command::new(pgbench_path())
         .args([
             "-h",
@@ -200,6 +213,19 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             String::from_utf8_lossy(&init.stderr)
         );
     }
+    Ok(())
+}
+
+pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
+    let dir = tempfile::Builder::new()
+        .prefix("fencegate-bench-pgb")
+        .tempdir()?;
+    let script = dir.path().join("write.sql");
+    std::fs::write(&script, WRITE_SCRIPT)?;
+    let guarded = dir.path().join("guarded.sql");
+    std::fs::write(&guarded, GUARDED_SCRIPT)?;
+    let pg = Postgres::start(100)?;
+    pgbench_init(&pg)?;
     install_fence_sql(&pg)?;
     protect(&pg)?;
     pg.psql("VACUUM ANALYZE")?;
@@ -402,6 +428,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["direct".into(), "gateway".into()],
         rows,
+        tables: Vec::new(),
         notes: vec![trigger_note, format!(
             "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
             guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8

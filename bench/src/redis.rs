@@ -19,15 +19,22 @@ use crate::servers::{redis_section, Node, Redis};
 
 pub const TOKEN: &str = "fg1~1~bench";
 
-/// One `redis-benchmark` run of `command` (`["-t", "get"]`, or a command and its arguments):
-/// (requests/s, p50 µs), from the last row of its CSV output.
-fn redis_benchmark(
+/// What one `redis-benchmark` run measured (latencies per request, or per pipeline with -P).
+pub struct Benchmark {
+    pub rps: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// One `redis-benchmark` run of `command` (`["-t", "get"]`, or a command and its arguments),
+/// from the last row of its CSV output.
+pub fn redis_benchmark(
     port: u16,
     command: &[&str],
     clients: usize,
     pipeline: usize,
     requests: u64,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Benchmark> {
     let out = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(["-c", &clients.to_string(), "-P", &pipeline.to_string()])
@@ -54,7 +61,12 @@ fn redis_benchmark(
         .collect();
     fields.reverse();
     // rps, avg, min, p50, p95, p99, max
-    Ok((fields[0], fields.get(3).copied().unwrap_or(0.0) * 1000.0))
+    let ms = |i: usize| fields.get(i).copied().unwrap_or(0.0) * 1000.0;
+    Ok(Benchmark {
+        rps: fields[0],
+        p50_us: ms(3),
+        p99_us: ms(5),
+    })
 }
 
 /// `clients` connections each sending `SET` (in batches of `pipeline`) for `run`; with a
@@ -181,15 +193,15 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             for (path, port) in [redis.port, listen].into_iter().enumerate() {
                 let (ops, p50) = match case {
                     Case::Benchmark { test, clients } => {
-                        let (ops, p50) = redis_benchmark(
+                        let b = redis_benchmark(
                             port,
                             &["-t", test],
                             *clients,
                             1,
                             requests(rate[c][path]),
                         )?;
-                        rate[c][path] = ops;
-                        (ops, p50)
+                        rate[c][path] = b.rps;
+                        (b.rps, b.p50_us)
                     }
                     Case::Set { clients, pipeline } => {
                         let token = (path == 1).then_some(TOKEN);
@@ -211,7 +223,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         // store itself can do for fenced writes; the gateway loaded the function above).
         for (i, pipeline) in [1usize, 16].into_iter().enumerate() {
             let n = requests(if pipeline == 1 { 40_000.0 } else { 200_000.0 });
-            let (set, _) = redis_benchmark(redis.port, &["SET", "key", "xxx"], 50, pipeline, n)?;
+            let set = redis_benchmark(redis.port, &["SET", "key", "xxx"], 50, pipeline, n)?.rps;
             let fcall = [
                 "FCALL",
                 "fencegate_fence_v1",
@@ -225,7 +237,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 "key",
                 "xxx",
             ];
-            let (fenced, _) = redis_benchmark(redis.port, &fcall, 50, pipeline, n)?;
+            let fenced = redis_benchmark(redis.port, &fcall, 50, pipeline, n)?.rps;
             calibration[i].0.push(set);
             calibration[i].1.push(fenced);
         }
@@ -263,6 +275,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["direct".into(), "gateway".into()],
         rows,
+        tables: Vec::new(),
         notes: vec![format!(
             "Calibration, direct only, redis-benchmark at 50 clients: plain `SET key xxx` {:.0} req/s unpipelined, {:.0} with -P 16 (the generator's direct figures above are the baseline of the ratios); the fence function called directly (`FCALL fencegate_fence_v1 2 fencegate:fence:{{bench}} key bench 1 2 SET key xxx`, what the gateway sends for each fenced SET) {:.0} req/s unpipelined, {:.0} with -P 16: the store's own ceiling for fenced writes.",
             median(&mut calibration[0].0),

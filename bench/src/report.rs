@@ -37,12 +37,35 @@ impl Row {
     }
 }
 
+/// A table of its own columns, for suites that compare more than two paths.
+pub struct Table {
+    pub headers: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn render(&self, s: &mut String) {
+        s.push_str(&format!("\n| {} |\n", self.headers.join(" | ")));
+        // The first column is text, the others figures: right-aligned.
+        let align: Vec<&str> = (0..self.headers.len())
+            .map(|i| if i == 0 { "---" } else { "---:" })
+            .collect();
+        s.push_str(&format!("|{}|\n", align.join("|")));
+        for row in &self.rows {
+            s.push_str(&format!("| {} |\n", row.join(" | ")));
+        }
+    }
+}
+
 pub struct Section {
     pub name: String,
     pub title: String,
     pub setup: Vec<String>,
     pub headers: [String; 2],
+    /// The direct-against-gateway table; not rendered when empty.
     pub rows: Vec<Row>,
+    /// Further tables, after it.
+    pub tables: Vec<Table>,
     pub notes: Vec<String>,
 }
 
@@ -52,16 +75,21 @@ impl Section {
         for line in &self.setup {
             s.push_str(&format!("- {line}\n"));
         }
-        s.push_str(&format!(
-            "\n| what | {} | {} | ratio | target |\n|---|---|---|---|---|\n",
-            self.headers[0], self.headers[1]
-        ));
+        if !self.rows.is_empty() {
+            s.push_str(&format!(
+                "\n| what | {} | {} | ratio | target |\n|---|---|---|---|---|\n",
+                self.headers[0], self.headers[1]
+            ));
+        }
         for r in &self.rows {
             let ratio = r.ratio.map_or("-".into(), |x| format!("{x:.2}x"));
             s.push_str(&format!(
                 "| {} | {} | {} | {ratio} | {} |\n",
                 r.what, r.direct, r.gateway, r.target
             ));
+        }
+        for table in &self.tables {
+            table.render(&mut s);
         }
         if !self.notes.is_empty() {
             s.push('\n');

@@ -246,6 +246,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         ],
         headers: ["direct".into(), "gateway".into()],
         rows,
+        tables: Vec::new(),
         notes: if cfg!(debug_assertions) {
             vec!["Debug build: PUT/s and latency are not comparable with release runs; upstream requests per PUT do not depend on the build.".into()]
         } else {

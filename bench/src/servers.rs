@@ -44,6 +44,11 @@ pub struct Redis {
 }
 
 impl Redis {
+    /// The redis-server process id.
+    pub fn pid(&self) -> u32 {
+        self._server.id()
+    }
+
     pub fn start(dir: &Path) -> anyhow::Result<Self> {
         let port = free_port();
         let mut command = Command::new("redis-server");
@@ -76,7 +81,7 @@ pub fn pg_bin() -> anyhow::Result<PathBuf> {
     bail!("initdb/pg_ctl not found under /usr/lib/postgresql/*/bin: apt-get install postgresql (or set PG_BIN)")
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -304,6 +309,11 @@ impl Node {
         std::fs::read_to_string(self._dir.path().join("node.log")).unwrap_or_default()
     }
 
+    /// The node's process id.
+    pub fn pid(&self) -> u32 {
+        self.server.id()
+    }
+
     /// Resident memory (VmRSS) in KiB.
     pub fn rss_kib(&self) -> anyhow::Result<u64> {
         rss_kib(self.server.id())
@@ -326,6 +336,19 @@ pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
 pub fn redis_section(listen: u16, upstream: u16) -> String {
     format!(
         "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\naccept_unpersisted_fences = true\n\n[[redis.protect]]\npattern = \"*\"\nmode = \"enforce\"\nresource = \"*\"\n\n"
+    )
+}
+
+/// `section` for a Redis gateway that protects no key (a pass-through): the same work as any
+/// other proxy, for comparisons with one.
+pub fn redis_passthrough_section(listen: u16, upstream: u16) -> String {
+    format!("[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\nprotect = []\n\n")
+}
+
+/// `section` for a PostgreSQL gateway that protects no database (a pass-through).
+pub fn postgres_passthrough_section(listen: u16, upstream: u16) -> String {
+    format!(
+        "[postgres]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\ndatabases = []\n\n"
     )
 }
 
