@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,6 +107,8 @@ pub(crate) async fn run(
     let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = mpsc::channel(SLOT_QUEUE);
     let read_at = ReadTimes::default();
+    let batching = matches!(info.mode, ScriptMode::Function);
+    let hellos_pending = Arc::new(AtomicUsize::new(0));
     let reader = Reader {
         gateway: gateway.clone(),
         info,
@@ -130,6 +132,8 @@ pub(crate) async fn run(
         wait: None,
         read_at: read_at.clone(),
         shutdown,
+        batching,
+        hellos_pending: hellos_pending.clone(),
     };
     let sink = gateway.sink.clone();
     let writer = Writer {
@@ -145,6 +149,8 @@ pub(crate) async fn run(
         resp3,
         identity,
         subscriptions: Default::default(),
+        speaks_resp3: false,
+        hellos_pending,
         slots: rx,
         read_at,
     };
@@ -200,6 +206,8 @@ enum Expect {
     /// the user becomes the audit identity.
     Hello {
         previous: bool,
+        /// The protocol asked for (`HELLO 3`: true, `HELLO 2`: false, no version: None).
+        version: Option<bool>,
         user: Option<String>,
     },
     /// An `AUTH`: the user becomes the audit identity only if Redis accepts it.
@@ -273,6 +281,14 @@ struct Reader {
     read_at: ReadTimes,
     /// The node is draining: end the session at the next idle point.
     shutdown: CancellationToken,
+    /// Whether pipelined fenced writes may share one batch fence call: off on servers without
+    /// Functions (a script that wrote nothing yet escapes `maxmemory`), and for good once the
+    /// client authenticates (`AUTH`, `HELLO ... AUTH`: a user's per-key ACL would refuse a whole
+    /// call for one key).
+    batching: bool,
+    /// `HELLO`s sent whose reply the writer has not yet seen: until then the protocol `resp3`
+    /// assumes may be wrong (a failed `HELLO 3`), and a batch's reply would be misread.
+    hellos_pending: Arc<AtomicUsize>,
 }
 
 /// When each slot's request was read, in slot order: the reader pushes, the writer pops once
@@ -591,6 +607,12 @@ impl Reader {
         let args = &request.args;
         match name.as_str() {
             "FENCE" => return self.fence(&request, batch),
+            // Redis refuses it and stays outside a transaction; the gateway must not enter one.
+            "MULTI" if args.len() > 1 => {
+                let text = "ERR wrong number of arguments for 'multi' command";
+                batch.push(Slot::Local(Frame::error(text)));
+                return;
+            }
             "MULTI" if self.multi.is_none() => {
                 self.multi = Some(Multi {
                     token: self.token.clone(),
@@ -615,6 +637,7 @@ impl Reader {
                 return;
             }
             "AUTH" if self.multi.is_none() => {
+                self.batching = false;
                 let user = if args.len() >= 3 {
                     lossy(&args[1], 64)
                 } else {
@@ -625,19 +648,30 @@ impl Reader {
                 return;
             }
             "HELLO" if self.multi.is_none() => {
+                self.hellos_pending.fetch_add(1, Ordering::AcqRel);
                 let previous = self.resp3.load(Ordering::Relaxed);
-                match args.get(1).map(|v| v.as_ref()) {
-                    Some(b"3") => self.resp3.store(true, Ordering::Relaxed),
-                    Some(b"2") => self.resp3.store(false, Ordering::Relaxed),
-                    _ => {}
+                let version = match args.get(1).map(|v| v.as_ref()) {
+                    Some(b"3") => Some(true),
+                    Some(b"2") => Some(false),
+                    _ => None,
+                };
+                if let Some(v) = version {
+                    self.resp3.store(v, Ordering::Relaxed);
                 }
                 let user = args
                     .iter()
                     .position(|a| a.eq_ignore_ascii_case(b"AUTH"))
                     .and_then(|i| args.get(i + 1))
                     .map(|u| lossy(u, 64));
+                if user.is_some() {
+                    self.batching = false;
+                }
                 batch.forward(args);
-                batch.push(Slot::Upstream(Expect::Hello { previous, user }));
+                batch.push(Slot::Upstream(Expect::Hello {
+                    previous,
+                    version,
+                    user,
+                }));
                 return;
             }
             // Replies are matched to requests in order; a server that stops replying would
@@ -701,9 +735,11 @@ impl Reader {
             Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
             Decision::Fence { keys, token } => {
                 self.accepted();
+                // Read before `resp3`: the writer settles the protocol, then counts the reply.
+                let settled = self.hellos_pending.load(Ordering::Acquire) == 0;
                 let resp3 = self.resp3.load(Ordering::Relaxed);
                 let attempt = self.attempt(&request, &keys, Some(&token));
-                if self.multi.is_none() {
+                if self.multi.is_none() && self.batching && settled {
                     // Joins the batch's run of fenced writes (sent when the run closes).
                     let write = RunWrite {
                         args: request.args,
@@ -951,6 +987,11 @@ struct Writer {
     /// confirmed them: tells how many confirmations an argument-less unsubscribe gets, and
     /// whether a RESP2 `message` array is a message or a reply.
     subscriptions: [std::collections::HashSet<Bytes>; 3],
+    /// The protocol Redis speaks on this connection, as its replies confirmed it (the reader's
+    /// `resp3` changes when a `HELLO` is sent, before Redis has accepted it).
+    speaks_resp3: bool,
+    /// Shared with the reader: counted down once a `HELLO`'s reply has settled the protocol.
+    hellos_pending: Arc<AtomicUsize>,
     slots: mpsc::Receiver<Slot>,
     read_at: ReadTimes,
 }
@@ -1039,7 +1080,7 @@ impl Writer {
 
     /// Whether an upstream frame is out of band (a pub/sub message, an invalidation), not the
     /// reply to a request: RESP3 push frames other than (un)subscribe confirmations, and in
-    /// RESP2 while subscribed, `message`/`pmessage`/`smessage` arrays.
+    /// RESP2 (as Redis confirmed it) while subscribed, `message`/`pmessage`/`smessage` arrays.
     fn out_of_band(&self, frame: &Frame) -> bool {
         let kind = |items: &[Frame]| match items.first() {
             Some(Frame::Bulk(k)) | Some(Frame::Simple(k)) => {
@@ -1049,7 +1090,10 @@ impl Writer {
         };
         match frame {
             Frame::Push(items) => SubKind::of(&kind(items)).is_none(),
-            Frame::Array(items) if self.subscriptions.iter().any(|s| !s.is_empty()) => {
+            // In RESP3 messages are push frames: an array is always a reply.
+            Frame::Array(items)
+                if !self.speaks_resp3 && self.subscriptions.iter().any(|s| !s.is_empty()) =>
+            {
                 matches!(kind(items).as_str(), "message" | "pmessage" | "smessage")
             }
             _ => false,
@@ -1085,12 +1129,8 @@ impl Writer {
     /// for their slots, until a slot arrives.
     async fn relay_until_slot(&mut self) -> Result<Option<Slot>, RedisError> {
         loop {
-            while let Some((frame, raw)) = self.parse_upstream()? {
-                if self.out_of_band(&frame) {
-                    self.out().extend_from_slice(&raw);
-                } else {
-                    self.stash.push_back((frame, raw));
-                }
+            while let Some(reply) = self.parse_upstream()? {
+                self.relay_or_stash(reply);
             }
             self.flush().await?;
             tokio::select! {
@@ -1112,12 +1152,22 @@ impl Writer {
         match expect {
             Expect::Plain => self.out().extend_from_slice(&raw),
             Expect::Replace(replacement) => replacement.encode(self.out()),
-            Expect::Hello { previous, user } => {
+            Expect::Hello {
+                previous,
+                version,
+                user,
+            } => {
                 if frame.as_error().is_some() {
                     self.resp3.store(previous, Ordering::Relaxed);
-                } else if let Some(user) = user {
-                    *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
+                } else {
+                    if let Some(v) = version {
+                        self.speaks_resp3 = v;
+                    }
+                    if let Some(user) = user {
+                        *self.identity.lock().unwrap_or_else(|p| p.into_inner()) = Some(user);
+                    }
                 }
+                self.hellos_pending.fetch_sub(1, Ordering::AcqRel);
                 self.out().extend_from_slice(&raw);
             }
             Expect::Auth(user) => {
@@ -1145,6 +1195,7 @@ impl Writer {
                 }
             }
             Expect::Reset => {
+                self.speaks_resp3 = false;
                 for set in &mut self.subscriptions {
                     set.clear();
                 }
@@ -1241,12 +1292,8 @@ impl Writer {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
-                    while let Some((frame, raw)) = self.parse_upstream()? {
-                        if self.out_of_band(&frame) {
-                            self.out().extend_from_slice(&raw);
-                        } else {
-                            self.stash.push_back((frame, raw));
-                        }
+                    while let Some(reply) = self.parse_upstream()? {
+                        self.relay_or_stash(reply);
                     }
                 }
             }
@@ -1302,9 +1349,26 @@ impl Writer {
     }
 
     async fn next_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
-        match self.stash.pop_front() {
-            Some(reply) => Ok(reply),
-            None => self.read_reply().await,
+        while let Some((frame, raw)) = self.stash.pop_front() {
+            // Judged now, after the replies before it were delivered (a RESP2 `message` is
+            // out of band only once its subscription's confirmation has been applied).
+            if self.out_of_band(&frame) {
+                self.out().extend_from_slice(&raw);
+                continue;
+            }
+            return Ok((frame, raw));
+        }
+        self.read_reply().await
+    }
+
+    /// A frame read while no slot waits for it: an out-of-band one goes to the client at once
+    /// when nothing is stashed; anything else, and everything behind a stashed reply, waits
+    /// in the stash so the client gets them in the order Redis sent them.
+    fn relay_or_stash(&mut self, (frame, raw): (Frame, Bytes)) {
+        if self.stash.is_empty() && self.out_of_band(&frame) {
+            self.out().extend_from_slice(&raw);
+        } else {
+            self.stash.push_back((frame, raw));
         }
     }
 

@@ -430,3 +430,162 @@ async fn an_error_in_the_middle_of_a_batch_answers_that_write_only() {
     .await
     .unwrap();
 }
+
+/// One RESP command from exact arguments (spaces allowed, unlike `wire`).
+fn command(args: &[&str]) -> Vec<u8> {
+    let mut out = bytes::BytesMut::new();
+    Frame::command(args.iter().map(|a| Bytes::copy_from_slice(a.as_bytes()))).encode(&mut out);
+    out.to_vec()
+}
+
+/// Sends raw bytes in one write; reads until the stream ends with `until`.
+fn exchange_raw(s: &mut TcpStream, bytes: &[u8], until: &[u8]) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    while !out.ends_with(until) {
+        let n = s
+            .read(&mut buf)
+            .unwrap_or_else(|e| panic!("{e}; so far: {:?}", String::from_utf8_lossy(&out)));
+        assert!(n > 0, "closed; so far: {:?}", String::from_utf8_lossy(&out));
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+/// Review findings on the batch path: writes pipelined behind a `HELLO 3` that fails are not
+/// batched under the protocol it would have set (their nulls stay RESP2 nulls, the connection
+/// lives), and an authenticated connection never batches (a user's per-key ACL must refuse
+/// only its own key's write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_batch_behind_a_pending_hello_or_after_auth() {
+    let s = setup().await;
+    let (addr, behind) = (s.gateway, s.behind.addr);
+    tokio::task::spawn_blocking(move || {
+        let mut direct = connect(behind);
+        let mut c = connect(addr);
+        fence(&mut c, "fg1~5~job");
+        let before = fcalls(&mut direct);
+        let mut bytes = command(&["HELLO", "3", "SETNAME", "no spaces allowed"]);
+        bytes.extend(command(&["SET", "h1", "v", "GET"]));
+        bytes.extend(command(&["SET", "h2", "v", "GET"]));
+        bytes.extend(command(&["ECHO", "fg-end"]));
+        let got = replies(&exchange_raw(&mut c, &bytes, END));
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert!(got[0].starts_with("-ERR"), "HELLO fails: {got:?}");
+        assert_eq!(&got[1..3], ["$-1\r\n", "$-1\r\n"], "RESP2 nulls");
+        assert_eq!(fcalls(&mut direct) - before, 2, "one call each");
+        // Still RESP2 and still batching afterwards (the HELLO's reply has settled it).
+        let before = fcalls(&mut direct);
+        let mut pipeline = sets("h", 16);
+        pipeline.push("ECHO fg-end".into());
+        let out = exchange(&mut c, &pipeline, END);
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("{}$6\r\nfg-end\r\n", "+OK\r\n".repeat(16))
+        );
+        assert_eq!(fcalls(&mut direct) - before, 1, "batched again");
+
+        let mut authed = connect(addr);
+        assert_eq!(
+            exchange(&mut authed, &strings(&["AUTH default any"]), b"\r\n"),
+            b"+OK\r\n"
+        );
+        fence(&mut authed, "fg1~5~job");
+        let before = fcalls(&mut direct);
+        let out = exchange(&mut authed, &pipeline, END);
+        assert_eq!(replies(&out).len(), 17);
+        assert_eq!(fcalls(&mut direct) - before, 16, "no batch after AUTH");
+    })
+    .await
+    .unwrap();
+    assert!(s.sink.events().is_empty(), "{:?}", s.sink.events());
+}
+
+/// `MULTI` with an argument is refused by Redis, which stays outside a transaction: the gateway
+/// must not enter one, or a stale write's `-FENCED` would be relayed as a queued reply and go
+/// unaudited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_multi_leaves_no_transaction_behind() {
+    let s = setup().await;
+    let (addr, behind) = (s.gateway, s.behind.addr);
+    tokio::task::spawn_blocking(move || {
+        let mut holder = connect(addr);
+        fence(&mut holder, "fg1~9~job");
+        assert_eq!(
+            exchange(&mut holder, &strings(&["SET k new"]), b"\r\n"),
+            b"+OK\r\n"
+        );
+        let mut zombie = connect(addr);
+        fence(&mut zombie, "fg1~5~job");
+        let got = replies(&exchange(
+            &mut zombie,
+            &strings(&["MULTI x", "SET k old", "ECHO fg-end"]),
+            END,
+        ));
+        assert_eq!(
+            got,
+            [
+                "-ERR wrong number of arguments for 'multi' command\r\n",
+                "-FENCED job token 5 is below fence 9\r\n",
+                "$6\r\nfg-end\r\n"
+            ]
+        );
+        let mut direct = connect(behind);
+        assert_eq!(
+            exchange(&mut direct, &strings(&["GET k"]), b"new\r\n"),
+            b"$3\r\nnew\r\n"
+        );
+    })
+    .await
+    .unwrap();
+    let events = s.sink.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].reason, "stale");
+}
+
+/// In RESP3 pub/sub messages are push frames; an ordinary array reply that happens to start
+/// with "message" is a reply, not a message, or every later reply shifts one request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resp3_subscriber_reading_a_message_shaped_array_keeps_its_replies_in_order() {
+    let s = setup().await;
+    let (addr, behind) = (s.gateway, s.behind.addr);
+    tokio::task::spawn_blocking(move || {
+        let mut direct = connect(behind);
+        assert_eq!(
+            exchange(&mut direct, &strings(&["RPUSH l message x"]), b"\r\n"),
+            b":2\r\n"
+        );
+        let mut holder = connect(addr);
+        fence(&mut holder, "fg1~9~job");
+        assert_eq!(
+            exchange(&mut holder, &strings(&["SET k new"]), b"\r\n"),
+            b"+OK\r\n"
+        );
+        let mut c = connect(addr);
+        exchange(&mut c, &strings(&["HELLO 3", "ECHO fg-end"]), END);
+        let confirmed = exchange(&mut c, &strings(&["SUBSCRIBE ch"]), b":1\r\n");
+        assert!(confirmed.starts_with(b">3\r\n"), "{confirmed:?}");
+        fence(&mut c, "fg1~5~job");
+        let got = replies(&exchange(
+            &mut c,
+            &strings(&["LRANGE l 0 -1", "SET k old", "PING", "ECHO fg-end"]),
+            END,
+        ));
+        assert_eq!(
+            got,
+            [
+                "*2\r\n$7\r\nmessage\r\n$1\r\nx\r\n",
+                "-FENCED job token 5 is below fence 9\r\n",
+                "+PONG\r\n",
+                "$6\r\nfg-end\r\n"
+            ]
+        );
+    })
+    .await
+    .unwrap();
+    let events = s.sink.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].reason, "stale");
+}
