@@ -349,3 +349,78 @@ async fn a_draining_leader_hands_over_to_its_most_up_to_date_follower() {
         campaigned[0]
     );
 }
+
+/// A hand-over proves nothing: leader and term are public (`/v1/cluster`, `/metrics`), so a
+/// forged one reaches a follower of a healthy cluster whenever the peer route does. The
+/// follower accepts it (it names the current leader and term), declines a duplicate while it
+/// waits, then sees the leader still heartbeating and does not campaign: the leader keeps its
+/// term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_hand_over_does_not_depose_a_heartbeating_leader() {
+    use support::cluster::{Cluster, ELECTION_MAX};
+    // Insecure: Raft, and so the hand-over route, on the API port with no credentials.
+    let cluster = Cluster::start(3, "").await;
+    let all = cluster.ids();
+    let leader = cluster.wait_for_leader(&all).await;
+    let term = cluster.cluster_view(leader).await.unwrap()["term"]
+        .as_u64()
+        .unwrap();
+    let follower = all.iter().copied().find(|id| *id != leader).unwrap();
+    let forged = serde_json::json!({ "leader": leader, "term": term });
+
+    let (status, accepted) = cluster
+        .call(
+            follower,
+            reqwest::Method::POST,
+            "/raft/hand-over",
+            Some(forged.clone()),
+        )
+        .await;
+    assert_eq!(status, reqwest::StatusCode::OK, "{accepted}");
+    assert_eq!(
+        accepted,
+        serde_json::Value::Bool(true),
+        "it names the leader and term"
+    );
+    let (_, duplicate) = cluster
+        .call(
+            follower,
+            reqwest::Method::POST,
+            "/raft/hand-over",
+            Some(forged),
+        )
+        .await;
+    assert_eq!(
+        duplicate,
+        serde_json::Value::Bool(false),
+        "a second hand-over while one is pending is declined"
+    );
+
+    // The follower decides once `election_timeout_max + heartbeat` has passed.
+    wait_for_log(
+        &cluster.log_path(follower),
+        "not campaigning on a hand-over: the leader is still heartbeating",
+    );
+    // Then, for a further election timeout (a margin), every node keeps the leader and term.
+    let deadline = Instant::now() + ELECTION_MAX;
+    let mut polls = 0;
+    while Instant::now() < deadline {
+        for id in &all {
+            let view = cluster.cluster_view(*id).await.expect("every node answers");
+            assert_eq!(
+                view["leader_id"].as_u64(),
+                Some(leader),
+                "node {id}: {view}"
+            );
+            assert_eq!(view["term"].as_u64(), Some(term), "node {id}: {view}");
+        }
+        polls += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(polls > 0);
+    let log = std::fs::read_to_string(cluster.log_path(follower)).unwrap();
+    assert!(
+        !log.contains("campaigning: the draining leader handed over"),
+        "the follower did not campaign:\n{log}"
+    );
+}

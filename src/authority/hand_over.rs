@@ -4,9 +4,12 @@
 //! the leader has stopped Raft, it names its most up-to-date follower, which campaigns as soon
 //! as every voter's lease can have run out (`election_timeout_max` after the last heartbeat,
 //! plus one heartbeat for those still in flight) instead of waiting for the lease *and* its own
-//! random election timeout. It waits even for its own lease: `Raft::trigger().elect()` votes
-//! for itself without checking it.
+//! random election timeout. It waits even for its own lease, and checks it: `Raft::trigger()
+//! .elect()` votes for itself without doing so, and the message proves nothing (a forged one
+//! must not depose a leader that still heartbeats).
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use openraft::ServerState;
@@ -60,9 +63,14 @@ impl Authority {
     }
 
     /// A follower's side: campaign once every voter's lease can have run out, if nothing changed
-    /// meanwhile. `false` when the message does not come from the leader of this term (or this
-    /// node is draining itself).
-    pub fn campaign_after_hand_over(&self, from: HandOver) -> bool {
+    /// meanwhile. `false` when the message does not come from the leader of this term, this
+    /// node is draining itself, or a hand-over is already pending here.
+    ///
+    /// The message is not trusted to mean the leader stopped (anyone who reaches the peer route
+    /// can send one, and leader and term are public): after the wait, this node campaigns only
+    /// if it has itself received no AppendEntries for `election_timeout_max + heartbeat`, which
+    /// is the leader lease it would honour without the message.
+    pub fn campaign_after_hand_over(self: &Arc<Self>, from: HandOver) -> bool {
         let metrics = self.raft.metrics().borrow().clone();
         let from_leader = metrics.current_leader == Some(from.leader)
             && metrics.current_term == from.term
@@ -75,18 +83,35 @@ impl Authority {
         if !from_leader || !voter || self.draining() {
             return false;
         }
+        // One pending hand-over at a time: duplicates neither pile up tasks nor elect twice.
+        if self
+            .hand_over_pending
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return false;
+        }
+        let pending = Pending(self.clone());
         let config = self.raft.config();
         let wait = Duration::from_millis(config.election_timeout_max + config.heartbeat_interval);
-        let raft = self.raft.clone();
-        let draining = self.draining.clone();
         tokio::spawn(async move {
+            let authority = &pending.0;
             tokio::time::sleep(wait).await;
-            let now = raft.metrics().borrow().clone();
+            let now = authority.raft.metrics().borrow().clone();
             // Another election already happened, or this node began to drain: nothing to do.
             let unchanged = now.current_term == from.term
                 && now.current_leader == Some(from.leader)
                 && now.state != ServerState::Leader;
-            if !unchanged || draining.load(std::sync::atomic::Ordering::Relaxed) {
+            if !unchanged || authority.draining() {
+                return;
+            }
+            // This node's own lease: a leader that still sends heartbeats did not stop.
+            if authority.since_heard_from_leader() < wait {
+                tracing::info!(
+                    leader = from.leader,
+                    term = from.term,
+                    "not campaigning on a hand-over: the leader is still heartbeating"
+                );
                 return;
             }
             tracing::info!(
@@ -94,10 +119,19 @@ impl Authority {
                 term = from.term,
                 "campaigning: the draining leader handed over"
             );
-            if let Err(e) = raft.trigger().elect().await {
+            if let Err(e) = authority.raft.trigger().elect().await {
                 tracing::warn!(error = %e, "campaign after a hand-over failed");
             }
         });
         true
+    }
+}
+
+/// Clears `hand_over_pending` when the hand-over task ends, however it ends.
+struct Pending(Arc<Authority>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.hand_over_pending.store(false, Ordering::Release);
     }
 }

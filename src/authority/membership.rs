@@ -98,6 +98,11 @@ impl Authority {
         *self.membership.heard.lock().expect("heard lock") = Instant::now();
     }
 
+    /// How long ago this node last received an AppendEntries or snapshot (or started).
+    pub(super) fn since_heard_from_leader(&self) -> std::time::Duration {
+        self.membership.heard.lock().expect("heard lock").elapsed()
+    }
+
     /// Becomes `true` once this node knows it is no longer a member; `serve` then stops.
     pub fn removed(&self) -> watch::Receiver<bool> {
         self.membership.removed.subscribe()

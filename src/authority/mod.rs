@@ -212,6 +212,8 @@ pub struct Authority {
     /// Set by [`Authority::drain`]: this node never campaigns again (not even after a
     /// hand-over).
     draining: Arc<std::sync::atomic::AtomicBool>,
+    /// A hand-over is waiting to campaign: a second one is declined (see `hand_over`).
+    hand_over_pending: std::sync::atomic::AtomicBool,
 }
 
 impl Authority {
@@ -283,6 +285,7 @@ impl Authority {
             confirmed: tokio::sync::Mutex::new(None),
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
             draining: Arc::default(),
+            hand_over_pending: Default::default(),
         });
         tokio::spawn(watch_leadership(authority.clone()));
         tokio::spawn(membership::watch_membership(authority.clone()));
@@ -737,7 +740,14 @@ impl Authority {
     async fn recent_leadership(&self) -> Result<u64, AuthorityError> {
         let mut confirmed = self.confirmed.lock().await;
         if let Some((at, term)) = *confirmed {
-            if at.elapsed() < self.lease_window {
+            // Only while this node still leads that term: a node that saw a higher term or
+            // stepped down must not answer from an older confirmation.
+            let still = {
+                let metrics = self.raft.metrics();
+                let metrics = metrics.borrow();
+                metrics.state == ServerState::Leader && metrics.current_term == term
+            };
+            if still && at.elapsed() < self.lease_window {
                 return Ok(term);
             }
         }
