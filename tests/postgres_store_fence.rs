@@ -663,7 +663,9 @@ async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_ho
             .unwrap();
         let pass: String = old
             .query_one(
-                &format!("SELECT fencegate.guard('{t10}')::text, current_setting('fencegate.pass')"),
+                &format!(
+                    "SELECT fencegate.guard('{t10}')::text, current_setting('fencegate.pass')"
+                ),
                 &[],
             )
             .await
@@ -723,7 +725,11 @@ async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_ho
         let e = result.expect_err(&format!("{isolation}: the stale write committed"));
         // Repeatable read: the fence row changed after the snapshot (serialization failure).
         // Read committed: after waiting, no fence row at revision 10 any more.
-        let want = if isolation == "REPEATABLE READ" { "40001" } else { "FG001" };
+        let want = if isolation == "REPEATABLE READ" {
+            "40001"
+        } else {
+            "FG001"
+        };
         assert_eq!(code(&e), want, "{isolation}: {e:?}");
         if want == "FG001" {
             assert!(format!("{e:?}").contains("below the fence 11"), "{e:?}");
