@@ -642,3 +642,134 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema()
     assert_eq!(code(&e), "FG004", "{e:?}");
     assert_eq!(store.items().await, vec![(1, 1), (2, 2), (3, 3)]);
 }
+
+/// Rolling back to a savepoint releases the guard's row lock, and the client can put the pass
+/// string back with set_config: the trigger takes the fence row again on every protected
+/// statement, so a newer holder's raise (committed or not) refuses the stale write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder() {
+    for isolation in ["REPEATABLE READ", "READ COMMITTED"] {
+        let store = Store::start().await;
+        let t10 = store.token(10).await;
+        let t11 = store.token(11).await;
+        let old = store.app().await;
+        let new = store.app().await;
+        // The fence stands at 10, held by `old`.
+        old.batch_execute(&format!("SELECT fencegate.guard('{t10}')"))
+            .await
+            .unwrap();
+        old.batch_execute(&format!("BEGIN ISOLATION LEVEL {isolation}; SAVEPOINT s"))
+            .await
+            .unwrap();
+        let pass: String = old
+            .query_one(
+                &format!(
+                    "SELECT fencegate.guard('{t10}')::text, current_setting('fencegate.pass')"
+                ),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(1);
+        old.batch_execute("ROLLBACK TO s").await.unwrap();
+        old.query_one("SELECT set_config('fencegate.pass', $1, true)", &[&pass])
+            .await
+            .unwrap();
+        let old_pid: i32 = old
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        // The newer holder raises the fence (not blocked: the savepoint's lock is gone) and writes.
+        new.batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{t11}'); INSERT INTO app.items VALUES (101, 11)"
+        ))
+        .await
+        .unwrap();
+        if isolation == "REPEATABLE READ" {
+            new.batch_execute("COMMIT").await.unwrap();
+        }
+        let stale = tokio::spawn(async move {
+            old.batch_execute("INSERT INTO app.items VALUES (100, 10); COMMIT")
+                .await
+        });
+        if isolation == "READ COMMITTED" {
+            // Commit the raise once the stale write waits for it (or has already finished).
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let waiting: bool = store
+                    .admin
+                    .query_one(
+                        "SELECT count(*) > 0 FROM pg_stat_activity \
+                         WHERE pid = $1 AND wait_event_type = 'Lock'",
+                        &[&old_pid],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                if waiting || stale.is_finished() {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the stale write neither waited nor finished"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            new.batch_execute("COMMIT").await.unwrap();
+        }
+        let result = tokio::time::timeout(std::time::Duration::from_secs(10), stale)
+            .await
+            .expect("the stale write did not finish")
+            .unwrap();
+        let e = result.expect_err(&format!("{isolation}: the stale write committed"));
+        // Repeatable read: the fence row changed after the snapshot (serialization failure).
+        // Read committed: after waiting, no fence row at revision 10 any more.
+        let want = if isolation == "REPEATABLE READ" {
+            "40001"
+        } else {
+            "FG001"
+        };
+        assert_eq!(code(&e), want, "{isolation}: {e:?}");
+        if want == "FG001" {
+            assert!(format!("{e:?}").contains("below the fence 11"), "{e:?}");
+        }
+        assert_eq!(
+            store.items().await,
+            vec![(1, 1), (2, 2), (101, 11)],
+            "{isolation}: only the newer holder's row"
+        );
+    }
+}
+
+/// The trigger locks the fence row only once the pass verifies: a forged pass is refused at
+/// once (FG002), not queued behind a holder's open raise.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_pass_is_refused_without_waiting_for_the_fence_row() {
+    let store = Store::start().await;
+    let holder = store.app().await;
+    let thief = store.app().await;
+    let t5 = store.token(5).await;
+    let t6 = store.token(6).await;
+    holder
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap();
+    // An open raise: the fence row stays locked until this transaction ends.
+    holder
+        .batch_execute(&format!("BEGIN; SELECT fencegate.guard('{t6}')"))
+        .await
+        .unwrap();
+    let e = thief
+        .batch_execute(&format!(
+            "SET lock_timeout = '3s'; BEGIN; \
+             SELECT set_config('fencegate.pass', '5:job:{}', true); DELETE FROM app.items; COMMIT",
+            "a".repeat(64)
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e:?}");
+    let _ = thief.batch_execute("ROLLBACK").await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(store.items().await, INITIAL);
+}

@@ -8,8 +8,8 @@
 -- The store enforces the fence, not the gateway's SQL parser:
 --   fencegate.guard(token) verifies the token here (its signature against fencegate.token_keys
 --   when any key is installed, its resource, the fence) and leaves a transaction-local pass,
---   `fencegate.pass = revision:resource:mac`, a MAC over backend pid, transaction id, revision
---   and resource keyed with a secret made at install time that application roles cannot read. Statement-level triggers on protected tables (installed by
+--   `fencegate.pass = revision:resource:mac`, a MAC over a version tag, backend pid, transaction
+--   id, revision and resource keyed with a secret made at install time that application roles cannot read. Statement-level triggers on protected tables (installed by
 --   `fencegate postgres protect`) call fencegate.enforce(), which refuses any INSERT, UPDATE,
 --   DELETE, TRUNCATE, COPY or MERGE, direct or through a view, rule, function, partition or DO
 --   block, in a transaction without a valid pass. A procedure that COMMITs starts a new
@@ -200,7 +200,8 @@ END
 $check$;
 
 -- Records this transaction's pass, `revision:resource:mac`. The MAC (HMAC-SHA256 with the pass
--- key, hex) is over `pid:txid:revision:resource`: the pass verifies only in the backend and
+-- key, hex) is over `pass2:pid:txid:revision:resource` (`pass2`: this definition's tag, so a pass
+-- made under an earlier one never verifies after a reinstall): the pass verifies only in the backend and
 -- transaction that made it, and only SECURITY DEFINER functions of this schema can read the pass
 -- key, so no client can forge one. fencegate.enforce() computes the same MAC inline.
 CREATE OR REPLACE FUNCTION fencegate.set_pass(p_resource text, p_revision bigint)
@@ -211,7 +212,7 @@ SET search_path = pg_catalog, pg_temp
 AS $setpass$
 DECLARE
     v_held text := format('%s:%s', p_revision, p_resource);
-    v_message bytea := convert_to(format('%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8');
+    v_message bytea := convert_to(format('pass2:%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8');
     k record;
 BEGIN
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
@@ -333,7 +334,7 @@ BEGIN
         RETURN NULL;
     END IF;
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
-    IF encode(sha256(k.opad || sha256(k.ipad || convert_to(format('%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8'))), 'hex')
+    IF encode(sha256(k.opad || sha256(k.ipad || convert_to(format('pass2:%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8'))), 'hex')
        <> right(v_pass, 64) THEN
         RETURN NULL;
     END IF;
@@ -351,16 +352,22 @@ $holder$;
 --   search_path or pg_temp (searched first for relations and types) can stand in for them while
 --   this runs with the owner's rights. Keep it so when editing: `OPERATOR(pg_catalog.=)`, not `=`;
 --   no `IN`, `BETWEEN`, `IS DISTINCT FROM` or simple `CASE x WHEN` (they look up `=` by name).
--- * STABLE: its query reads with the statement's snapshot instead of taking a new one.
+-- * It takes the fence row FOR SHARE itself, at the pass's revision (so VOLATILE: STABLE
+--   forbids row locks). The guard's lock is not enough: ROLLBACK TO SAVEPOINT (or an EXCEPTION
+--   block) releases it while the client can put the pass string back with set_config. Read
+--   committed waits for a concurrent raise and then finds no row at our revision (FG001);
+--   repeatable read fails on the raised row with 40001. Either way the write is refused.
+--   The lock is in a sub-select the CASE reaches only once the MAC verifies, so a forged pass
+--   locks nothing.
 CREATE OR REPLACE FUNCTION fencegate.enforce()
 RETURNS trigger
 LANGUAGE plpgsql
-STABLE
+VOLATILE
 SECURITY DEFINER
 AS $enforce$
 DECLARE
     -- The pass is `revision:resource:mac` (see set_pass); v_held and v_resource are trusted only
-    -- once the MAC over `pid:txid:revision:resource` verifies.
+    -- once the MAC over `pass2:pid:txid:revision:resource` verifies.
     v_pass pg_catalog.text := pg_catalog.current_setting('fencegate.pass', true);
     v_held pg_catalog.text := pg_catalog.left(v_pass, -65);
     v_resource pg_catalog.text := pg_catalog.substr(v_held, pg_catalog.strpos(v_held, ':') OPERATOR(pg_catalog.+) 1);
@@ -370,17 +377,18 @@ BEGIN
     SELECT CASE
              WHEN v_pass IS NULL OR v_pass OPERATOR(pg_catalog.=) '' THEN 'none'
              WHEN pg_catalog.encode(pg_catalog.sha256(k.opad OPERATOR(pg_catalog.||) pg_catalog.sha256(k.ipad
-                      OPERATOR(pg_catalog.||) pg_catalog.convert_to(pg_catalog.pg_backend_pid()::pg_catalog.text
+                      OPERATOR(pg_catalog.||) pg_catalog.convert_to('pass2:' OPERATOR(pg_catalog.||) pg_catalog.pg_backend_pid()::pg_catalog.text
                           OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) pg_catalog.pg_current_xact_id()::pg_catalog.text
                           OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) v_held, 'UTF8'))), 'hex')
                   OPERATOR(pg_catalog.<>) pg_catalog.right(v_pass, 64) THEN 'invalid'
              WHEN TG_ARGV[0] OPERATOR(pg_catalog.<>) '' AND TG_ARGV[0] OPERATOR(pg_catalog.<>) v_resource THEN 'FG005'
-             WHEN f.revision OPERATOR(pg_catalog.>) pg_catalog.split_part(v_held, ':', 1)::pg_catalog.int8 THEN 'FG001'
-           END,
-           f.revision
-      INTO STRICT v_refusal, v_fence
-      FROM fencegate.pass_key k
-           LEFT JOIN fencegate.fences f ON f.resource OPERATOR(pg_catalog.=) v_resource;
+             WHEN NOT EXISTS (SELECT 1 FROM fencegate.fences f
+                               WHERE f.resource OPERATOR(pg_catalog.=) v_resource
+                                 AND f.revision OPERATOR(pg_catalog.=) pg_catalog.split_part(v_held, ':', 1)::pg_catalog.int8
+                                 FOR SHARE) THEN 'FG001'
+           END
+      INTO STRICT v_refusal
+      FROM fencegate.pass_key k;
     IF v_refusal IS NULL THEN
         RETURN NULL;
     ELSIF v_refusal OPERATOR(pg_catalog.=) 'none' THEN
@@ -403,7 +411,8 @@ BEGIN
             MESSAGE = pg_catalog.format('fencegate: %s on %I.%I refused: the table belongs to resource %s, the token names %s',
                                         TG_OP, TG_TABLE_SCHEMA, TG_TABLE_NAME, TG_ARGV[0], v_resource);
     END IF;
-    -- FG001. Defence in depth: the guard's row lock keeps the fence from moving during this transaction.
+    -- FG001: the fence moved past the pass's revision (or its row is gone). For the message only.
+    SELECT f.revision INTO v_fence FROM fencegate.fences f WHERE f.resource OPERATOR(pg_catalog.=) v_resource;
     RAISE EXCEPTION USING
         ERRCODE = 'FG001',
         MESSAGE = pg_catalog.format('fencegate: stale token for resource %s: revision %s is below the fence %s',
