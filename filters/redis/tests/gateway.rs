@@ -8,6 +8,7 @@ mod gateway {
     mod durability;
     mod fenced_pipeline;
     mod glob_differential;
+    mod harness;
     mod in_process;
     mod keyspec_differential;
     mod refusal_tarpit;

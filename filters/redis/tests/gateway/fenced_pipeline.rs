@@ -12,10 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fencegate_core::{MemoryAuditSink, TokenPolicy};
+use fencegate_core::MemoryAuditSink;
 use fencegate_redis::frame::{self, Frame, Limits};
 use fencegate_redis::rewrite::function_source;
-use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 const END: &[u8] = b"$6\r\nfg-end\r\n";
@@ -28,17 +27,7 @@ struct Setup {
 
 async fn setup() -> Setup {
     let behind = RedisServer::start();
-    let config = RedisConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: behind.addr.to_string(),
-        protect: Some(vec![ProtectRule::every_key()]),
-        ..RedisConfig::default()
-    };
-    let sink = Arc::new(MemoryAuditSink::default());
-    let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
-    let listener = gateway.bind().await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(gateway.serve(listener));
+    let (addr, sink) = super::harness::serve_every_key(behind.addr).await;
     Setup {
         behind,
         gateway: addr,
@@ -60,18 +49,7 @@ fn strings(commands: &[&str]) -> Vec<String> {
 
 /// Sends `commands` in one write; reads until the stream ends with `until`.
 fn exchange(s: &mut TcpStream, commands: &[String], until: &[u8]) -> Vec<u8> {
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(&wire(commands)).unwrap();
-    let mut out = Vec::new();
-    let mut buf = [0u8; 8192];
-    while !out.ends_with(until) {
-        let n = s
-            .read(&mut buf)
-            .unwrap_or_else(|e| panic!("{e}; so far: {:?}", String::from_utf8_lossy(&out)));
-        assert!(n > 0, "closed; so far: {:?}", String::from_utf8_lossy(&out));
-        out.extend_from_slice(&buf[..n]);
-    }
-    out
+    exchange_raw(s, &wire(commands), until)
 }
 
 /// The replies in `bytes`, each as its own wire bytes.

@@ -5,8 +5,7 @@ use fencegate_testkit::redis_server;
 
 use std::sync::Arc;
 
-use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
+use fencegate_core::MemoryAuditSink;
 use fencegate_testkit::redis_client::{connect, fence};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
@@ -20,17 +19,7 @@ struct Setup {
 
 async fn setup() -> Setup {
     let server = RedisServer::start();
-    let config = RedisConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: server.addr.to_string(),
-        protect: Some(vec![ProtectRule::every_key()]),
-        ..RedisConfig::default()
-    };
-    let sink = Arc::new(MemoryAuditSink::default());
-    let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
-    let listener = gateway.bind().await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(gateway.serve(listener));
+    let (addr, sink) = super::harness::serve_every_key(server.addr).await;
     let direct = redis::Client::open(server.url())
         .unwrap()
         .get_multiplexed_async_connection()

@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fencegate_core::{MemoryAuditSink, TokenPolicy};
+use fencegate_core::MemoryAuditSink;
 use fencegate_redis::frame::Frame;
-use fencegate_redis::{Gateway, ProtectRule, RedisConfig};
 use redis_server::RedisServer;
 
 const END: &[u8] = b"$6\r\nfg-end\r\n";
@@ -28,17 +27,7 @@ struct Setup {
 async fn setup() -> Setup {
     let behind = RedisServer::start();
     let direct = RedisServer::start();
-    let config = RedisConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        upstream: behind.addr.to_string(),
-        protect: Some(vec![ProtectRule::every_key()]),
-        ..RedisConfig::default()
-    };
-    let sink = Arc::new(MemoryAuditSink::default());
-    let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
-    let listener = gateway.bind().await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(gateway.serve(listener));
+    let (addr, sink) = super::harness::serve_every_key(behind.addr).await;
     Setup {
         _behind: behind,
         direct,
