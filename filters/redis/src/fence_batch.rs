@@ -96,10 +96,6 @@ pub fn split(frame: &Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<S
         }
         _ => return Err("the batch fence call's null flags are malformed".into()),
     };
-    let limits = Limits {
-        max_frame_bytes: usize::MAX / 4,
-        max_depth: 1024,
-    };
     // Each element's own bytes, so that what is relayed is exactly what Redis wrote (verbatim
     // strings, doubles and big numbers keep their form).
     let header = raw
@@ -110,7 +106,7 @@ pub fn split(frame: &Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<S
     let mut at = header;
     let mut out = Vec::with_capacity(writes);
     for (i, item) in items.iter().enumerate() {
-        let (_, len) = frame::parse(&raw[at..], &limits)
+        let (_, len) = frame::parse(&raw[at..], &Limits::UPSTREAM)
             .ok()
             .flatten()
             .ok_or("the batch fence reply's elements do not parse")?;

@@ -47,6 +47,15 @@ pub struct Limits {
     pub max_depth: usize,
 }
 
+impl Limits {
+    /// For replies from the upstream Redis: they are relayed as Redis wrote them, so only
+    /// loosely bounded (large values and deep nesting are legitimate answers).
+    pub const UPSTREAM: Limits = Limits {
+        max_frame_bytes: usize::MAX / 4,
+        max_depth: 1024,
+    };
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Self {

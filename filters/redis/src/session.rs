@@ -378,6 +378,18 @@ impl Batch {
             .push(write, size, bytes);
     }
 
+    /// Sends one fenced write as the plain fence call, after anything before it.
+    fn fenced_alone(&mut self, mode: &ScriptMode, token: &Token, write: RunWrite, resp3: bool) {
+        self.close_run();
+        let call = rewrite(mode, token, &write.args, &write.keys, resp3);
+        self.send(&call);
+        self.slots
+            .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
+                attempt: write.attempt,
+                call,
+            }))));
+    }
+
     /// Sends the run: one write as the plain fence call, several as one batch fence call.
     fn close_run(&mut self) {
         let Some((mode, run)) = self.run.take() else {
@@ -386,13 +398,7 @@ impl Batch {
         let (token, resp3, mut writes) = run.into_parts();
         if writes.len() == 1 {
             let write = writes.pop().expect("one write");
-            let call = rewrite(&mode, &token, &write.args, &write.keys, resp3);
-            self.send(&call);
-            self.slots
-                .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                    attempt: write.attempt,
-                    call,
-                }))));
+            self.fenced_alone(&mode, &token, write, resp3);
             return;
         }
         let batched: Vec<BatchedWrite> = writes
@@ -739,22 +745,17 @@ impl Reader {
                 let settled = self.hellos_pending.load(Ordering::Acquire) == 0;
                 let resp3 = self.resp3.load(Ordering::Relaxed);
                 let attempt = self.attempt(&request, &keys, Some(&token));
+                let write = RunWrite {
+                    args: request.args,
+                    keys,
+                    attempt,
+                };
                 if self.multi.is_none() && self.batching && settled {
                     // Joins the batch's run of fenced writes (sent when the run closes).
-                    let write = RunWrite {
-                        args: request.args,
-                        keys,
-                        attempt,
-                    };
                     batch.fenced(&self.info.mode, token, resp3, write, request.wire_len);
-                    return;
+                } else {
+                    batch.fenced_alone(&self.info.mode, &token, write, resp3);
                 }
-                let call = rewrite(&self.info.mode, &token, args, &keys, resp3);
-                batch.forward(&call);
-                batch.push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                    attempt,
-                    call,
-                }))));
             }
         }
     }
@@ -1058,13 +1059,11 @@ impl Writer {
                     self.completed += 1;
                 }
             }
-            for _ in 0..requests {
-                let read_at = self
-                    .read_at
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .pop_front();
-                if let Some(read_at) = read_at {
+            // One lock for every request the slot answered (a batch answers several).
+            {
+                let mut times = self.read_at.lock().unwrap_or_else(|p| p.into_inner());
+                let answered = requests.min(times.len());
+                for read_at in times.drain(..answered) {
                     self.gateway
                         .sink
                         .request_done(Store::Redis, read_at.elapsed());
@@ -1202,19 +1201,11 @@ impl Writer {
                 self.out().extend_from_slice(&raw);
             }
             Expect::Fenced(ctx) => {
-                let (frame, raw) = if frame.as_error().is_some_and(is_missing_script) {
-                    self.retry(&ctx.call).await?
-                } else {
-                    (frame, raw)
-                };
+                let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
                 self.fenced_reply(&ctx.attempt, &frame, &raw).await;
             }
             Expect::FencedBatch(ctx) => {
-                let (frame, raw) = if frame.as_error().is_some_and(is_missing_script) {
-                    self.retry(&ctx.call).await?
-                } else {
-                    (frame, raw)
-                };
+                let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
                 match fence_batch::split(&frame, &raw, ctx.attempts.len(), ctx.resp3) {
                     Ok(Split::Each(replies)) => {
                         for (attempt, (frame, raw)) in ctx.attempts.iter().zip(&replies) {
@@ -1272,6 +1263,20 @@ impl Writer {
         match restated {
             Some(frame) => frame.encode(self.out()),
             None => self.out().extend_from_slice(raw),
+        }
+    }
+
+    /// The reply to a fence call, or, when the function was missing upstream, the reply to the
+    /// call sent again after reloading it (see [`Writer::retry`]).
+    async fn retried_if_missing(
+        &mut self,
+        call: &[Bytes],
+        (frame, raw): (Frame, Bytes),
+    ) -> Result<(Frame, Bytes), RedisError> {
+        if frame.as_error().is_some_and(is_missing_script) {
+            self.retry(call).await
+        } else {
+            Ok((frame, raw))
         }
     }
 
@@ -1393,13 +1398,11 @@ impl Writer {
     }
 
     fn parse_upstream(&mut self) -> Result<Option<(Frame, Bytes)>, RedisError> {
-        let limits = frame::Limits {
-            max_frame_bytes: usize::MAX / 4,
-            max_depth: 1024,
-        };
-        match frame::parse(&self.ubuf, &limits).map_err(|source| RedisError::Frame {
-            context: "upstream reply",
-            source,
+        match frame::parse(&self.ubuf, &frame::Limits::UPSTREAM).map_err(|source| {
+            RedisError::Frame {
+                context: "upstream reply",
+                source,
+            }
         })? {
             None => Ok(None),
             Some((frame, len)) => Ok(Some((frame, self.ubuf.split_to(len).freeze()))),
