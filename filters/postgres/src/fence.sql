@@ -199,6 +199,21 @@ BEGIN
 END
 $check$;
 
+-- The MAC of a pass held as `revision:resource` by this backend's transaction (hex
+-- HMAC-SHA256 with the pass key's pads over `pass2:pid:txid:revision:resource`). set_pass and
+-- pass_holder share it; fencegate.enforce() computes the same inline (it runs per statement).
+CREATE OR REPLACE FUNCTION fencegate.pass_mac(p_ipad bytea, p_opad bytea, p_held text)
+RETURNS text
+LANGUAGE plpgsql
+STABLE STRICT
+SET search_path = pg_catalog, pg_temp
+AS $passmac$
+BEGIN
+    RETURN encode(sha256(p_opad || sha256(p_ipad || convert_to(
+        format('pass2:%s:%s:', pg_backend_pid(), pg_current_xact_id()) || p_held, 'UTF8'))), 'hex');
+END
+$passmac$;
+
 -- Records this transaction's pass, `revision:resource:mac`. The MAC (HMAC-SHA256 with the pass
 -- key, hex) is over `pass2:pid:txid:revision:resource` (`pass2`: this definition's tag, so a pass
 -- made under an earlier one never verifies after a reinstall): the pass verifies only in the backend and
@@ -212,12 +227,10 @@ SET search_path = pg_catalog, pg_temp
 AS $setpass$
 DECLARE
     v_held text := format('%s:%s', p_revision, p_resource);
-    v_message bytea := convert_to(format('pass2:%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8');
     k record;
 BEGIN
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
-    PERFORM set_config('fencegate.pass',
-                       v_held || ':' || encode(sha256(k.opad || sha256(k.ipad || v_message)), 'hex'), true);
+    PERFORM set_config('fencegate.pass', v_held || ':' || fencegate.pass_mac(k.ipad, k.opad, v_held), true);
 END
 $setpass$;
 
@@ -334,8 +347,7 @@ BEGIN
         RETURN NULL;
     END IF;
     SELECT ipad, opad INTO STRICT k FROM fencegate.pass_key;
-    IF encode(sha256(k.opad || sha256(k.ipad || convert_to(format('pass2:%s:%s:', pg_backend_pid(), pg_current_xact_id()) || v_held, 'UTF8'))), 'hex')
-       <> right(v_pass, 64) THEN
+    IF fencegate.pass_mac(k.ipad, k.opad, v_held) <> right(v_pass, 64) THEN
         RETURN NULL;
     END IF;
     RETURN format('%s:%s', substr(v_held, strpos(v_held, ':') + 1), split_part(v_held, ':', 1));
