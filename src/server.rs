@@ -129,6 +129,11 @@ pub async fn serve(
     let secrets = Secrets::load(&config)?;
     if config.security.insecure {
         tracing::warn!("[security] insecure = true: the API and Raft are plain HTTP and need no credentials unless some are configured; use only for local development");
+        if config.node.peer.is_none() {
+            // Without a peer port the Raft routes share the API port with no credentials: one
+            // reachable request can vote, append or hand over leadership.
+            tracing::warn!("[node] peer is not set: the Raft routes (/raft/append, /raft/vote, /raft/hand-over) are served on the API port to anyone who can reach it, with no authentication; bind api to 127.0.0.1 or set [node] peer with TLS before any other host can connect");
+        }
     }
     if config.authority.accept_unsigned {
         tracing::warn!("[authority] accept_unsigned = true: the gateways accept unsigned tokens, which any client can type; use only for local development");
