@@ -162,6 +162,7 @@ fn failover_of_the_authority_mid_write(store: &dyn Store, ctx: &mut Ctx, key: &s
     let elected = AtomicBool::new(false);
     let (new_leader, written) = std::thread::scope(|s| {
         let writer = s.spawn(|| {
+            let started = Instant::now();
             let mut i = 1;
             loop {
                 let done = elected.load(Ordering::SeqCst);
@@ -175,7 +176,11 @@ fn failover_of_the_authority_mid_write(store: &dyn Store, ctx: &mut Ctx, key: &s
                     return i;
                 }
                 i += 1;
-                assert!(i < 10_000, "the election never ended");
+                // Bounds the loop also when the wait for a leader panics (the scope joins it).
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no leader elected within 60 s"
+                );
             }
         });
         let new_leader = nodes.leader(&survivors);
