@@ -3,20 +3,25 @@
 //! sees, the data the store holds and the exact number of new audit records, so "every store
 //! passes the same scenarios" is visible in one place. Adding a store means adding one
 //! adapter; per-protocol oddities stay in the per-store test files.
+//!
+//! Every store runs behind the gateways of a 3-node cluster (testkit's `Cluster`), so that the
+//! authority's leader can fail under a writer; writes go through one node's gateway.
 
 mod support;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 use fencegate_core::{Resource, Revision, Token, TokenKey};
+use fencegate_testkit::postgres_server::PgServer;
 use serde_json::json;
-use support::gateway_node::GatewayNode;
-use support::postgres_server::PgGateway;
-use support::redis_gateway::RedisGateway;
+use support::cluster::Cluster;
+use support::postgres_server::cli;
+use support::redis_server::RedisServer;
 use support::s3_server::{run_client, wait_for_port, MotoServer};
 
 /// The cluster key every node of this file verifies tokens with (key id 0, from the env).
@@ -42,10 +47,8 @@ trait Store: Sync {
     fn write(&self, key: &str, value: &str, token: Option<&str>) -> Outcome;
     /// What the store holds at `key`, read without the gateway's help where the store allows.
     fn read(&self, key: &str) -> Option<String>;
-    /// The node's audit log directory.
-    fn audit_dir(&self) -> &Path;
-    /// The node's HTTP API port: its lease service (plain HTTP, the test node runs insecure).
-    fn api(&self) -> u16;
+    /// The cluster whose gateways the store runs behind.
+    fn nodes(&self) -> &Nodes;
     /// Crashes the store and starts it again on its own data; `Err` says why this store's test
     /// server cannot.
     fn restart_store(&self) -> Result<(), &'static str>;
@@ -95,6 +98,10 @@ type Audit = Vec<(&'static str, u64)>;
 /// its revisions start at 1, below the locally signed tokens of the others.
 const SCENARIOS: &[(&str, Scenario)] = &[
     ("paused_holder_wakes_stale", paused_holder_wakes_stale),
+    (
+        "failover_of_the_authority_mid_write",
+        failover_of_the_authority_mid_write,
+    ),
     ("current_token_applies", current_token_applies),
     ("equal_token_applies", equal_token_applies),
     ("stale_token_is_refused", stale_token_is_refused),
@@ -112,7 +119,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
 /// A holder that stops renewing (a GC pause, a SIGSTOP) loses its lease; the next holder's token
 /// comes from the lease service and is higher; the woken holder's next write is refused.
 fn paused_holder_wakes_stale(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
-    let leases = Leases::new(store.api());
+    let leases = Leases::new(store.nodes().api());
     let a = leases.acquire("a", 1_000, 0);
     assert_eq!(store.write(key, "a:1", Some(&a.token)), Outcome::Applied);
     // A is paused: it sends no keepalive. B waits for the lock; the service grants it only
@@ -131,6 +138,85 @@ fn paused_holder_wakes_stale(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Aud
     assert_eq!(store.read(key).as_deref(), Some("b:1"));
     leases.release(&b.lease_id);
     ctx.revision = ctx.revision.max(b.revision);
+    vec![("stale", 1)]
+}
+
+/// The authority's leader is SIGKILLed while the holder writes. The holder's writes go on
+/// applying through another node's gateway (token and fence need no authority), the survivors
+/// elect a new leader, the holder's lease survives the failover (a keepalive passes) or has
+/// expired; either way the next holder's revision is above the old one, and from its first
+/// write on the old token is refused.
+fn failover_of_the_authority_mid_write(store: &dyn Store, ctx: &mut Ctx, key: &str) -> Audit {
+    let nodes = store.nodes();
+    let all = nodes.ids();
+    let leader = nodes.leader(&all);
+    let via = *all.iter().find(|id| **id != leader).unwrap();
+    nodes.set_via(via);
+    let survivors: Vec<u64> = all.iter().copied().filter(|id| *id != leader).collect();
+    let leases = Leases::new(nodes.api());
+    let a = leases.acquire("a", 3_000, 0);
+    assert_eq!(store.write(key, "a:0", Some(&a.token)), Outcome::Applied);
+
+    nodes.kill(leader);
+    // The holder writes while the survivors elect; the new leader is the event waited for.
+    let elected = AtomicBool::new(false);
+    let (new_leader, written) = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let started = Instant::now();
+            let mut i = 1;
+            loop {
+                let done = elected.load(Ordering::SeqCst);
+                let value = format!("a:{i}");
+                assert_eq!(
+                    store.write(key, &value, Some(&a.token)),
+                    Outcome::Applied,
+                    "write {i} of the holder during the failover"
+                );
+                if done {
+                    return i;
+                }
+                i += 1;
+                // Bounds the loop also when the wait for a leader panics (the scope joins it).
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "no leader elected within 60 s"
+                );
+            }
+        });
+        let new_leader = nodes.leader(&survivors);
+        elected.store(true, Ordering::SeqCst);
+        (new_leader, writer.join().unwrap())
+    });
+    assert_ne!(new_leader, leader);
+    assert_eq!(store.read(key), Some(format!("a:{written}")));
+
+    // The lease either came through the failover (then the holder still writes) or expired.
+    let kept = leases.keepalive(&a.lease_id);
+    if kept {
+        let value = format!("a:{}", written + 1);
+        assert_eq!(store.write(key, &value, Some(&a.token)), Outcome::Applied);
+    }
+    println!(
+        "{:<10} failover: leader {leader} killed, node {new_leader} elected; {written} write(s) \
+         applied meanwhile; lease kept through it: {kept}",
+        store.name()
+    );
+    // The holder stops renewing; the next one is granted once its lease has expired.
+    let b = leases.acquire("b", 30_000, 20_000);
+    assert!(
+        b.revision > a.revision,
+        "revision {} granted after the failover, {} before it",
+        b.revision,
+        a.revision
+    );
+    assert_eq!(store.write(key, "b:1", Some(&b.token)), Outcome::Applied);
+    let outcome = store.write(key, "a:late", Some(&a.token));
+    assert!(matches!(outcome, Outcome::Refused(_)), "{outcome:?}");
+    assert_eq!(store.read(key).as_deref(), Some("b:1"));
+    leases.release(&b.lease_id);
+    ctx.revision = ctx.revision.max(b.revision);
+    // The old leader comes back for the scenarios after this one.
+    nodes.restart(leader);
     vec![("stale", 1)]
 }
 
@@ -302,6 +388,20 @@ impl Leases {
         }
     }
 
+    /// A keepalive of `lease_id`: `true` if the lease is still held, `false` if it expired.
+    fn keepalive(&self, lease_id: &str) -> bool {
+        let url = format!("{}/v1/leases/{lease_id}/keepalive", self.base);
+        let (status, body) = self.rt.block_on(async {
+            let reply = self.http.post(&url).send().await.unwrap();
+            (reply.status(), reply.text().await.unwrap_or_default())
+        });
+        match status {
+            reqwest::StatusCode::OK => true,
+            reqwest::StatusCode::NOT_FOUND | reqwest::StatusCode::GONE => false,
+            _ => panic!("keepalive {lease_id}: {status} {body}"),
+        }
+    }
+
     fn release(&self, lease_id: &str) {
         let url = format!("{}/v1/leases/{lease_id}", self.base);
         let status = self
@@ -333,14 +433,21 @@ fn store_restart_keeps_the_fence(store: &dyn Store, ctx: &mut Ctx, key: &str) ->
     vec![("stale", 1)]
 }
 
-/// Refusals in `dir` by reason; one record counts one refusal unless it is an aggregate.
-fn refusals(dir: &Path) -> BTreeMap<String, u64> {
-    support::audit::refusals_by_reason(dir)
+/// Refusals in the audit logs of `dirs` by reason; one record counts one refusal unless it is
+/// an aggregate.
+fn refusals(dirs: &[PathBuf]) -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    for dir in dirs {
+        for (reason, n) in support::audit::refusals_by_reason(dir) {
+            *counts.entry(reason).or_insert(0) += n;
+        }
+    }
+    counts
 }
 
-fn refusal_records(dir: &Path) -> usize {
-    support::audit::records(dir)
-        .iter()
+fn refusal_records(dirs: &[PathBuf]) -> usize {
+    dirs.iter()
+        .flat_map(|dir| support::audit::records(dir))
         .filter(|r| r.get("reason").is_some())
         .count()
 }
@@ -348,7 +455,7 @@ fn refusal_records(dir: &Path) -> usize {
 /// Runs every scenario against `store`, one line each.
 fn run_all(store: &dyn Store) {
     let mut ctx = Ctx::new();
-    let dir = store.audit_dir().to_owned();
+    let dir = store.nodes().audit_dirs();
     for (i, (name, scenario)) in SCENARIOS.iter().enumerate() {
         let before = refusals(&dir);
         let records_before = refusal_records(&dir);
@@ -384,33 +491,124 @@ fn run_all(store: &dyn Store) {
     }
 }
 
+// ---- The cluster every adapter runs on.
+
+/// A 3-node cluster, each node running the store's gateway; writes go through node `via`'s
+/// gateway (the failover scenario moves it off the leader it kills).
+struct Nodes {
+    rt: tokio::runtime::Runtime,
+    /// In a mutex only so scenarios can kill and restart nodes through `&self`.
+    cluster: Mutex<Cluster>,
+    /// Each node's gateway port.
+    gateways: BTreeMap<u64, u16>,
+    via: AtomicU64,
+}
+
+impl Nodes {
+    /// Starts the cluster; `section(id, port)` is node `id`'s gateway section listening on
+    /// `port`. Every node verifies tokens with the suite's key.
+    fn start(section: impl Fn(u64, u16) -> String, env: &[(&str, &str)]) -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let gateways: BTreeMap<u64, u16> = (1..=3).map(|id| (id, support::free_port())).collect();
+        let mut env = env.to_vec();
+        env.push(KEY_ENV);
+        let key = format!("token_key_env = \"{}\"\n", KEY_ENV.0);
+        let cluster = rt.block_on(Cluster::start_configured(
+            3,
+            &key,
+            |id| section(id, gateways[&id]),
+            &env,
+        ));
+        for port in gateways.values() {
+            wait_for_port(*port, Duration::from_secs(30));
+        }
+        Self {
+            rt,
+            cluster: Mutex::new(cluster),
+            gateways,
+            via: AtomicU64::new(1),
+        }
+    }
+
+    fn ids(&self) -> Vec<u64> {
+        self.cluster.lock().unwrap().ids()
+    }
+
+    fn set_via(&self, id: u64) {
+        self.via.store(id, Ordering::SeqCst);
+    }
+
+    /// The port of the gateway writes go through.
+    fn gateway(&self) -> u16 {
+        self.gateways[&self.via.load(Ordering::SeqCst)]
+    }
+
+    /// The HTTP API port of the node writes go through (followers pass lease calls on to the
+    /// leader).
+    fn api(&self) -> u16 {
+        let via = self.via.load(Ordering::SeqCst);
+        self.cluster.lock().unwrap().nodes[via as usize - 1].port
+    }
+
+    /// Every node's audit log directory.
+    fn audit_dirs(&self) -> Vec<PathBuf> {
+        let cluster = self.cluster.lock().unwrap();
+        cluster
+            .ids()
+            .into_iter()
+            .map(|id| cluster.data_dir(id).join("audit"))
+            .collect()
+    }
+
+    /// The leader every node of `among` names, once they agree (bounded by the harness).
+    fn leader(&self, among: &[u64]) -> u64 {
+        let cluster = self.cluster.lock().unwrap();
+        self.rt.block_on(cluster.wait_for_leader(among))
+    }
+
+    /// SIGKILL of node `id` (its gateway dies with it).
+    fn kill(&self, id: u64) {
+        self.cluster.lock().unwrap().kill(id);
+    }
+
+    /// Starts node `id` again and waits until the whole cluster agrees on a leader and its
+    /// gateway accepts connections.
+    fn restart(&self, id: u64) {
+        self.cluster.lock().unwrap().spawn(id);
+        self.leader(&self.ids());
+        wait_for_port(self.gateways[&id], Duration::from_secs(30));
+    }
+}
+
 // ---- Redis: a `[redis]` gateway in front of redis-server; the token goes in with FENCE.
 
 struct RedisStore {
-    /// In a mutex only so `restart_store` can restart its redis-server through `&self`.
-    gw: std::sync::Mutex<RedisGateway>,
-    url: String,
+    nodes: Nodes,
+    /// In a mutex only so `restart_store` can restart it through `&self`.
+    redis: Mutex<RedisServer>,
     direct_url: String,
-    audit_dir: PathBuf,
-    api: u16,
 }
 
 impl RedisStore {
     fn start() -> Self {
-        let gw = RedisGateway::start(
-            &format!(
-                "\n[[redis.protect]]\npattern = \"*\"\nresource = \"{RESOURCE}\"\n\n\
-                 [authority]\ntoken_key_env = \"{}\"\n",
-                KEY_ENV.0
-            ),
-            &[KEY_ENV],
+        let redis = RedisServer::start();
+        let nodes = Nodes::start(
+            |_, port| {
+                format!(
+                    "\n[redis]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\n\n\
+                     [[redis.protect]]\npattern = \"*\"\nresource = \"{RESOURCE}\"\n",
+                    redis.addr
+                )
+            },
+            &[],
         );
         Self {
-            url: gw.url(),
-            direct_url: gw.redis.url(),
-            audit_dir: gw.node.audit_dir.clone(),
-            api: gw.node.api,
-            gw: std::sync::Mutex::new(gw),
+            nodes,
+            direct_url: redis.url(),
+            redis: Mutex::new(redis),
         }
     }
 }
@@ -421,10 +619,8 @@ impl Store for RedisStore {
     }
 
     fn write(&self, key: &str, value: &str, token: Option<&str>) -> Outcome {
-        let mut con = redis::Client::open(self.url.as_str())
-            .unwrap()
-            .get_connection()
-            .unwrap();
+        let url = format!("redis://127.0.0.1:{}/", self.nodes.gateway());
+        let mut con = redis::Client::open(url).unwrap().get_connection().unwrap();
         if let Some(token) = token {
             if let Err(e) = redis::cmd("FENCE").arg(token).query::<()>(&mut con) {
                 return Outcome::Refused(e.to_string());
@@ -444,18 +640,14 @@ impl Store for RedisStore {
         redis::cmd("GET").arg(key).query(&mut con).unwrap()
     }
 
-    fn audit_dir(&self) -> &Path {
-        &self.audit_dir
-    }
-
-    fn api(&self) -> u16 {
-        self.api
+    fn nodes(&self) -> &Nodes {
+        &self.nodes
     }
 
     /// SIGKILL, then the same server on its append-only file (`appendfsync everysec`: a process
     /// crash loses nothing Redis has answered, only a machine crash can).
     fn restart_store(&self) -> Result<(), &'static str> {
-        self.gw.lock().unwrap().redis.restart();
+        self.redis.lock().unwrap().restart();
         Ok(())
     }
 }
@@ -463,24 +655,30 @@ impl Store for RedisStore {
 // ---- PostgreSQL: a `[postgres]` gateway in front of PostgreSQL; the token is a startup option.
 
 struct PostgresStore {
-    gw: PgGateway,
+    nodes: Nodes,
+    pg: PgServer,
 }
 
 impl PostgresStore {
     fn start() -> Self {
-        let gw = PgGateway::start(
-            &format!(
-                "databases = [\"postgres\"]\nresource = \"{RESOURCE}\"\n\n\
-                 [authority]\ntoken_key_env = \"{}\"\n",
-                KEY_ENV.0
-            ),
-            &[KEY_ENV],
-        );
-        gw.pg.psql_as(
+        let pg = PgServer::start();
+        let (code, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+        assert_eq!(code, 0, "fencegate postgres install failed:\n{out}\n{err}");
+        pg.psql_as(
             "postgres",
             "CREATE TABLE kv (k text PRIMARY KEY, v text NOT NULL)",
         );
-        Self { gw }
+        let nodes = Nodes::start(
+            |_, port| {
+                format!(
+                    "\n[postgres]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\n\
+                     databases = [\"postgres\"]\nresource = \"{RESOURCE}\"\n",
+                    pg.addr()
+                )
+            },
+            &[],
+        );
+        Self { nodes, pg }
     }
 }
 
@@ -493,35 +691,43 @@ impl Store for PostgresStore {
         let sql = format!(
             "INSERT INTO kv VALUES ('{key}', '{value}') ON CONFLICT (k) DO UPDATE SET v = EXCLUDED.v"
         );
-        let options = token.map(|t| format!("-c fencegate.token={t}"));
-        let env: Vec<(&str, &str)> = options.iter().map(|o| ("PGOPTIONS", o.as_str())).collect();
-        let (code, _, err) = self.gw.psql("postgres", &sql, &env);
-        if code == 0 {
+        let mut psql = Command::new("psql");
+        psql.args(["-h", "127.0.0.1", "-p", &self.nodes.gateway().to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-X",
+                "-v",
+                "ON_ERROR_STOP=1",
+            ])
+            .args(["-Atq", "-c", &sql]);
+        if let Some(token) = token {
+            psql.env("PGOPTIONS", format!("-c fencegate.token={token}"));
+        }
+        let out = psql.output().expect("run psql");
+        if out.status.success() {
             Outcome::Applied
         } else {
-            Outcome::Refused(err.trim().to_owned())
+            Outcome::Refused(String::from_utf8_lossy(&out.stderr).trim().to_owned())
         }
     }
 
     fn read(&self, key: &str) -> Option<String> {
         let v = self
-            .gw
             .pg
             .psql_as("postgres", &format!("SELECT v FROM kv WHERE k = '{key}'"));
         (!v.is_empty()).then_some(v)
     }
 
-    fn audit_dir(&self) -> &Path {
-        &self.gw.node.audit_dir
-    }
-
-    fn api(&self) -> u16 {
-        self.gw.node.api
+    fn nodes(&self) -> &Nodes {
+        &self.nodes
     }
 
     /// `pg_ctl stop -m immediate` (a crash: recovery replays the WAL), then start.
     fn restart_store(&self) -> Result<(), &'static str> {
-        self.gw.pg.restart();
+        self.pg.restart();
         Ok(())
     }
 }
@@ -532,10 +738,8 @@ const S3_ACCESS_KEY: &str = "AKIDSCENARIO";
 const S3_SECRET: &str = "scenario-client-secret";
 
 struct S3Store {
-    node: GatewayNode,
+    nodes: Nodes,
     _moto: MotoServer,
-    endpoint: String,
-    audit_dir: PathBuf,
 }
 
 impl S3Store {
@@ -543,40 +747,27 @@ impl S3Store {
         let moto = MotoServer::start();
         let created = moto.direct(json!([{"op": "create_bucket", "bucket": "ledger"}]));
         assert_eq!(created[0]["ok"], true, "{created}");
-        let port = support::free_port();
-        let section = format!(
-            "[s3]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\nupstream_access_key = \"gateway\"\n\
-             upstream_secret_env = \"S3_UPSTREAM_SECRET\"\nclients_env = \"S3_CLIENTS\"\n\n\
-             [[s3.protect]]\nbucket = \"ledger\"\nprefix = \"data/\"\nmode = \"manifest\"\nresource = \"{RESOURCE}\"\n\n\
-             [authority]\ntoken_key_env = \"{}\"\n",
-            moto.endpoint, KEY_ENV.0
-        );
         let clients = format!("{S3_ACCESS_KEY}:{S3_SECRET}");
-        let mut node = GatewayNode::start(
-            &section,
+        let nodes = Nodes::start(
+            |_, port| {
+                format!(
+                    "\n[s3]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{}\"\nupstream_access_key = \"gateway\"\n\
+                     upstream_secret_env = \"S3_UPSTREAM_SECRET\"\nclients_env = \"S3_CLIENTS\"\n\n\
+                     [[s3.protect]]\nbucket = \"ledger\"\nprefix = \"data/\"\nmode = \"manifest\"\nresource = \"{RESOURCE}\"\n",
+                    moto.endpoint
+                )
+            },
             &[
                 ("S3_UPSTREAM_SECRET", "gateway-secret"),
                 ("S3_CLIENTS", &clients),
-                KEY_ENV,
             ],
         );
-        node.wait_ready(
-            "its S3 gateway accepted connections",
-            Duration::from_secs(30),
-            || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-        );
-        wait_for_port(port, Duration::from_secs(1));
-        let audit_dir = node.audit_dir.clone();
-        Self {
-            node,
-            _moto: moto,
-            endpoint: format!("http://127.0.0.1:{port}"),
-            audit_dir,
-        }
+        Self { nodes, _moto: moto }
     }
 
     fn run(&self, step: serde_json::Value) -> serde_json::Value {
-        run_client(&self.endpoint, S3_ACCESS_KEY, S3_SECRET, json!([step]))[0].clone()
+        let endpoint = format!("http://127.0.0.1:{}", self.nodes.gateway());
+        run_client(&endpoint, S3_ACCESS_KEY, S3_SECRET, json!([step]))[0].clone()
     }
 }
 
@@ -606,22 +797,13 @@ impl Store for S3Store {
         if r["ok"] == true {
             Some(r["body"].as_str().unwrap().to_owned())
         } else {
-            assert_eq!(
-                r["status"],
-                404,
-                "read {key}: {r}; log:\n{}",
-                self.node.log_text()
-            );
+            assert_eq!(r["status"], 404, "read {key}: {r}");
             None
         }
     }
 
-    fn audit_dir(&self) -> &Path {
-        &self.audit_dir
-    }
-
-    fn api(&self) -> u16 {
-        self.node.api
+    fn nodes(&self) -> &Nodes {
+        &self.nodes
     }
 
     fn restart_store(&self) -> Result<(), &'static str> {

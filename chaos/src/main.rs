@@ -10,6 +10,7 @@ mod error;
 mod history;
 mod nemesis;
 mod run;
+mod s3_store;
 mod summary;
 mod worker;
 mod workload;
@@ -52,7 +53,7 @@ struct RunArgs {
     /// kill-follower, restart-store); all by default.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<nemesis::FaultKind>,
-    /// The stores written to (comma-separated: redis, postgres).
+    /// The stores written to (comma-separated: redis, postgres, s3).
     #[arg(long, value_delimiter = ',', default_value = "redis,postgres")]
     stores: Vec<String>,
     /// Keep each seed's histories and node logs under DIR/seed-N.
@@ -77,6 +78,9 @@ enum Cmd {
         /// `NODE=HOST:PORT` of a PostgreSQL gateway (node 0: the server itself). Repeatable.
         #[arg(long = "postgres", value_parser = parse_target)]
         postgres: Vec<(u64, String)>,
+        /// `NODE=HOST:PORT` of an S3 gateway (node 0: moto itself). Repeatable.
+        #[arg(long = "s3", value_parser = parse_target)]
+        s3: Vec<(u64, String)>,
         #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
         interval: Duration,
         #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
@@ -103,6 +107,7 @@ fn main() -> anyhow::Result<ExitCode> {
         history,
         redis,
         postgres,
+        s3,
         interval,
         max_time,
         pid_file,
@@ -111,6 +116,7 @@ fn main() -> anyhow::Result<ExitCode> {
         let stores = [
             (worker::Store::Redis, redis),
             (worker::Store::Postgres, postgres),
+            (worker::Store::S3, s3),
         ];
         let targets: Vec<(worker::Store, u64, String)> = stores
             .into_iter()
@@ -118,7 +124,7 @@ fn main() -> anyhow::Result<ExitCode> {
             .collect();
         anyhow::ensure!(
             !targets.is_empty(),
-            "give at least one --redis or --postgres"
+            "give at least one --redis, --postgres or --s3"
         );
         let code = worker::run(worker::WorkerOptions {
             id,
@@ -131,6 +137,13 @@ fn main() -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(code));
     }
     let args = cli.run;
+    if let Some(unknown) = args
+        .stores
+        .iter()
+        .find(|s| !["redis", "postgres", "s3"].contains(&s.as_str()))
+    {
+        anyhow::bail!("unknown store {unknown:?} in --stores: choose from redis, postgres, s3");
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     let mut reports = Vec::new();
     for seed in args.seed..args.seed + args.seeds {
@@ -142,6 +155,7 @@ fn main() -> anyhow::Result<ExitCode> {
             faults: args.faults.clone(),
             redis: args.stores.iter().any(|s| s == "redis"),
             postgres: args.stores.iter().any(|s| s == "postgres"),
+            s3: args.stores.iter().any(|s| s == "s3"),
             dir: args.keep.clone(),
         }))?;
         print!("{}", summary::seed_text(&report, args.bypass_fencing));

@@ -13,11 +13,13 @@ use crate::check::{check, AuditRow, Evidence, Verdict};
 use crate::error::ChaosError;
 use crate::history::{read_all, Event, Op};
 use crate::nemesis::{Fault, FaultKind, Nemesis};
+use crate::s3_store::S3Client;
 use crate::worker::{PG_TABLE, REDIS_KEY};
 use crate::workload::{WorkerSpec, Workload};
 use crate::world::World;
 use fencegate_testkit::postgres_server::PgServer;
 use fencegate_testkit::redis_server::RedisServer;
+use fencegate_testkit::s3_server::MotoServer;
 
 pub struct RunOptions {
     pub seed: u64,
@@ -31,6 +33,7 @@ pub struct RunOptions {
     /// Which stores the workers write to.
     pub redis: bool,
     pub postgres: bool,
+    pub s3: bool,
     /// Where the run's histories and logs go (kept); a temp dir otherwise.
     pub dir: Option<PathBuf>,
 }
@@ -62,7 +65,7 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
         }
         None => temp.path().to_owned(),
     };
-    let mut world = World::start(3, opts.redis, opts.postgres, opts.bypass).await;
+    let mut world = World::start(3, opts.redis, opts.postgres, opts.s3, opts.bypass).await;
     let fencegate = fencegate_testkit::fencegate_bin();
     let me = std::env::current_exe().map_err(|e| ChaosError::file(Path::new("self"), e))?;
     let workload = Workload::start(
@@ -89,6 +92,9 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
     }
     if let Some(pg) = &world.pg {
         stored.insert("postgres".to_owned(), pg_records(pg).await?);
+    }
+    if let Some(moto) = &world.s3 {
+        stored.insert("s3".to_owned(), s3_records(moto).await?);
     }
     let mut audit = Vec::new();
     let mut verify = BTreeMap::new();
@@ -157,6 +163,14 @@ async fn pg_records(pg: &PgServer) -> Result<Vec<String>, ChaosError> {
         .await
         .map_err(store)?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// The records the manifest's commit log holds, in log order, read from moto itself.
+async fn s3_records(moto: &MotoServer) -> Result<Vec<String>, ChaosError> {
+    let store = |e: String| ChaosError::Store(format!("s3: {e}"));
+    let addr = moto.endpoint.trim_start_matches("http://");
+    let client = S3Client::new(addr, Duration::from_secs(10)).map_err(store)?;
+    client.log_records().await.map_err(store)
 }
 
 /// Node `id`'s refusal records, through `fencegate audit query --json`.

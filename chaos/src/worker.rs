@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use rand::seq::SliceRandom;
 
 use crate::error::ChaosError;
-use crate::history::{last_seq, monotonic_ns, Event, HistoryWriter, Op};
+use crate::history::{last_seq, monotonic_ns, parse_record, Event, HistoryWriter, Op};
+use crate::s3_store::{Answer, S3Client};
 
 /// Exit code after a refusal: the worker's lock is gone.
 pub const EXIT_REFUSED: u8 = 3;
@@ -31,11 +32,12 @@ const PG_REFUSALS: [&str; 5] = ["FG001", "FG002", "FG003", "FG004", "FG005"];
 /// How long one write may take before its outcome is unknown.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A store the worker writes to, as `--redis` / `--postgres` name it.
+/// A store the worker writes to, as `--redis` / `--postgres` / `--s3` name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Store {
     Redis,
     Postgres,
+    S3,
 }
 
 impl Store {
@@ -43,6 +45,7 @@ impl Store {
         match self {
             Store::Redis => "redis",
             Store::Postgres => "postgres",
+            Store::S3 => "s3",
         }
     }
 }
@@ -73,6 +76,13 @@ enum Outcome {
 enum Connection {
     Redis(redis::Connection),
     Postgres(tokio_postgres::Client),
+    /// Through a gateway with the token, or (fencing bypassed) straight to moto, appending to
+    /// the manifest's log from position `next`.
+    S3 {
+        client: S3Client,
+        token: Option<String>,
+        next: u64,
+    },
 }
 
 pub fn run(opts: WorkerOptions) -> Result<u8, ChaosError> {
@@ -196,6 +206,21 @@ fn connect(
                 Ok(Connection::Postgres(client))
             })
         }
+        Store::S3 => {
+            let client = S3Client::new(addr, WRITE_TIMEOUT)?;
+            // Bypassing, the worker appends to the log itself: find its end once.
+            let next = match token {
+                Some(_) => 0,
+                None => runtime
+                    .block_on(client.log_end())
+                    .map_err(|e| format!("connect: {e}"))?,
+            };
+            Ok(Connection::S3 {
+                client,
+                token: token.map(str::to_owned),
+                next,
+            })
+        }
     }
 }
 
@@ -230,6 +255,26 @@ fn write(runtime: &tokio::runtime::Runtime, connection: &mut Connection, record:
                     Some(code) if PG_REFUSALS.contains(&code) => Outcome::Refused(code.to_owned()),
                     _ => Outcome::Unknown(e.to_string()),
                 },
+            }
+        }
+        Connection::S3 {
+            client,
+            token,
+            next,
+        } => {
+            let answer = runtime.block_on(async {
+                match token {
+                    Some(token) => client.put_record(record, token).await,
+                    None => {
+                        let rev = parse_record(record).map_or(0, |(_, _, rev)| rev);
+                        client.append_unfenced(next, record, rev).await
+                    }
+                }
+            });
+            match answer {
+                Answer::Ok => Outcome::Ok,
+                Answer::Refused(code) => Outcome::Refused(code),
+                Answer::Other(e) => Outcome::Unknown(e),
             }
         }
     }

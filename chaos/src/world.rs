@@ -1,5 +1,6 @@
-//! What a chaos run stands on: a real redis-server and PostgreSQL, and a 3-node cluster of real
-//! `fencegate serve` processes, each running a Redis and a PostgreSQL gateway in front of them.
+//! What a chaos run stands on: a real redis-server, PostgreSQL and moto (S3), and a 3-node
+//! cluster of real `fencegate serve` processes, each running a Redis, a PostgreSQL and an S3
+//! gateway in front of them.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -10,8 +11,9 @@ use fencegate_testkit::cluster::Cluster;
 use fencegate_testkit::free_port;
 use fencegate_testkit::postgres_server::PgServer;
 use fencegate_testkit::redis_server::RedisServer;
-use fencegate_testkit::s3_server::wait_for_port;
+use fencegate_testkit::s3_server::{wait_for_port, MotoServer};
 
+use crate::s3_store;
 use crate::worker::PG_TABLE;
 
 /// The resource every worker locks; the gateways protect the records under it.
@@ -23,12 +25,16 @@ pub struct World {
     pub pg: Option<PgServer>,
     /// Each node's gateway ports: Redis, PostgreSQL.
     pub gateways: BTreeMap<u64, [u16; 2]>,
+    /// moto keeps its objects in memory: it is never restarted (no `restart-store`).
+    pub s3: Option<MotoServer>,
+    /// Each node's S3 gateway port.
+    pub s3_gateways: BTreeMap<u64, u16>,
 }
 
 impl World {
     /// Starts the stores asked for and the cluster. With `bypass`, the PostgreSQL table is left
     /// unprotected (its triggers would refuse the bypassing writes: the store's own fence).
-    pub async fn start(nodes: usize, redis: bool, postgres: bool, bypass: bool) -> Self {
+    pub async fn start(nodes: usize, redis: bool, postgres: bool, s3: bool, bypass: bool) -> Self {
         let redis = redis.then(RedisServer::start);
         let pg = postgres.then(|| {
             let pg = PgServer::start();
@@ -48,9 +54,19 @@ impl World {
             }
             pg
         });
+        let s3 = s3.then(|| {
+            let moto = MotoServer::start();
+            let created = moto.direct(serde_json::json!([
+                {"op": "create_bucket", "bucket": s3_store::BUCKET}
+            ]));
+            assert_eq!(created[0]["ok"], true, "create bucket: {created}");
+            moto
+        });
         let gateways: BTreeMap<u64, [u16; 2]> = (1..=nodes as u64)
             .map(|id| (id, [free_port(), free_port()]))
             .collect();
+        let s3_gateways: BTreeMap<u64, u16> =
+            (1..=nodes as u64).map(|id| (id, free_port())).collect();
         let sections = |id: u64| {
             let [redis_port, pg_port] = gateways[&id];
             let mut text = String::new();
@@ -67,9 +83,14 @@ impl World {
                     pg.addr()
                 ));
             }
+            if let Some(moto) = &s3 {
+                text.push_str(&s3_section(s3_gateways[&id], &moto.endpoint));
+            }
             text
         };
-        let cluster = Cluster::start_configured(nodes, "", sections, &[]).await;
+        let clients = format!("{}:{}", s3_store::ACCESS_KEY, s3_store::SECRET);
+        let env = [(S3_SECRET_ENV, "moto"), (S3_CLIENTS_ENV, clients.as_str())];
+        let cluster = Cluster::start_configured(nodes, "", sections, &env).await;
         for [redis_port, pg_port] in gateways.values() {
             if redis.is_some() {
                 wait_for_port(*redis_port, Duration::from_secs(30));
@@ -78,11 +99,16 @@ impl World {
                 wait_for_port(*pg_port, Duration::from_secs(30));
             }
         }
+        for port in s3_gateways.values().filter(|_| s3.is_some()) {
+            wait_for_port(*port, Duration::from_secs(30));
+        }
         Self {
             cluster,
             redis,
             pg,
             gateways,
+            s3,
+            s3_gateways,
         }
     }
 
@@ -103,6 +129,15 @@ impl World {
             }
             for (id, [_, port]) in self.gateways.iter().filter(|_| !bypass) {
                 args.extend(["--postgres".to_owned(), format!("{id}=127.0.0.1:{port}")]);
+            }
+        }
+        if let Some(moto) = &self.s3 {
+            if bypass {
+                let addr = moto.endpoint.trim_start_matches("http://");
+                args.extend(["--s3".to_owned(), format!("0={addr}")]);
+            }
+            for (id, port) in self.s3_gateways.iter().filter(|_| !bypass) {
+                args.extend(["--s3".to_owned(), format!("{id}=127.0.0.1:{port}")]);
             }
         }
         args
@@ -133,6 +168,23 @@ impl World {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// The environment variables the nodes' `[s3]` sections read their secrets from.
+const S3_SECRET_ENV: &str = "CHAOS_S3_UPSTREAM_SECRET";
+const S3_CLIENTS_ENV: &str = "CHAOS_S3_CLIENTS";
+
+/// A node's `[s3]` section: a gateway on `port` in front of moto at `upstream`, the records'
+/// prefix in manifest mode (the mode whose commit log orders every applied write).
+fn s3_section(port: u16, upstream: &str) -> String {
+    format!(
+        "\n[s3]\nlisten = \"127.0.0.1:{port}\"\nupstream = \"{upstream}\"\n\
+         upstream_access_key = \"moto\"\nupstream_secret_env = \"{S3_SECRET_ENV}\"\n\
+         clients_env = \"{S3_CLIENTS_ENV}\"\n\n[[s3.protect]]\nbucket = \"{}\"\n\
+         prefix = \"{}\"\nmode = \"manifest\"\nresource = \"{RESOURCE}\"\n",
+        s3_store::BUCKET,
+        s3_store::PREFIX
+    )
 }
 
 /// Runs the `fencegate` CLI for a setup step; panics with its output when it fails (nothing
