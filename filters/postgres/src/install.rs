@@ -1,11 +1,13 @@
 //! Installs `fence.sql` (schema `fencegate`: the fences, the token and pass keys, the guard, the
-//! enforcement trigger function) with tokio-postgres. Idempotent.
+//! enforcement trigger function) with tokio-postgres, and with `--enforce c` the C trigger
+//! function over fence.sql's plpgsql one. Idempotent.
 
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
 use crate::connect::connect;
+use crate::enforce::{install_c, Enforce};
 use crate::error::PostgresError;
 
 /// The store-side artifact, shipped in the crate as a real file.
@@ -20,12 +22,16 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct InstallOptions {
     /// The guard's `lock_timeout`.
     pub lock_timeout: Duration,
+    /// Which `fencegate.enforce()` to leave installed. Installing again without `C` puts the
+    /// plpgsql one back.
+    pub enforce: Enforce,
 }
 
 impl Default for InstallOptions {
     fn default() -> Self {
         Self {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            enforce: Enforce::default(),
         }
     }
 }
@@ -60,6 +66,9 @@ pub async fn install_with(
             "ALTER FUNCTION {signature} SET lock_timeout = '{millis}ms'"
         ))
         .await?;
+    }
+    if options.enforce == Enforce::C {
+        install_c(&tx).await?;
     }
     tx.commit().await?;
     let report = InstallReport {
