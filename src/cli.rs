@@ -144,12 +144,12 @@ pub enum PostgresCommand {
         /// How long the guard waits for a fence row locked by an older holder, in milliseconds.
         #[arg(long, default_value_t = 5000)]
         lock_timeout_ms: u64,
-        /// The enforcement trigger function: plpgsql (portable, the default) or c (faster; needs
-        /// a superuser and the fencegate_enforce library on the database server, built with
-        /// `make -C filters/postgres/ext install`). Installing again without `--enforce c` puts
-        /// plpgsql back.
-        #[arg(long, value_enum, default_value_t = EnforceArg::Plpgsql)]
-        enforce: EnforceArg,
+        /// The enforcement trigger function: plpgsql (portable; the first install's default) or
+        /// c (faster; needs a superuser and the fencegate_enforce library on the database
+        /// server, built with `make -C filters/postgres/ext install`). Without it, an install
+        /// keeps the one installed.
+        #[arg(long, value_enum)]
+        enforce: Option<EnforceArg>,
     },
     /// Install the triggers that make the store refuse writes without a guard pass.
     Protect {

@@ -62,10 +62,10 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
             lock_timeout_ms,
             enforce,
         } => {
-            let enforce = match enforce {
+            let enforce = enforce.map(|e| match e {
                 EnforceArg::Plpgsql => Enforce::Plpgsql,
                 EnforceArg::C => Enforce::C,
-            };
+            });
             let options = InstallOptions {
                 lock_timeout: Duration::from_millis(lock_timeout_ms),
                 enforce,
@@ -75,9 +75,9 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
                 eprintln!("warning: {warning}");
             }
             println!(
-                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms, enforce() in {enforce}); \
+                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms, enforce() in {}); \
                  run `fencegate postgres protect` to make the store refuse unguarded writes",
-                report.owner
+                report.owner, report.enforce
             );
             Ok(ExitCode::SUCCESS)
         }

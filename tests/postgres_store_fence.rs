@@ -914,10 +914,10 @@ async fn forged_passes_of_any_length_and_content_are_refused(enforce: Enforce) {
 }
 
 /// The C trigger's install refuses, naming the fix, where it cannot work (the library missing
-/// on the server, a role that is not a superuser), leaving the database as it was; installing
-/// again without `--enforce c` puts the plpgsql trigger back.
+/// on the server, a role that is not a superuser), leaving the database as it was; an install
+/// without `--enforce` keeps the installed one, `--enforce plpgsql` switches back.
 #[tokio::test(flavor = "multi_thread")]
-async fn enforce_c_install_names_the_fix_and_plpgsql_comes_back() {
+async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
     let plain = PgServer::start();
     let (c, out, err) = cli(&[
         "postgres",
@@ -964,8 +964,12 @@ async fn enforce_c_install_names_the_fix_and_plpgsql_comes_back() {
     let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("installer")]);
     assert_eq!(c, 0, "{out}{err}");
     assert_eq!(enforce_language(&pg), "plpgsql");
-    // A superuser switches to C and back.
-    for (flag, language) in [("c", "c"), ("plpgsql", "plpgsql"), ("c", "c")] {
+    // A superuser switches to C and back; the C function has no SET clause of its own.
+    for (flag, language, config) in [
+        ("c", "c", ""),
+        ("plpgsql", "plpgsql", "{plan_cache_mode=force_generic_plan}"),
+        ("c", "c", ""),
+    ] {
         let (c, out, err) = cli(&[
             "postgres",
             "install",
@@ -976,8 +980,32 @@ async fn enforce_c_install_names_the_fix_and_plpgsql_comes_back() {
         ]);
         assert_eq!(c, 0, "{out}{err}");
         assert_eq!(enforce_language(&pg), language);
+        assert_eq!(
+            pg.psql_as(
+                "postgres",
+                "SELECT proconfig FROM pg_proc WHERE oid = 'fencegate.enforce()'::regprocedure"
+            ),
+            config
+        );
     }
+    // An install without --enforce keeps the C one (a node's install_on_start too) ...
     let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("enforce() in c"), "{out}");
+    assert_eq!(enforce_language(&pg), "c");
+    // ... or refuses where it cannot, rather than quietly going back to plpgsql.
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("installer")]);
+    assert_ne!(c, 0, "{out}");
+    assert!(err.contains("--enforce plpgsql"), "{err}");
+    assert_eq!(enforce_language(&pg), "c");
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("installer"),
+        "--enforce",
+        "plpgsql",
+    ]);
     assert_eq!(c, 0, "{out}{err}");
     assert_eq!(enforce_language(&pg), "plpgsql");
 }

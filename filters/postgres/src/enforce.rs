@@ -31,9 +31,10 @@ impl fmt::Display for Enforce {
     }
 }
 
-/// Creates the C `fencegate.enforce()` in `tx` (after fence.sql). Refuses, naming the fix, when
-/// the role is not a superuser or the server cannot load the library.
-pub(crate) async fn install_c(tx: &Transaction<'_>) -> Result<(), PostgresError> {
+/// Creates the C `fencegate.enforce()` in `tx` (after fence.sql); `kept`: not asked for, but
+/// installed before. Refuses, naming the fix, when the role is not a superuser or the server
+/// cannot load the library.
+pub(crate) async fn install_c(tx: &Transaction<'_>, kept: bool) -> Result<(), PostgresError> {
     let row = tx
         .query_one(
             "SELECT current_user::text, \
@@ -42,6 +43,13 @@ pub(crate) async fn install_c(tx: &Transaction<'_>) -> Result<(), PostgresError>
         )
         .await?;
     let (role, superuser): (String, bool) = (row.get(0), row.get(1));
+    if !superuser && kept {
+        return Err(PostgresError::EnforceC(format!(
+            "fencegate.enforce() is the C one here (installed with --enforce c), and role {role} is \
+             not a superuser, so it cannot create it again after fence.sql. Run the install as a \
+             superuser, or pass --enforce plpgsql to switch to the portable plpgsql enforce()"
+        )));
+    }
     if !superuser {
         return Err(PostgresError::EnforceC(format!(
             "role {role} is not a superuser, and only a superuser may create a LANGUAGE C function. \
