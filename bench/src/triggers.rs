@@ -129,6 +129,6 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             ],
             rows,
         }],
-        notes: vec!["Target: the triggers cost under 5 % (>= 0.95x). Instructions per transaction, which do not depend on the machine's load: `bench/triggers-callgrind.sh` (see \"Store enforcement: the triggers' cost\" below).".into()],
+        notes: vec!["Target: the triggers cost under 5 % (>= 0.95x). Instructions per transaction, which do not depend on the machine's load: `bench/triggers-callgrind.sh` (section \"Store enforcement: the triggers' cost\").".into()],
     })
 }
