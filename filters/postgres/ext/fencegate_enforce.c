@@ -205,6 +205,8 @@ mac_verifies(const char *pass, size_t len, FullTransactionId fxid, Snapshot snap
 	TableScanDesc scan;
 	AttrNumber	ipad_att;
 	AttrNumber	opad_att;
+	Datum		ipad_datum;
+	Datum		opad_datum;
 	bytea	   *ipad;
 	bytea	   *opad;
 	bool		isnull_i;
@@ -223,11 +225,13 @@ mac_verifies(const char *pass, size_t len, FullTransactionId fxid, Snapshot snap
 				(errcode(ERRCODE_NO_DATA_FOUND),
 				 errmsg("fencegate.enforce: fencegate.pass_key is empty"),
 				 errhint("Run `fencegate postgres install` again.")));
-	/* Copies (detoasted), so the scan can end before hashing. */
-	ipad = DatumGetByteaPCopy(slot_getattr(slot, ipad_att, &isnull_i));
-	opad = DatumGetByteaPCopy(slot_getattr(slot, opad_att, &isnull_o));
+	ipad_datum = slot_getattr(slot, ipad_att, &isnull_i);
+	opad_datum = slot_getattr(slot, opad_att, &isnull_o);
 	if (isnull_i || isnull_o)
 		elog(ERROR, "fencegate.enforce: fencegate.pass_key has a NULL pad");
+	/* Copies (detoasted), so the scan can end before hashing. */
+	ipad = DatumGetByteaPCopy(ipad_datum);
+	opad = DatumGetByteaPCopy(opad_datum);
 	table_endscan(scan);
 	ExecDropSingleTupleTableSlot(slot);
 	table_close(rel, NoLock);
