@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// fencegate: make stores refuse writes from processes that lost their lock.
 #[derive(Debug, Parser)]
@@ -124,6 +124,15 @@ pub enum CertsCommand {
     },
 }
 
+/// `postgres install --enforce`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum EnforceArg {
+    /// fence.sql's plpgsql `fencegate.enforce()`.
+    Plpgsql,
+    /// The C `fencegate.enforce()` of filters/postgres/ext.
+    C,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum PostgresCommand {
     /// Install (or upgrade) the fence schema: fences, keys, guard and enforcement (fence.sql).
@@ -135,6 +144,12 @@ pub enum PostgresCommand {
         /// How long the guard waits for a fence row locked by an older holder, in milliseconds.
         #[arg(long, default_value_t = 5000)]
         lock_timeout_ms: u64,
+        /// The enforcement trigger function: plpgsql (portable; the first install's default) or
+        /// c (faster; needs a superuser and the fencegate_enforce library on the database
+        /// server, built with `make -C filters/postgres/ext install`). Without it, an install
+        /// keeps the one installed.
+        #[arg(long, value_enum)]
+        enforce: Option<EnforceArg>,
     },
     /// Install the triggers that make the store refuse writes without a guard pass.
     Protect {

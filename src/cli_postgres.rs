@@ -3,9 +3,9 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use fencegate_postgres::{InstallOptions, Target};
+use fencegate_postgres::{Enforce, InstallOptions, Target};
 
-use crate::cli::{EndpointArg, PostgresCommand};
+use crate::cli::{EndpointArg, EnforceArg, PostgresCommand};
 use crate::client::Client;
 
 /// The cluster's token keys (id, secret, retired), read from an admin snapshot.
@@ -60,18 +60,24 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
         PostgresCommand::Install {
             dsn,
             lock_timeout_ms,
+            enforce,
         } => {
+            let enforce = enforce.map(|e| match e {
+                EnforceArg::Plpgsql => Enforce::Plpgsql,
+                EnforceArg::C => Enforce::C,
+            });
             let options = InstallOptions {
                 lock_timeout: Duration::from_millis(lock_timeout_ms),
+                enforce,
             };
             let report = fencegate_postgres::install_with(&dsn, &options).await?;
             for warning in &report.warnings {
                 eprintln!("warning: {warning}");
             }
             println!(
-                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms); \
+                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms, enforce() in {}); \
                  run `fencegate postgres protect` to make the store refuse unguarded writes",
-                report.owner
+                report.owner, report.enforce
             );
             Ok(ExitCode::SUCCESS)
         }

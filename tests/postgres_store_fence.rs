@@ -1,9 +1,14 @@
 //! The store enforces the fence (issue 12), on direct connections to a real PostgreSQL (no
 //! gateway): protected tables refuse every write in a transaction that did not call
 //! `fencegate.guard(token)` with a current signed token, whatever path the write takes.
+//! Every case that writes through the triggers runs against both implementations of
+//! `fencegate.enforce()`: fence.sql's plpgsql (module `plpgsql`) and the C library of
+//! filters/postgres/ext (`install --enforce c`, module `c`).
 
 mod support;
 
+use fencegate_postgres::Enforce;
+use fencegate_testkit::enforce_library::enforce_library_conf;
 use support::postgres_server::{cli, code, connect, PgServer};
 use tokio_postgres::Client;
 
@@ -18,11 +23,37 @@ struct Store {
     admin: Client,
 }
 
+/// A server that can load the C `fencegate.enforce()` when `enforce` is C.
+fn server_for(enforce: Enforce) -> PgServer {
+    match enforce {
+        Enforce::Plpgsql => PgServer::start(),
+        Enforce::C => PgServer::start_with_conf(&enforce_library_conf()),
+    }
+}
+
+/// The language of the installed `fencegate.enforce()`.
+fn enforce_language(pg: &PgServer) -> String {
+    pg.psql_as(
+        "postgres",
+        "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
+         WHERE p.oid = 'fencegate.enforce()'::regprocedure",
+    )
+}
+
 impl Store {
-    async fn start() -> Self {
-        let pg = PgServer::start();
-        let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    async fn start(enforce: Enforce) -> Self {
+        let pg = server_for(enforce);
+        let (c, out, err) = cli(&[
+            "postgres",
+            "install",
+            "--dsn",
+            &pg.dsn("postgres"),
+            "--enforce",
+            &enforce.to_string(),
+        ]);
         assert_eq!(c, 0, "install: {out}{err}");
+        assert!(out.contains(&format!("enforce() in {enforce}")), "{out}");
+        assert_eq!(enforce_language(&pg), enforce.to_string());
         assert!(
             err.contains("warning: role postgres is a superuser"),
             "install must warn about its role: {err}"
@@ -104,10 +135,9 @@ impl Store {
 
 const INITIAL: [(i32, i32); 2] = [(1, 1), (2, 2)];
 
-#[tokio::test(flavor = "multi_thread")]
-async fn tokenless_writes_are_refused_by_the_store_whatever_their_path() {
+async fn tokenless_writes_are_refused_by_the_store_whatever_their_path(enforce: Enforce) {
     use futures_util::SinkExt;
-    let store = Store::start().await;
+    let store = Store::start(enforce).await;
     let app = store.app().await;
     for sql in [
         "INSERT INTO app.items VALUES (10, 0)",
@@ -171,10 +201,11 @@ async fn tokenless_writes_are_refused_by_the_store_whatever_their_path() {
     assert_eq!(parted, 0);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_current_signed_token_lets_writes_commit_and_the_guard_refuses_the_rest() {
+async fn a_current_signed_token_lets_writes_commit_and_the_guard_refuses_the_rest(
+    enforce: Enforce,
+) {
     use futures_util::SinkExt;
-    let store = Store::start().await;
+    let store = Store::start(enforce).await;
     let app = store.app().await;
     let t5 = store.token(5).await;
     // Simple query: guard and write in one implicit transaction.
@@ -267,9 +298,8 @@ async fn store_admin(store: &Store) -> Client {
     connect(&store.pg.dsn("postgres")).await
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass() {
-    let store = Store::start().await;
+async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     let app = store.app().await;
     for sql in [
         "SELECT * FROM fencegate.pass_key",
@@ -318,9 +348,8 @@ async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass() {
 
 /// The pass's MAC binds it to the transaction that made it: a pass taken from another backend's
 /// open transaction, with a valid MAC, is refused in this one.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_pass_from_another_backends_transaction_is_refused() {
-    let store = Store::start().await;
+async fn a_pass_from_another_backends_transaction_is_refused(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     let holder = store.app().await;
     let thief = store.app().await;
     let t5 = store.token(5).await;
@@ -358,9 +387,8 @@ async fn a_pass_from_another_backends_transaction_is_refused() {
 /// whatever the caller puts first in its search_path (operators and functions that would make a
 /// forged pass verify or hide the fence) or in pg_temp (tables named like fencegate's), the
 /// trigger resolves none of it.
-#[tokio::test(flavor = "multi_thread")]
-async fn shadowing_objects_in_the_search_path_do_not_subvert_the_trigger() {
-    let store = Store::start().await;
+async fn shadowing_objects_in_the_search_path_do_not_subvert_the_trigger(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     store.pg.psql_as(
         "postgres",
         &format!("CREATE SCHEMA evil AUTHORIZATION {APP}"),
@@ -442,9 +470,8 @@ async fn shadowing_objects_in_the_search_path_do_not_subvert_the_trigger() {
 
 /// The trigger's own stale check (defence in depth behind the guard's row lock): a fence raised
 /// inside the pass holder's transaction by the schema owner makes the next write FG001.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_trigger_refuses_a_pass_below_the_fence() {
-    let store = Store::start().await;
+async fn the_trigger_refuses_a_pass_below_the_fence(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     let owner = store_admin(&store).await;
     let t5 = store.token(5).await;
     let e = owner
@@ -461,9 +488,8 @@ async fn the_trigger_refuses_a_pass_below_the_fence() {
     assert_eq!(store.items().await, INITIAL);
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn tables_created_later_are_protected_and_status_lists_them() {
-    let store = Store::start().await;
+async fn tables_created_later_are_protected_and_status_lists_them(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     store.pg.psql_as(
         "postgres",
         &format!("CREATE TABLE app.later (id int); GRANT ALL ON app.later TO {APP}"),
@@ -596,10 +622,9 @@ async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
 /// Key id 0 is an operator's own key (authority.token_key_env or token_key_file): the store
 /// takes it, and `postgres install` widens the key check of a schema installed before, which
 /// took ids 1 and up only. Tokens it signs then pass the guard; a wrong secret does not.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema() {
+async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema(enforce: Enforce) {
     const OPERATOR: [u8; 32] = [0x5a; 32];
-    let mut store = Store::start().await;
+    let mut store = Store::start(enforce).await;
     // The key check as schemas installed before this change have it.
     store.pg.psql_as(
         "postgres",
@@ -611,7 +636,14 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema()
         .await
         .unwrap_err();
     assert!(format!("{e:?}").contains("token_keys_kid_check"), "{e:?}");
-    let (c, out, err) = cli(&["postgres", "install", "--dsn", &store.pg.dsn("postgres")]);
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &store.pg.dsn("postgres"),
+        "--enforce",
+        &enforce.to_string(),
+    ]);
     assert_eq!(c, 0, "reinstall: {out}{err}");
     fencegate_postgres::install_token_keys(&mut store.admin, &keys)
         .await
@@ -622,8 +654,16 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema()
     );
     assert_eq!(stored, format!("0,{KID}"));
     // Installing again leaves the widened check as it is.
-    let (c, out, err) = cli(&["postgres", "install", "--dsn", &store.pg.dsn("postgres")]);
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &store.pg.dsn("postgres"),
+        "--enforce",
+        &enforce.to_string(),
+    ]);
     assert_eq!(c, 0, "third install: {out}{err}");
+    assert_eq!(enforce_language(&store.pg), enforce.to_string());
 
     let app = store.app().await;
     let by_operator = store.sign(0, &OPERATOR, 5, "job").await;
@@ -646,10 +686,11 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema()
 /// Rolling back to a savepoint releases the guard's row lock, and the client can put the pass
 /// string back with set_config: the trigger takes the fence row again on every protected
 /// statement, so a newer holder's raise (committed or not) refuses the stale write.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder() {
+async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder(
+    enforce: Enforce,
+) {
     for isolation in ["REPEATABLE READ", "READ COMMITTED"] {
-        let store = Store::start().await;
+        let store = Store::start(enforce).await;
         let t10 = store.token(10).await;
         let t11 = store.token(11).await;
         let old = store.app().await;
@@ -744,9 +785,8 @@ async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_ho
 
 /// The trigger locks the fence row only once the pass verifies: a forged pass is refused at
 /// once (FG002), not queued behind a holder's open raise.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_forged_pass_is_refused_without_waiting_for_the_fence_row() {
-    let store = Store::start().await;
+async fn a_forged_pass_is_refused_without_waiting_for_the_fence_row(enforce: Enforce) {
+    let store = Store::start(enforce).await;
     let holder = store.app().await;
     let thief = store.app().await;
     let t5 = store.token(5).await;
@@ -773,3 +813,235 @@ async fn a_forged_pass_is_refused_without_waiting_for_the_fence_row() {
     holder.batch_execute("COMMIT").await.unwrap();
     assert_eq!(store.items().await, INITIAL);
 }
+
+/// A client sets `fencegate.pass` to anything: no length or content makes the trigger accept it
+/// (or crash the server): empty, shorter and longer than a pass, multibyte and control
+/// characters, and a real pass of this very transaction altered by one byte or in its framing.
+async fn forged_passes_of_any_length_and_content_are_refused(enforce: Enforce) {
+    let store = Store::start(enforce).await;
+    let mut app = store.app().await;
+    let t5 = store.token(5).await;
+    // A pass the guard made in an earlier transaction of this backend: its MAC is real but
+    // bound to that transaction.
+    let old: String = app
+        .query_one(
+            &format!("SELECT fencegate.guard('{t5}')::text, current_setting('fencegate.pass')"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(1);
+    let mac = &old[old.len() - 64..];
+    let mut forged: Vec<String> = vec![
+        "x".into(),
+        ":".repeat(65),
+        "a".repeat(63),
+        "a".repeat(64),
+        "a".repeat(65),
+        "a".repeat(66),
+        format!("5:job:{}", "a".repeat(64)),
+        format!("5:job:{}", mac.to_uppercase()),
+        format!("5:job{mac}"),
+        format!("5:job:{mac}"),
+        format!(":{mac}"),
+        mac.to_string(),
+        "é".into(),
+        "é".repeat(33),
+        "é".repeat(65),
+        format!("5:job:{}", "é".repeat(64)),
+        format!("5:jobé{mac}"),
+        "\x01\t\n\\'\"".repeat(20),
+        "9".repeat(100_000),
+    ];
+    for len in [1, 63, 64, 65, 66, 67, 68, 69, 70] {
+        forged.push(old.chars().take(len).collect());
+    }
+    let tx = app.transaction().await.unwrap();
+    // This transaction's own pass, to alter: each variant below is refused.
+    tx.execute("SELECT fencegate.guard($1)", &[&t5])
+        .await
+        .unwrap();
+    let own: String = tx
+        .query_one("SELECT current_setting('fencegate.pass')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    tx.rollback().await.unwrap();
+    let flip = |s: &str, i: usize| {
+        let mut b = s.as_bytes().to_vec();
+        b[i] = if b[i] == b'0' { b'1' } else { b'0' };
+        String::from_utf8(b).unwrap()
+    };
+    forged.extend([
+        flip(&own, own.len() - 1),
+        flip(&own, own.len() - 64),
+        flip(&own, 0),
+        format!("{own}0"),
+        own[..own.len() - 1].to_string(),
+        format!("0{own}"),
+    ]);
+    for pass in &forged {
+        let shown = pass.chars().take(80).collect::<String>();
+        let tx = app.transaction().await.unwrap();
+        tx.query_one("SELECT set_config('fencegate.pass', $1, true)", &[pass])
+            .await
+            .unwrap();
+        let e = tx.execute("DELETE FROM app.items", &[]).await.unwrap_err();
+        assert_eq!(code(&e), "FG002", "{shown:?}: {e:?}");
+        assert!(
+            format!("{e:?}").contains("not made by fencegate.guard"),
+            "{shown:?}: {e:?}"
+        );
+        drop(tx);
+    }
+    // An empty pass is no pass.
+    let tx = app.transaction().await.unwrap();
+    tx.execute("SELECT set_config('fencegate.pass', '', true)", &[])
+        .await
+        .unwrap();
+    let e = tx.execute("DELETE FROM app.items", &[]).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e:?}");
+    assert!(format!("{e:?}").contains("needs a fencing token"), "{e:?}");
+    drop(tx);
+    assert_eq!(store.items().await, INITIAL);
+    // The same backend still writes with a pass the guard makes.
+    app.batch_execute(&format!(
+        "SELECT fencegate.guard('{t5}'); DELETE FROM app.items WHERE id = 2"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(store.items().await, vec![(1, 1)]);
+}
+
+/// The C trigger's install refuses, naming the fix, where it cannot work (the library missing
+/// on the server, a role that is not a superuser), leaving the database as it was; an install
+/// without `--enforce` keeps the installed one, `--enforce plpgsql` switches back.
+#[tokio::test(flavor = "multi_thread")]
+async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
+    let plain = PgServer::start();
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &plain.dsn("postgres"),
+        "--enforce",
+        "c",
+    ]);
+    assert_ne!(c, 0, "{out}");
+    assert!(err.contains("fencegate_enforce"), "{err}");
+    assert!(
+        err.contains("make -C filters/postgres/ext install")
+            && err.contains("dynamic_library_path"),
+        "{err}"
+    );
+    // One transaction: nothing of fence.sql stayed either.
+    assert_eq!(
+        plain.psql_as("postgres", "SELECT to_regclass('fencegate.fences') IS NULL"),
+        "t"
+    );
+
+    let pg = server_for(Enforce::C);
+    pg.psql_as(
+        "postgres",
+        "CREATE ROLE installer LOGIN; GRANT CREATE ON DATABASE postgres TO installer",
+    );
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("installer"),
+        "--enforce",
+        "c",
+    ]);
+    assert_ne!(c, 0, "{out}");
+    assert!(err.contains("role installer is not a superuser"), "{err}");
+    assert!(err.contains("as a superuser"), "{err}");
+    assert_eq!(
+        pg.psql_as("postgres", "SELECT to_regclass('fencegate.fences') IS NULL"),
+        "t"
+    );
+    // The same role installs the portable trigger.
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("installer")]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert_eq!(enforce_language(&pg), "plpgsql");
+    // A superuser switches to C and back; the C function has no SET clause of its own.
+    for (flag, language, config) in [
+        ("c", "c", ""),
+        ("plpgsql", "plpgsql", "{plan_cache_mode=force_generic_plan}"),
+        ("c", "c", ""),
+    ] {
+        let (c, out, err) = cli(&[
+            "postgres",
+            "install",
+            "--dsn",
+            &pg.dsn("postgres"),
+            "--enforce",
+            flag,
+        ]);
+        assert_eq!(c, 0, "{out}{err}");
+        assert_eq!(enforce_language(&pg), language);
+        assert_eq!(
+            pg.psql_as(
+                "postgres",
+                "SELECT proconfig FROM pg_proc WHERE oid = 'fencegate.enforce()'::regprocedure"
+            ),
+            config
+        );
+    }
+    // An install without --enforce keeps the C one (a node's install_on_start too) ...
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("enforce() in c"), "{out}");
+    assert_eq!(enforce_language(&pg), "c");
+    // ... or refuses where it cannot, rather than quietly going back to plpgsql.
+    let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("installer")]);
+    assert_ne!(c, 0, "{out}");
+    assert!(err.contains("--enforce plpgsql"), "{err}");
+    assert_eq!(enforce_language(&pg), "c");
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("installer"),
+        "--enforce",
+        "plpgsql",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert_eq!(enforce_language(&pg), "plpgsql");
+}
+
+/// Runs each case above as `plpgsql::<case>` and `c::<case>`.
+macro_rules! with_each_enforce {
+    ($($case:ident),* $(,)?) => {
+        mod plpgsql {
+            $(
+                #[tokio::test(flavor = "multi_thread")]
+                async fn $case() {
+                    super::$case(super::Enforce::Plpgsql).await
+                }
+            )*
+        }
+        mod c {
+            $(
+                #[tokio::test(flavor = "multi_thread")]
+                async fn $case() {
+                    super::$case(super::Enforce::C).await
+                }
+            )*
+        }
+    };
+}
+
+with_each_enforce!(
+    tokenless_writes_are_refused_by_the_store_whatever_their_path,
+    a_current_signed_token_lets_writes_commit_and_the_guard_refuses_the_rest,
+    the_app_role_cannot_read_the_secrets_nor_forge_a_pass,
+    a_pass_from_another_backends_transaction_is_refused,
+    shadowing_objects_in_the_search_path_do_not_subvert_the_trigger,
+    the_trigger_refuses_a_pass_below_the_fence,
+    tables_created_later_are_protected_and_status_lists_them,
+    the_operator_key_is_accepted_also_after_installing_over_an_old_schema,
+    a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder,
+    a_forged_pass_is_refused_without_waiting_for_the_fence_row,
+    forged_passes_of_any_length_and_content_are_refused,
+);

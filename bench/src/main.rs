@@ -19,6 +19,7 @@ mod resp;
 mod s3;
 mod servers;
 mod sigv4;
+mod triggers;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -53,13 +54,16 @@ enum Suite {
     Postgres,
     /// Signed PUTs to moto directly and fenced through the S3 gateway; upstream requests per PUT.
     S3,
+    /// The guarded write transaction with 8 writers, the store's triggers off, plpgsql and C
+    /// (needs postgresql-server-dev to build the C library).
+    Triggers,
     /// Redis and PostgreSQL direct, through their usual proxy (twemproxy, PgBouncer) and
     /// through fencegate as a pass-through, interleaved: throughput, latency and the proxy's CPU
     /// time per request.
     Peers,
     /// The gateway's RSS idle and after 1,000 idle connections per gateway.
     Footprint,
-    /// Every suite above, in one invocation.
+    /// Every suite above but triggers, in one invocation.
     All,
 }
 
@@ -79,6 +83,7 @@ async fn run_suite(suite: Suite, run: Duration, reps: usize) -> anyhow::Result<r
         Suite::Postgres => postgres::run(run, reps).await,
         Suite::Peers => hop::run(run, reps).await,
         Suite::S3 => s3::run(run, reps).await,
+        Suite::Triggers => triggers::run(run, reps).await,
         Suite::Footprint => footprint::run(reps).await,
         Suite::All => unreachable!("expanded by main"),
     }

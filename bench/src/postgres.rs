@@ -40,7 +40,7 @@ END;
 /// The same transaction with the guard run directly, without the gateway, in the UPDATE's
 /// round trip as the gateway sends it (`\;` makes one Query message of both statements): what
 /// the fence costs the store itself.
-const GUARDED_SCRIPT: &str = "\\set aid random(1, 100000)
+pub(crate) const GUARDED_SCRIPT: &str = "\\set aid random(1, 100000)
 \\set bid random(1, 1)
 \\set tid random(1, 10)
 \\set delta random(-5000, 5000)
@@ -52,7 +52,7 @@ END;
 ";
 
 /// Protects the pgbench tables with the store's triggers, bound to the bench token's resource.
-fn protect(pg: &Postgres) -> anyhow::Result<()> {
+pub(crate) fn protect(pg: &Postgres) -> anyhow::Result<()> {
     let out = Command::new(crate::process::fencegate_binary()?)
         .args(["postgres", "protect", "--dsn", &pg.dsn()])
         .args(["--schema", "public", "--resource", "bench"])
@@ -67,7 +67,7 @@ fn protect(pg: &Postgres) -> anyhow::Result<()> {
 }
 
 /// Enables (always) or disables the enforcement triggers on the pgbench tables written.
-fn set_triggers(pg: &Postgres, enabled: bool) -> anyhow::Result<()> {
+pub(crate) fn set_triggers(pg: &Postgres, enabled: bool) -> anyhow::Result<()> {
     let how = if enabled { "ENABLE ALWAYS" } else { "DISABLE" };
     pg.psql(&format!(
         "ALTER TABLE pgbench_accounts {how} TRIGGER fencegate_enforce; \

@@ -109,6 +109,12 @@ pub struct Postgres {
 
 impl Postgres {
     pub fn start(max_connections: u32) -> anyhow::Result<Self> {
+        Self::start_with_conf(max_connections, "")
+    }
+
+    /// The same, with `conf` appended to postgresql.conf (in the file: pg_ctl's `-o` goes
+    /// through a shell, which would expand `$libdir`).
+    pub fn start_with_conf(max_connections: u32, conf: &str) -> anyhow::Result<Self> {
         let bin = pg_bin()?;
         let dir = tempfile::Builder::new()
             .prefix("fencegate-bench-pg")
@@ -133,6 +139,13 @@ impl Postgres {
                 .output(),
             "initdb",
         )?;
+        if !conf.is_empty() {
+            use std::io::Write;
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("postgresql.conf"))?;
+            writeln!(file, "{conf}")?;
+        }
         let port = free_port();
         let options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=on -c synchronous_commit=on \

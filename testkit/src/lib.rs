@@ -1,9 +1,10 @@
 //! Test scaffolding shared by the root crate's tests, the filters' tests and the benchmarks:
-//! free loopback ports, real store servers (redis-server, PostgreSQL, moto's S3 server) started on them, and
-//! clusters of real `fencegate serve` processes.
+//! free loopback ports, real store servers (redis-server, PostgreSQL, moto's S3 server) started on them,
+//! clusters of real `fencegate serve` processes, and the C `fencegate.enforce()` built for them.
 //! One copy, so that a fix to how a server is started reaches every test.
 
 pub mod cluster;
+pub mod enforce_library;
 pub mod fd_limit;
 pub mod fencegate_bin;
 pub mod port;

@@ -17,7 +17,7 @@ pub const CLEARTEXT_USER: &str = "cleartext_user";
 pub const PASSWORD: &str = "s3cret-Pa55";
 
 /// Where Debian and Ubuntu install the server binaries; `PG_BIN` overrides.
-fn bin_dir() -> PathBuf {
+pub(crate) fn bin_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("PG_BIN") {
         return PathBuf::from(dir);
     }
@@ -78,16 +78,23 @@ pub struct PgServer {
 impl PgServer {
     /// initdb, configure trust + SCRAM + MD5 + cleartext logins, start, wait until it answers.
     pub fn start() -> Self {
-        Self::start_with(None)
+        Self::start_with(None, "")
+    }
+
+    /// The same, with `conf` (postgresql.conf lines, e.g.
+    /// [`enforce_library_conf`](crate::enforce_library::enforce_library_conf)) appended to
+    /// the server's configuration.
+    pub fn start_with_conf(conf: &str) -> Self {
+        Self::start_with(None, conf)
     }
 
     /// The same, with `ssl=on` and this PEM certificate chain and key (TCP clients may then
     /// use TLS; `host` lines in pg_hba.conf match both).
     pub fn start_tls(cert_pem: &str, key_pem: &str) -> Self {
-        Self::start_with(Some((cert_pem, key_pem)))
+        Self::start_with(Some((cert_pem, key_pem)), "")
     }
 
-    fn start_with(tls: Option<(&str, &str)>) -> Self {
+    fn start_with(tls: Option<(&str, &str)>, conf: &str) -> Self {
         let bin = bin_dir();
         let dir = tempfile::tempdir().expect("temp dir");
         if is_root() {
@@ -116,6 +123,16 @@ impl PgServer {
              local all all trust\n"
         );
         std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        if !conf.is_empty() {
+            use std::io::Write;
+            // In the file, not on pg_ctl's command line: pg_ctl hands that to a shell, which
+            // would expand `$libdir`.
+            let mut file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(data.join("postgresql.conf"))
+                .unwrap();
+            writeln!(file, "{conf}").unwrap();
+        }
         let port = free_port();
         let sockdir = dir.path().join("sock");
         std::fs::create_dir(&sockdir).unwrap();

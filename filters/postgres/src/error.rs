@@ -29,6 +29,10 @@ pub enum PostgresError {
         /// What went wrong.
         what: String,
     },
+    /// `install --enforce c` could not create the C `fencegate.enforce()` (what to do is in the
+    /// text).
+    #[error("installing the C fencegate.enforce() (--enforce c): {0}")]
+    EnforceC(String),
     /// Installing `fence.sql` failed.
     #[error("installing the fence schema: {0}")]
     Install(#[from] tokio_postgres::Error),

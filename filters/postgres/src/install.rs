@@ -1,11 +1,13 @@
 //! Installs `fence.sql` (schema `fencegate`: the fences, the token and pass keys, the guard, the
-//! enforcement trigger function) with tokio-postgres. Idempotent.
+//! enforcement trigger function) with tokio-postgres, and with `--enforce c` the C trigger
+//! function over fence.sql's plpgsql one. Idempotent.
 
 use std::time::Duration;
 
-use tokio_postgres::Client;
+use tokio_postgres::{Client, Transaction};
 
 use crate::connect::connect;
+use crate::enforce::{install_c, Enforce};
 use crate::error::PostgresError;
 
 /// The store-side artifact, shipped in the crate as a real file.
@@ -20,12 +22,17 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct InstallOptions {
     /// The guard's `lock_timeout`.
     pub lock_timeout: Duration,
+    /// Which `fencegate.enforce()` to leave installed; `None` keeps the installed one (the C one
+    /// stays C: fence.sql's plpgsql definition would otherwise replace it), plpgsql on a first
+    /// install.
+    pub enforce: Option<Enforce>,
 }
 
 impl Default for InstallOptions {
     fn default() -> Self {
         Self {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            enforce: None,
         }
     }
 }
@@ -37,6 +44,8 @@ pub struct InstallReport {
     pub owner: String,
     /// Warnings (e.g. the installer role also owns application tables).
     pub warnings: Vec<String>,
+    /// The `fencegate.enforce()` left installed.
+    pub enforce: Enforce,
 }
 
 /// Connects to `dsn` (libpq key/value or URL form) and runs `fence.sql` in one transaction.
@@ -53,6 +62,8 @@ pub async fn install_with(
 ) -> Result<InstallReport, PostgresError> {
     let (mut client, task) = connect(dsn).await?;
     let tx = client.transaction().await?;
+    let installed = installed_enforce(&tx).await?;
+    let enforce = options.enforce.or(installed).unwrap_or_default();
     tx.batch_execute(FENCE_SQL).await?;
     let millis = options.lock_timeout.as_millis().max(1);
     for signature in ["fencegate.guard(text)", "fencegate.guard(text, bigint)"] {
@@ -61,14 +72,35 @@ pub async fn install_with(
         ))
         .await?;
     }
+    if enforce == Enforce::C {
+        install_c(&tx, options.enforce.is_none()).await?;
+    }
     tx.commit().await?;
     let report = InstallReport {
         owner: current_user(&client).await?,
         warnings: owner_warnings(&client).await?,
+        enforce,
     };
     drop(client);
     let _ = task.await;
     Ok(report)
+}
+
+/// The installed `fencegate.enforce()`'s implementation, by its language; `None` before the
+/// first install.
+async fn installed_enforce(tx: &Transaction<'_>) -> Result<Option<Enforce>, PostgresError> {
+    let row = tx
+        .query_opt(
+            "SELECT l.lanname::text FROM pg_catalog.pg_proc p \
+               JOIN pg_catalog.pg_language l ON l.oid = p.prolang \
+              WHERE p.oid = pg_catalog.to_regprocedure('fencegate.enforce()')",
+            &[],
+        )
+        .await?;
+    Ok(row.map(|r| match r.get::<_, String>(0).as_str() {
+        "c" => Enforce::C,
+        _ => Enforce::Plpgsql,
+    }))
 }
 
 async fn current_user(client: &Client) -> Result<String, PostgresError> {

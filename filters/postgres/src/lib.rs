@@ -37,6 +37,7 @@ pub mod classify_cache;
 pub mod config;
 pub mod connect;
 pub mod dsn_tls;
+pub mod enforce;
 pub mod error;
 mod fence_reset;
 mod gateway;
@@ -55,6 +56,7 @@ pub mod token_keys;
 pub mod upstream;
 
 pub use config::{PostgresConfig, UpstreamTls};
+pub use enforce::Enforce;
 pub use error::PostgresError;
 pub use fence_reset::reset_fence;
 pub use gateway::Gateway;

@@ -1,0 +1,74 @@
+//! Which `fencegate.enforce()` the install leaves: fence.sql's plpgsql (the portable default,
+//! runs on managed PostgreSQL) or the C library of `filters/postgres/ext` (a fraction of the
+//! per-transaction cost; needs a superuser and the library on the database server).
+
+use std::fmt;
+
+use tokio_postgres::error::SqlState;
+use tokio_postgres::Transaction;
+
+use crate::error::PostgresError;
+
+/// Replaces fence.sql's plpgsql `fencegate.enforce()` with the C one.
+pub const ENFORCE_C_SQL: &str = include_str!("enforce_c.sql");
+
+/// The implementation of `fencegate.enforce()` (`install --enforce`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Enforce {
+    /// fence.sql's plpgsql function.
+    #[default]
+    Plpgsql,
+    /// `LANGUAGE C`, from the library `fencegate_enforce`.
+    C,
+}
+
+impl fmt::Display for Enforce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Plpgsql => "plpgsql",
+            Self::C => "c",
+        })
+    }
+}
+
+/// Creates the C `fencegate.enforce()` in `tx` (after fence.sql); `kept`: not asked for, but
+/// installed before. Refuses, naming the fix, when the role is not a superuser or the server
+/// cannot load the library.
+pub(crate) async fn install_c(tx: &Transaction<'_>, kept: bool) -> Result<(), PostgresError> {
+    let row = tx
+        .query_one(
+            "SELECT current_user::text, \
+                    (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)",
+            &[],
+        )
+        .await?;
+    let (role, superuser): (String, bool) = (row.get(0), row.get(1));
+    if !superuser && kept {
+        return Err(PostgresError::EnforceC(format!(
+            "fencegate.enforce() is the C one here (installed with --enforce c), and role {role} is \
+             not a superuser, so it cannot create it again after fence.sql. Run the install as a \
+             superuser, or pass --enforce plpgsql to switch to the portable plpgsql enforce()"
+        )));
+    }
+    if !superuser {
+        return Err(PostgresError::EnforceC(format!(
+            "role {role} is not a superuser, and only a superuser may create a LANGUAGE C function. \
+             Run `fencegate postgres install --enforce c` as a superuser, or install without \
+             --enforce c to keep the portable plpgsql enforce()"
+        )));
+    }
+    match tx.batch_execute(ENFORCE_C_SQL).await {
+        Err(e) if e.code() == Some(&SqlState::UNDEFINED_FILE) => {
+            let detail = e
+                .as_db_error()
+                .map_or_else(|| e.to_string(), |db| db.message().to_owned());
+            Err(PostgresError::EnforceC(format!(
+                "the server cannot load the library fencegate_enforce ({detail}). Build and install it \
+                 on the database server with `make -C filters/postgres/ext install` (PGXS; needs \
+                 postgresql-server-dev for the server's major version), or add the directory that \
+                 holds fencegate_enforce.so to the server's dynamic_library_path"
+            )))
+        }
+        result => Ok(result?),
+    }
+}
