@@ -74,6 +74,9 @@ PG_FUNCTION_INFO_V1(fencegate_enforce);
  * The last pass whose MAC verified, and the top transaction it verified in: later statements of
  * the same transaction with the same pass text skip the key read and the MAC (the MAC binds the
  * pass to this backend and transaction, so the result cannot differ). Never the fence lock.
+ * A pass verified once stays verified until its transaction ends, even if the pass key is
+ * replaced meanwhile (only `fencegate postgres install` writes it); the plpgsql version would
+ * refuse it at the next statement.
  */
 static FullTransactionId verified_fxid;
 static char *verified_pass = NULL;	/* in TopMemoryContext */
@@ -425,17 +428,23 @@ fencegate_enforce(PG_FUNCTION_ARGS)
 		  && verified_len == len
 		  && memcmp(verified_pass, pass, len) == 0))
 	{
-		if (len < PASS_TAIL_LEN || !mac_verifies(pass, len, fxid, snap))
+		if (len < PASS_TAIL_LEN || pass[len - PASS_TAIL_LEN] != ':'
+			|| !mac_verifies(pass, len, fxid, snap))
 			ereport(ERROR,
 					(errcode(ERRCODE_FG_NO_PASS),
 					 errmsg("fencegate: %s on %s.%s refused: fencegate.pass was not made by fencegate.guard in this transaction",
 							trigger_op(trigdata), REL_SCHEMA(rel), REL_NAME(rel)),
 					 errhint(PASS_HINT)));
-		if (verified_pass != NULL)
-			pfree(verified_pass);
-		verified_pass = MemoryContextStrdup(TopMemoryContext, pass);
-		verified_len = len;
-		verified_fxid = fxid;
+		{
+			/* Copy first: if the copy fails, the cache still holds its old, valid entry. */
+			char	   *copy = MemoryContextStrdup(TopMemoryContext, pass);
+
+			if (verified_pass != NULL)
+				pfree(verified_pass);
+			verified_pass = copy;
+			verified_len = len;
+			verified_fxid = fxid;
+		}
 	}
 
 	/* The MAC verified: `held` is `revision:resource` as the guard wrote it. */
