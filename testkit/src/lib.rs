@@ -4,6 +4,7 @@
 //! One copy, so that a fix to how a server is started reaches every test.
 
 pub mod cluster;
+pub mod fault_proxy;
 pub mod fd_limit;
 pub mod fencegate_bin;
 pub mod port;
