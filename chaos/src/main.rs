@@ -10,6 +10,7 @@ mod error;
 mod history;
 mod nemesis;
 mod run;
+mod stop_times;
 mod summary;
 mod worker;
 mod workload;
@@ -49,7 +50,7 @@ struct RunArgs {
     #[arg(long)]
     bypass_fencing: bool,
     /// Only these faults (comma-separated: pause-worker, kill-worker, kill-leader,
-    /// kill-follower, restart-store); all by default.
+    /// kill-follower, restart-store, partition, delay, drop); all by default.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<nemesis::FaultKind>,
     /// The stores written to (comma-separated: redis, postgres).

@@ -1,5 +1,6 @@
 //! What a chaos run stands on: a real redis-server and PostgreSQL, and a 3-node cluster of real
-//! `fencegate serve` processes, each running a Redis and a PostgreSQL gateway in front of them.
+//! `fencegate serve` processes, each running a Redis and a PostgreSQL gateway in front of them,
+//! whose Raft links go through the testkit's fault proxies.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -69,7 +70,8 @@ impl World {
             }
             text
         };
-        let cluster = Cluster::start_configured(nodes, "", sections, &[]).await;
+        // Every Raft link through a fault proxy, for the nemesis's network faults.
+        let cluster = Cluster::start_with_faulty_links(nodes, "", sections, &[]).await;
         for [redis_port, pg_port] in gateways.values() {
             if redis.is_some() {
                 wait_for_port(*redis_port, Duration::from_secs(30));
