@@ -263,8 +263,9 @@ async fn the_stop_file_holds_the_stop_time_the_runner_keeps() {
     cluster.signal(1, Signal::SIGCONT);
     assert_eq!(status.code(), Some(124));
     let promised = stop(&read());
+    // SIGTERM ends `sleep` at once; the bound is --grace (1 s) plus time to exit, under load.
     assert!(
-        stopped_at >= promised && stopped_at <= promised + 500_000_000,
+        stopped_at >= promised && stopped_at <= promised + 1_500_000_000,
         "stopped {} ms after the promised stop time",
         (stopped_at as i64 - promised as i64) / 1_000_000
     );

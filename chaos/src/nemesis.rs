@@ -108,7 +108,7 @@ enum Heal {
         id: u64,
     },
     /// Every link passes again; `partitioned` when the fault cut a node off.
-    HealLinks {
+    Links {
         partitioned: bool,
     },
 }
@@ -277,7 +277,7 @@ impl Nemesis {
                     _ => {
                         let every = self.rng.gen_range(3..=10);
                         let fault = LinkFault::Drop { every };
-                        let what = format!(", every {every}th chunk");
+                        let what = format!(", 1 chunk in {every} dropped");
                         (fault, self.rng.gen_range(3_000..=6_000), what)
                     }
                 };
@@ -289,7 +289,7 @@ impl Nemesis {
                 let heal = Instant::now() + Duration::from_millis(lasts);
                 self.heals.push((
                     heal,
-                    Heal::HealLinks {
+                    Heal::Links {
                         partitioned: partition,
                     },
                 ));
@@ -318,7 +318,7 @@ impl Nemesis {
                     world.cluster.spawn(id);
                     self.down = None;
                 }
-                Heal::HealLinks { partitioned } => {
+                Heal::Links { partitioned } => {
                     world.cluster.heal_links();
                     self.links_faulty = false;
                     if partitioned {

@@ -180,9 +180,10 @@ impl Cluster {
             }
         }
         // Where the peers reach each node's Raft port: its inbound proxy, if any.
-        let advertised: Vec<u16> = match faulty_links {
-            true => proxies.iter().map(|p| p.addr().port()).collect(),
-            false => peers.clone(),
+        let advertised: Vec<u16> = if faulty_links {
+            proxies.iter().map(|p| p.addr().port()).collect()
+        } else {
+            peers.clone()
         };
         let members: Vec<String> = ports
             .iter()
@@ -204,10 +205,11 @@ impl Cluster {
             let peer = (security == Security::Tls || faulty_links).then_some(peers[i]);
             let authority = format!("members = [{}]\n{extra}", members.join(", "));
             let config = dir.path().join(format!("node{id}.toml"));
-            let mut node_extra = String::new();
-            if faulty_links {
-                node_extra = format!("peer_source = \"{}\"\n", source_ip(id));
-            }
+            let node_extra = if faulty_links {
+                format!("peer_source = \"{}\"\n", source_ip(id))
+            } else {
+                String::new()
+            };
             let text = config_text(
                 security,
                 dir.path(),
