@@ -357,6 +357,11 @@ pub enum LockCommand {
         holder: Option<String>,
         #[command(flatten)]
         endpoint: EndpointArg,
+        /// Keep the stop time in this file (one JSON line, CLOCK_MONOTONIC ns, replaced at
+        /// every renewal; named to the command as FENCING_STOP_FILE), for a command that
+        /// wants to stop by itself in time. Never deleted: the caller owns it.
+        #[arg(long)]
+        stop_file: Option<std::path::PathBuf>,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true)]
         command: Vec<String>,

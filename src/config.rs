@@ -3,7 +3,7 @@
 //! Unknown keys are errors (a typo must not silently fall back to a default), and every error
 //! names the file and line.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use fencegate_core::Revision;
@@ -134,6 +134,11 @@ pub struct NodeConfig {
     /// Raft RPC address, served with mutual TLS. Required unless `[security] insecure`.
     #[serde(default)]
     pub peer: Option<SocketAddr>,
+    /// The local IP address this node's Raft RPCs to its peers leave from. Unset: the one the
+    /// system's routes pick. For hosts with several addresses where the peers' firewalls admit
+    /// one, or to tell nodes on one host apart by source address (the chaos suite's proxies).
+    #[serde(default)]
+    pub peer_source: Option<IpAddr>,
     /// The node's data: the audit log (unless `[audit] dir`), and the Raft log unless
     /// `raft_dir` is set (relative paths: to the working directory).
     #[serde(default = "default_data_dir")]
@@ -640,6 +645,17 @@ mod tests {
             }]
         );
         assert_eq!(c.authority.restore_bump, 1_000_000);
+    }
+
+    #[test]
+    fn peer_source_is_an_ip_address_without_port() {
+        let c = parse_insecure("[node]\npeer = \"127.0.0.1:7170\"\npeer_source = \"127.0.1.2\"\n")
+            .unwrap();
+        assert_eq!(c.node.peer_source, Some("127.0.1.2".parse().unwrap()));
+        let err = parse_insecure("[node]\npeer_source = \"127.0.1.2:7000\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2"), "{err}");
     }
 
     #[test]

@@ -112,7 +112,7 @@ pub fn build(source: &ConfigSource, config: &Config) -> Result<(), ConfigError> 
     if let Some(tls) = &secrets.tls {
         tls.api_acceptor()
             .and_then(|_| tls.peer_acceptor())
-            .and_then(|_| tls.peer_client())
+            .and_then(|_| tls.peer_client(config.node.peer_source))
             .map_err(|e| source.error("security.cert_file", e))?;
     }
     let policy = fencegate_core::TokenPolicy {

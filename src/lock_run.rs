@@ -10,6 +10,7 @@
 //! (SIGSTOP, a GC pause) while the runner keeps running keeps its lease alive. What protects the
 //! data in that case is the fence at the store, not the runner.
 
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
@@ -22,6 +23,7 @@ use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use crate::client::{request_id, Client, ClientError};
+use crate::stop_file::StopFile;
 
 /// Exit code when the lock could not be acquired (held past `--wait`): try again later
 /// (sysexits' EX_TEMPFAIL).
@@ -49,6 +51,8 @@ pub enum RunError {
     },
     #[error("waiting for the command failed: {0}")]
     Wait(std::io::Error),
+    #[error("--stop-file {0}: its directory does not exist; create it or name another path")]
+    StopFileDir(PathBuf),
 }
 
 pub struct RunOptions {
@@ -60,6 +64,8 @@ pub struct RunOptions {
     pub holder: Option<String>,
     pub endpoint: crate::cli::EndpointArg,
     pub command: Vec<String>,
+    /// Where to keep the stop time for the command to read (`crate::stop_file`).
+    pub stop_file: Option<PathBuf>,
 }
 
 /// What ended the run.
@@ -85,6 +91,13 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         });
     }
     let (program, args) = opts.command.split_first().ok_or(RunError::NoCommand)?;
+    // Checked before the lock is taken, so a typo costs no lease.
+    if let Some(path) = &opts.stop_file {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        if !dir.is_none_or(|d| d.is_dir()) {
+            return Err(RunError::StopFileDir(path.clone()));
+        }
+    }
     let client = Client::new(&opts.endpoint, opts.wait + PATIENCE_MARGIN)?;
 
     let sent_at = Instant::now();
@@ -129,6 +142,8 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         .as_u64()
         .map_or(opts.ttl, Duration::from_millis);
     let mut stop_time = sent_at + granted_ttl - opts.margin;
+    // When the lease ends as far as this runner knows (stop time + margin), for the stop file.
+    let mut expires = sent_at + granted_ttl;
     let renew_every = granted_ttl / 3;
     let keepalive = format!("/v1/leases/{handle}/keepalive");
     let mut next_renewal = sent_at + renew_every;
@@ -142,6 +157,7 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
             match renew(&client, &keepalive, deadline, granted_ttl).await {
                 Renewal::Renewed { sent, ttl } => {
                     stop_time = sent + ttl - opts.margin.min(ttl);
+                    expires = sent + ttl;
                     next_renewal = sent + renew_every;
                     break;
                 }
@@ -156,7 +172,30 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
         }
     }
 
-    let mut child = Command::new(program)
+    let revision = grant["revision"].as_u64().unwrap_or_default();
+    let stop_file = opts
+        .stop_file
+        .as_deref()
+        .map(|p| StopFile::new(p, revision));
+    let mut stop_file_failed = false;
+    let mut publish = |stop: Instant, expires: Instant| {
+        let Some(file) = &stop_file else { return };
+        match file.write(stop, expires) {
+            Ok(()) => stop_file_failed = false,
+            // Said once per streak: the runner still stops the command at its stop time.
+            Err(e) if !stop_file_failed => {
+                stop_file_failed = true;
+                eprintln!("fencegate lock run: cannot update the stop file ({e}); the command may read an old stop time, which is earlier, never later");
+            }
+            Err(_) => {}
+        }
+    };
+    publish(stop_time, expires);
+    let mut command = Command::new(program);
+    if let Some(path) = &opts.stop_file {
+        command.env("FENCING_STOP_FILE", path);
+    }
+    let mut child = command
         .args(args)
         .env("FENCING_TOKEN", grant["token"].as_str().unwrap_or_default())
         .env("FENCING_RESOURCE", &opts.resource)
@@ -188,6 +227,8 @@ pub async fn run(opts: RunOptions) -> Result<u8, RunError> {
                 let failure = match renew(&client, &keepalive, stop_time, granted_ttl).await {
                     Renewal::Renewed { sent, ttl } => {
                         stop_time = sent + ttl - opts.margin.min(ttl);
+                        expires = sent + ttl;
+                        publish(stop_time, expires);
                         next_renewal = sent + renew_every;
                         if failed_renewals > 0 {
                             eprintln!("fencegate lock run: lease {lease_id} renewed after {failed_renewals} failed attempt(s)");

@@ -21,6 +21,7 @@ mod raft_watch;
 mod reload;
 mod sampled_gauge;
 mod server;
+mod stop_file;
 mod table;
 mod tls;
 
@@ -168,6 +169,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
             holder,
             endpoint,
             command,
+            stop_file,
         } => {
             let opts = lock_run::RunOptions {
                 resource,
@@ -178,6 +180,7 @@ async fn lock(command: LockCommand) -> anyhow::Result<ExitCode> {
                 holder,
                 endpoint,
                 command,
+                stop_file,
             };
             return Ok(ExitCode::from(lock_run::run(opts).await?));
         }

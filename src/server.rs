@@ -51,6 +51,8 @@ pub enum ServeError {
     Postgres(#[from] fencegate_postgres::PostgresError),
     #[error(transparent)]
     S3(#[from] fencegate_s3::S3Error),
+    #[error("cannot set up the client for Raft RPCs to peers (node.peer_source?): {0}")]
+    PeerClient(reqwest::Error),
 }
 
 /// The id of an operator-supplied key. Replicated keys start at 1, so the two never collide.
@@ -160,8 +162,14 @@ pub async fn serve(
         config.node.min_free_bytes,
     )?;
     let (peer_http, api_http) = match &secrets.tls {
-        Some(tls) => (tls.peer_client()?, tls.api_client()?),
-        None => (reqwest::Client::new(), reqwest::Client::new()),
+        Some(tls) => (tls.peer_client(config.node.peer_source)?, tls.api_client()?),
+        None => (
+            reqwest::Client::builder()
+                .local_address(config.node.peer_source)
+                .build()
+                .map_err(ServeError::PeerClient)?,
+            reqwest::Client::new(),
+        ),
     };
     let api_listener = bind(config.node.api).await?;
     let peer_listener = match config.node.peer {

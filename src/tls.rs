@@ -3,6 +3,7 @@
 //! to them. The node's certificate is a [`ServerCert`]: SIGHUP replaces it for new handshakes
 //! on both ports and for the certificate the node presents to its peers. The CA is read once.
 
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -148,12 +149,13 @@ impl NodeTls {
 
     /// A client for peers: trusts only the cluster CA and presents this node's certificate (the
     /// one in force at each handshake, so a reloaded certificate reaches the peers too).
-    pub fn peer_client(&self) -> Result<reqwest::Client, TlsError> {
+    pub fn peer_client(&self, source: Option<IpAddr>) -> Result<reqwest::Client, TlsError> {
         let config = rustls::ClientConfig::builder()
             .with_root_certificates(self.roots.clone())
             .with_client_cert_resolver(self.cert.clone());
         reqwest::Client::builder()
             .use_preconfigured_tls(config)
+            .local_address(source)
             .build()
             .map_err(|e| self.setup_err(e))
     }

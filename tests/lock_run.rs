@@ -184,3 +184,89 @@ async fn a_waited_acquire_renews_before_the_command_starts() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "finished");
 }
+
+/// CLOCK_MONOTONIC now, in nanoseconds: the clock the stop file is written on.
+fn monotonic_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+/// `--stop-file`: the command is told where it is (FENCING_STOP_FILE); it names the lease, moves
+/// with every renewal, and when renewals stop the runner stops the command at the time it last
+/// said. A path in a missing directory is refused before the lock is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stop_file_holds_the_stop_time_the_runner_keeps() {
+    let cluster = Cluster::start(1, "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing/stop.json");
+    let out = Command::new(BIN)
+        .args(["lock", "run", "stopped", "--stop-file"])
+        .arg(&missing)
+        .args(["--", "true"])
+        .env("FENCEGATE_ENDPOINT", cluster.url(1))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("directory does not exist"),
+        "{err}"
+    );
+
+    let path = dir.path().join("stop.json");
+    let (mut child, out) = run(
+        &cluster.url(1),
+        &[
+            "stopped",
+            "--ttl",
+            "1500ms",
+            "--margin",
+            "500ms",
+            "--grace",
+            "1s",
+            "--stop-file",
+            path.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            r#"echo "$FENCING_REVISION $FENCING_STOP_FILE"; exec sleep 60"#,
+        ],
+    );
+    let (first, _out) = line(out).await;
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    };
+    let stop = |v: &serde_json::Value| v["stop_monotonic_ns"].as_u64().unwrap();
+    let started = read();
+    assert_eq!(first, format!("{} {}", started["revision"], path.display()));
+    assert!(stop(&started) > monotonic_ns(), "{started}");
+
+    // A renewal (every ttl/3) moves the stop time on.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let renewed = loop {
+        let now = read();
+        if stop(&now) != stop(&started) {
+            break now;
+        }
+        assert!(Instant::now() < deadline, "the stop file never moved");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(stop(&renewed) > stop(&started));
+    let expires = renewed["expires_monotonic_ns"].as_u64().unwrap();
+    assert_eq!(expires - stop(&renewed), 500_000_000, "{renewed}");
+
+    // The authority freezes: the command is stopped at the last stop time the file said.
+    cluster.signal(1, Signal::SIGSTOP);
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    let stopped_at = monotonic_ns();
+    cluster.signal(1, Signal::SIGCONT);
+    assert_eq!(status.code(), Some(124));
+    let promised = stop(&read());
+    // SIGTERM ends `sleep` at once; the bound is --grace (1 s) plus time to exit, under load.
+    assert!(
+        stopped_at >= promised && stopped_at <= promised + 1_500_000_000,
+        "stopped {} ms after the promised stop time",
+        (stopped_at as i64 - promised as i64) / 1_000_000
+    );
+}

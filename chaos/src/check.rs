@@ -8,7 +8,8 @@
 //!   write whose answer was lost may add one more);
 //!
 //! and for the whole run: `audit verify` passes on every node; granted revisions are unique and
-//! increase in the order the jobs started.
+//! increase in the order the jobs started; no job started before the lease of an earlier
+//! revision had ended as that revision's own runner computed it (its stop time + margin).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -29,6 +30,7 @@ pub enum ViolationKind {
     AuditVerify,
     GrantDuplicated,
     GrantOrder,
+    GrantBeforeStop,
 }
 
 impl fmt::Display for ViolationKind {
@@ -44,6 +46,7 @@ impl fmt::Display for ViolationKind {
             ViolationKind::AuditVerify => "audit-verify",
             ViolationKind::GrantDuplicated => "grant-duplicated",
             ViolationKind::GrantOrder => "grant-order",
+            ViolationKind::GrantBeforeStop => "grant-before-stop",
         })
     }
 }
@@ -70,6 +73,9 @@ pub struct Evidence {
     pub audit: Vec<AuditRow>,
     /// Per node: `audit verify`'s verdict (`Err` with its message).
     pub verify: BTreeMap<u64, Result<(), String>>,
+    /// Per revision: the end of its lease as its runner last computed it (CLOCK_MONOTONIC ns,
+    /// from the runner's stop file).
+    pub lease_ends: BTreeMap<u64, u64>,
 }
 
 /// Counts of one store's writes.
@@ -253,6 +259,25 @@ pub fn check(evidence: &Evidence) -> Verdict {
             );
         }
     }
+    // A job starts after its grant, so a start before an earlier lease's end proves a grant
+    // before it (a start after proves nothing either way: the check is sound, not complete).
+    for start in &starts {
+        let earlier = evidence
+            .lease_ends
+            .range(..start.rev)
+            .max_by_key(|(_, end)| **end);
+        if let Some((rev, end)) = earlier.filter(|(_, end)| start.t < **end) {
+            flag(
+                ViolationKind::GrantBeforeStop,
+                format!(
+                    "worker {} started with revision {} {} ms before the lease of revision {rev} ended as its runner knew it",
+                    start.worker,
+                    start.rev,
+                    (end - start.t) / 1_000_000
+                ),
+            );
+        }
+    }
     for start in &starts {
         if !granted.insert(start.rev) {
             flag(
@@ -283,7 +308,8 @@ mod tests {
     }
 
     /// Worker 1 (revision 1) writes seq 1 and 2; worker 2 (revision 3) writes seq 1; worker 1's
-    /// seq 3 is refused by node 2, which audits it once.
+    /// seq 3 is refused by node 2, which audits it once. Worker 1's runner knew its lease to
+    /// end at t 9, before worker 2 started.
     fn clean() -> Evidence {
         let mut events = vec![
             event(1, 1, 1, Op::Start, None, 0),
@@ -311,6 +337,7 @@ mod tests {
                 revision: Some(1),
             }],
             verify: [(1, Ok(())), (2, Ok(())), (3, Ok(()))].into(),
+            lease_ends: [(1, 9), (3, 20)].into(),
         }
     }
 
@@ -371,6 +398,14 @@ mod tests {
                 }),
             ),
             (ViolationKind::GrantOrder, Box::new(|e| e.events[1].rev = 0)),
+            (
+                ViolationKind::GrantBeforeStop,
+                // Worker 1's runner renewed once more: its lease ran until after worker 2
+                // started (t 10).
+                Box::new(|e| {
+                    e.lease_ends.insert(1, 11);
+                }),
+            ),
             (
                 ViolationKind::GrantDuplicated,
                 Box::new(|e| {

@@ -11,6 +11,7 @@ mod history;
 mod nemesis;
 mod run;
 mod s3_store;
+mod stop_times;
 mod summary;
 mod worker;
 mod workload;
@@ -50,7 +51,7 @@ struct RunArgs {
     #[arg(long)]
     bypass_fencing: bool,
     /// Only these faults (comma-separated: pause-worker, kill-worker, kill-leader,
-    /// kill-follower, restart-store); all by default.
+    /// kill-follower, restart-store, partition, delay, drop); all by default.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<nemesis::FaultKind>,
     /// The stores written to (comma-separated: redis, postgres, s3).

@@ -8,9 +8,14 @@
 //!   1-3 s later.
 //! - `restart-store`: crash and restart Redis (SIGKILL) or PostgreSQL (`-m immediate`) at once;
 //!   what they acknowledged must survive, and so must their fences.
+//! - `partition`: cut a node's Raft links to and from both others (the testkit's fault proxies)
+//!   for 2-5 s; its clients and gateways still reach it, as in a real partition's minority.
+//! - `delay`: hold every chunk on a node's Raft links 50-300 ms, each way, for 3-6 s.
+//! - `drop`: on a node's Raft links, every 3rd-10th chunk of a connection is dropped and the
+//!   connection cut, for 3-6 s.
 //!
-//! At most one node is down and one worker paused at a time, so a majority and a writer are
-//! always possible.
+//! At most one node is down (killed or partitioned), one worker paused and one node's links
+//! faulty at a time, so a majority and a writer are always possible.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -23,6 +28,8 @@ use rand::Rng;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use fencegate_testkit::fault_proxy::LinkFault;
+
 use crate::history::monotonic_ns;
 use crate::workload::{Workload, TTL};
 use crate::world::World;
@@ -34,15 +41,21 @@ pub enum FaultKind {
     KillLeader,
     KillFollower,
     RestartStore,
+    Partition,
+    Delay,
+    Drop,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 5] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::PauseWorker,
         FaultKind::KillWorker,
         FaultKind::KillLeader,
         FaultKind::KillFollower,
         FaultKind::RestartStore,
+        FaultKind::Partition,
+        FaultKind::Delay,
+        FaultKind::Drop,
     ];
 }
 
@@ -68,6 +81,9 @@ impl fmt::Display for FaultKind {
             FaultKind::KillLeader => "kill-leader",
             FaultKind::KillFollower => "kill-follower",
             FaultKind::RestartStore => "restart-store",
+            FaultKind::Partition => "partition",
+            FaultKind::Delay => "delay",
+            FaultKind::Drop => "drop",
         })
     }
 }
@@ -82,9 +98,19 @@ pub struct Fault {
 
 /// What is to be undone, and when.
 enum Heal {
-    ResumeJob { job: u32 },
-    ResumeRunner { runner: u32 },
-    RestartNode { id: u64 },
+    ResumeJob {
+        job: u32,
+    },
+    ResumeRunner {
+        runner: u32,
+    },
+    RestartNode {
+        id: u64,
+    },
+    /// Every link passes again; `partitioned` when the fault cut a node off.
+    Links {
+        partitioned: bool,
+    },
 }
 
 pub struct Nemesis {
@@ -94,6 +120,8 @@ pub struct Nemesis {
     heals: Vec<(Instant, Heal)>,
     down: Option<u64>,
     paused: bool,
+    /// A node's links are faulty (one node's at a time).
+    links_faulty: bool,
 }
 
 impl Nemesis {
@@ -110,6 +138,7 @@ impl Nemesis {
             heals: Vec::new(),
             down: None,
             paused: false,
+            links_faulty: false,
         }
     }
 
@@ -216,6 +245,56 @@ impl Nemesis {
                 self.heals.push((back, Heal::RestartNode { id }));
                 format!("node {id}")
             }
+            FaultKind::Partition | FaultKind::Delay | FaultKind::Drop => {
+                let partition = kind == FaultKind::Partition;
+                if self.links_faulty || (partition && self.down.is_some()) {
+                    return;
+                }
+                // Any live node: a partitioned leader is the deposed-leader story, a follower
+                // the lagging one.
+                let live: Vec<u64> = world
+                    .cluster
+                    .ids()
+                    .into_iter()
+                    .filter(|id| Some(*id) != self.down)
+                    .collect();
+                let id = live[self.rng.gen_range(0..live.len())];
+                let (fault, lasts, what) = match kind {
+                    FaultKind::Partition => (
+                        LinkFault::Partition,
+                        self.rng.gen_range(2_000..=5_000),
+                        String::new(),
+                    ),
+                    FaultKind::Delay => {
+                        let ms = self.rng.gen_range(50..=300);
+                        let fault = LinkFault::Delay(Duration::from_millis(ms));
+                        (
+                            fault,
+                            self.rng.gen_range(3_000..=6_000),
+                            format!(", {ms} ms"),
+                        )
+                    }
+                    _ => {
+                        let every = self.rng.gen_range(3..=10);
+                        let fault = LinkFault::Drop { every };
+                        let what = format!(", 1 chunk in {every} dropped");
+                        (fault, self.rng.gen_range(3_000..=6_000), what)
+                    }
+                };
+                world.cluster.set_links_of(id, fault);
+                self.links_faulty = true;
+                if partition {
+                    self.down = Some(id);
+                }
+                let heal = Instant::now() + Duration::from_millis(lasts);
+                self.heals.push((
+                    heal,
+                    Heal::Links {
+                        partitioned: partition,
+                    },
+                ));
+                format!("node {id}{what}")
+            }
         };
         self.faults.push(Fault { t, kind, target });
     }
@@ -238,6 +317,13 @@ impl Nemesis {
                 Heal::RestartNode { id } => {
                     world.cluster.spawn(id);
                     self.down = None;
+                }
+                Heal::Links { partitioned } => {
+                    world.cluster.heal_links();
+                    self.links_faulty = false;
+                    if partitioned {
+                        self.down = None;
+                    }
                 }
             }
         }

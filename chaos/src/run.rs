@@ -108,6 +108,7 @@ pub async fn run_seed(opts: &RunOptions) -> Result<SeedReport, ChaosError> {
         stored,
         audit,
         verify,
+        lease_ends: crate::stop_times::read_all(&dir)?,
     });
     if opts.dir.is_some() {
         let faults = serde_json::to_vec_pretty(&nemesis.faults).unwrap_or_default();

@@ -145,6 +145,8 @@ fn runner_command(spec: &WorkerSpec, dir: &Path, id: u32) -> Command {
         .args(["--ttl", &secs(TTL), "--margin", &secs(MARGIN)])
         .args(["--wait", &secs(WAIT), "--grace", "1s"])
         .args(["--holder", &format!("worker-{id}")])
+        .arg("--stop-file")
+        .arg(crate::stop_times::next_path(dir, id))
         .args(["--endpoint", &spec.endpoints, "--"])
         .arg(&spec.me)
         .args(["worker", "--id", &id.to_string()])

@@ -3,6 +3,7 @@
 //! `fencegate-chaos`; the binary is the one [`fencegate_bin`] finds.
 
 use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
+use crate::fault_proxy::{FaultProxy, LinkFault};
 use crate::fencegate_bin::fencegate_bin;
 
 /// Election timeout used by test clusters (upper bound).
@@ -51,6 +53,9 @@ pub struct Cluster {
     pub security: Security,
     /// What the test appended to every node's `[authority]`, for nodes added later.
     extra: String,
+    /// With faulty links: node `id`'s inbound proxy at `id - 1`, which its peers reach its Raft
+    /// port through (see [`Cluster::start_with_faulty_links`]). Empty otherwise.
+    proxies: Vec<FaultProxy>,
 }
 
 pub use crate::free_port;
@@ -111,6 +116,32 @@ impl Cluster {
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::start_inner(security, false, n, extra, sections, env).await
+    }
+
+    /// Like `start_configured`, with every Raft link between two nodes going through a
+    /// [`FaultProxy`] the test controls ([`Cluster::set_link`], [`Cluster::set_links_of`]).
+    /// Each node binds its peer port on 127.0.0.1 and is advertised to its peers (its
+    /// `[authority] members` entry) at its own inbound proxy; it sends its Raft RPCs from its own
+    /// address, [`source_ip`] (`[node] peer_source`), so every proxy knows whose traffic it
+    /// relays. Client and forwarded API calls do not go through the proxies.
+    pub async fn start_with_faulty_links(
+        n: usize,
+        extra: &str,
+        sections: impl Fn(u64) -> String,
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::start_inner(Security::Insecure, true, n, extra, sections, env).await
+    }
+
+    async fn start_inner(
+        security: Security,
+        faulty_links: bool,
+        n: usize,
+        extra: &str,
+        sections: impl Fn(u64) -> String,
+        env: &[(&str, &str)],
+    ) -> Self {
         let turn = ONE_AT_A_TIME.lock().await;
         let dir = TempDir::new().unwrap();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -137,13 +168,32 @@ impl Cluster {
                 .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
                 .default_headers(headers);
         }
+        let mut proxies = Vec::new();
+        if faulty_links {
+            for q in &peers {
+                let upstream = SocketAddr::from((Ipv4Addr::LOCALHOST, *q));
+                proxies.push(
+                    FaultProxy::start(upstream)
+                        .await
+                        .expect("start a fault proxy"),
+                );
+            }
+        }
+        // Where the peers reach each node's Raft port: its inbound proxy, if any.
+        let advertised: Vec<u16> = if faulty_links {
+            proxies.iter().map(|p| p.addr().port()).collect()
+        } else {
+            peers.clone()
+        };
         let members: Vec<String> = ports
             .iter()
-            .zip(&peers)
+            .zip(&advertised)
             .enumerate()
-            .map(|(i, (p, q))| match security {
-                Security::Insecure => format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1),
-                Security::Tls => format!(
+            .map(|(i, (p, q))| match (security, faulty_links) {
+                (Security::Insecure, false) => {
+                    format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1)
+                }
+                _ => format!(
                     "{{ id = {}, api = \"127.0.0.1:{p}\", peer = \"127.0.0.1:{q}\" }}",
                     i + 1
                 ),
@@ -152,15 +202,20 @@ impl Cluster {
         let mut nodes = Vec::new();
         for (i, port) in ports.iter().enumerate() {
             let id = i as u64 + 1;
-            let peer = (security == Security::Tls).then_some(peers[i]);
+            let peer = (security == Security::Tls || faulty_links).then_some(peers[i]);
             let authority = format!("members = [{}]\n{extra}", members.join(", "));
             let config = dir.path().join(format!("node{id}.toml"));
+            let node_extra = if faulty_links {
+                format!("peer_source = \"{}\"\n", source_ip(id))
+            } else {
+                String::new()
+            };
             let text = config_text(
                 security,
                 dir.path(),
                 id,
                 *port,
-                peer,
+                (peer, &node_extra),
                 &authority,
                 &sections(id),
             );
@@ -185,6 +240,7 @@ impl Cluster {
             http: http.build().unwrap(),
             security,
             extra: extra.to_owned(),
+            proxies,
         };
         for id in 1..=n as u64 {
             cluster.spawn(id);
@@ -216,7 +272,7 @@ impl Cluster {
             self.dir.path(),
             id,
             port,
-            peer,
+            (peer, ""),
             &authority,
             "",
         );
@@ -230,6 +286,33 @@ impl Cluster {
         });
         self.spawn(id);
         id
+    }
+
+    /// Applies `fault` to the Raft link from node `from` to node `to`: the connections `from`
+    /// opens to `to` (its requests and `to`'s answers). Panics unless the cluster was started
+    /// with faulty links.
+    pub fn set_link(&self, from: u64, to: u64, fault: LinkFault) {
+        assert!(
+            !self.proxies.is_empty(),
+            "set_link needs Cluster::start_with_faulty_links"
+        );
+        self.proxies[to as usize - 1].set(source_ip(from), fault);
+    }
+
+    /// Applies `fault` to every Raft link to and from node `id`: with `LinkFault::Partition`,
+    /// the node is cut off from the others both ways.
+    pub fn set_links_of(&self, id: u64, fault: LinkFault) {
+        for other in self.ids().into_iter().filter(|o| *o != id) {
+            self.set_link(id, other, fault);
+            self.set_link(other, id, fault);
+        }
+    }
+
+    /// Every Raft link passes again.
+    pub fn heal_links(&self) {
+        for proxy in &self.proxies {
+            proxy.heal();
+        }
     }
 
     /// `host:port` of node `id`'s Raft RPCs, as `cluster add-node --peer` takes it.
@@ -454,20 +537,28 @@ impl Drop for Cluster {
     }
 }
 
-/// Node `id`'s config: `[node]` on `port` (and `peer`), `authority` as its `[authority]`
-/// section, then `sections`, then `[security]` for `security` (certificates in `dir/certs`).
+/// The address node `id` sends its Raft RPCs from in a cluster with faulty links:
+/// 127.0.1.`id` (all of 127.0.0.0/8 is loopback on Linux).
+pub fn source_ip(id: u64) -> IpAddr {
+    let id = u8::try_from(id).expect("at most 255 nodes");
+    IpAddr::V4(Ipv4Addr::new(127, 0, 1, id))
+}
+
+/// Node `id`'s config: `[node]` on `port` (and `peer`, followed by more `[node]` keys),
+/// `authority` as its `[authority]` section, then `sections`, then `[security]` for `security`
+/// (certificates in `dir/certs`).
 fn config_text(
     security: Security,
     dir: &Path,
     id: u64,
     port: u16,
-    peer: Option<u16>,
+    (peer, node_extra): (Option<u16>, &str),
     authority: &str,
     sections: &str,
 ) -> String {
     let certs = dir.join("certs");
     format!(
-        "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\n{peer}data_dir = \"{}\"\n\n[authority]\n{authority}\n{sections}\n\n[security]\n{}",
+        "[node]\nid = {id}\napi = \"127.0.0.1:{port}\"\n{peer}{node_extra}data_dir = \"{}\"\n\n[authority]\n{authority}\n{sections}\n\n[security]\n{}",
         dir.join(format!("data{id}")).display(),
         match security {
             Security::Insecure => "insecure = true\n".to_owned(),

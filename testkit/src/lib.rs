@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod enforce_library;
+pub mod fault_proxy;
 pub mod fd_limit;
 pub mod fencegate_bin;
 pub mod port;

@@ -316,3 +316,24 @@ async fn follower_restart(security: Security) {
     }
     println!("{acquires} acquires, none failed; term still {term}, leader still {leader}");
 }
+
+/// A leader cut off from both followers, both ways, through the fault proxies: the followers
+/// elect one of themselves, and once the links heal the old leader follows the new one. The
+/// followers can only notice if the proxies tell the old leader's traffic apart, so this also
+/// proves `[node] peer_source` and the advertised peer address (`[authority] members` peer,
+/// not the bound `[node] peer`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_leader_is_replaced_and_follows_once_healed() {
+    use fencegate_testkit::fault_proxy::LinkFault;
+    let cluster = Cluster::start_with_faulty_links(3, "", |_| String::new(), &[]).await;
+    let old = cluster.wait_for_leader(&cluster.ids()).await;
+    let others: Vec<u64> = cluster.ids().into_iter().filter(|i| *i != old).collect();
+    cluster.set_links_of(old, LinkFault::Partition);
+    let new = cluster.wait_for_leader(&others).await;
+    assert_ne!(new, old);
+    // The majority serves grants while the old leader is cut off.
+    let grant = cluster.acquire(new, "partition:job", 5_000).await;
+    assert!(grant["revision"].as_u64().unwrap() > 0, "{grant}");
+    cluster.heal_links();
+    assert_eq!(cluster.wait_for_leader(&cluster.ids()).await, new);
+}
