@@ -37,6 +37,22 @@ INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :a
 END;
 ";
 
+/// The write transaction pipelined (extended protocol; one Sync at `\endpipeline`): the
+/// gateway sees every statement of the transaction before any reply, so it has to know
+/// without the server's answers that one guard covers them all.
+const PIPELINED_SCRIPT: &str = "\\set aid random(1, 100000)
+\\set bid random(1, 1)
+\\set tid random(1, 10)
+\\set delta random(-5000, 5000)
+\\startpipeline
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+\\endpipeline
+";
+
 /// The same transaction with the guard run directly, without the gateway, in the UPDATE's
 /// round trip as the gateway sends it (`\;` makes one Query message of both statements): what
 /// the fence costs the store itself.
@@ -87,6 +103,35 @@ pub enum Workload {
     SelectPrepared,
     /// The script given.
     Write,
+    /// The script given, `-M extended` (its pipelines need the extended protocol).
+    WriteExtended,
+}
+
+impl Workload {
+    fn writes(self) -> bool {
+        matches!(self, Self::Write | Self::WriteExtended)
+    }
+}
+
+/// How many times the server ran `fencegate.guard` (both signatures) so far, once every other
+/// session ended (a backend reports its function counts when it exits; `track_functions` is
+/// `all`).
+fn guard_calls(pg: &Postgres) -> anyhow::Result<u64> {
+    let others = "SELECT count(*) FROM pg_stat_activity \
+                  WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
+    for _ in 0..100 {
+        if pg.psql(others)? == "0" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let calls = pg.psql(
+        "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions \
+         WHERE schemaname = 'fencegate' AND funcname = 'guard'",
+    )?;
+    calls
+        .parse()
+        .with_context(|| format!("guard calls: {calls:?}"))
 }
 
 pub struct Run {
@@ -133,6 +178,7 @@ pub fn pgbench(
         Workload::SelectOnly => command.args(["-M", "simple", "-S"]),
         Workload::SelectPrepared => command.args(["-M", "prepared", "-S"]),
         Workload::Write => command.args(["-M", "simple", "-f"]).arg(script),
+        Workload::WriteExtended => command.args(["-M", "extended", "-f"]).arg(script),
     };
     if let Some(dir) = log {
         let _ = std::fs::remove_dir_all(dir);
@@ -224,11 +270,16 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     std::fs::write(&script, WRITE_SCRIPT)?;
     let guarded = dir.path().join("guarded.sql");
     std::fs::write(&guarded, GUARDED_SCRIPT)?;
+    let pipelined = dir.path().join("pipelined.sql");
+    std::fs::write(&pipelined, PIPELINED_SCRIPT)?;
     let pg = Postgres::start(100)?;
     pgbench_init(&pg)?;
     install_fence_sql(&pg)?;
     protect(&pg)?;
     pg.psql("VACUUM ANALYZE")?;
+    // Counts the guard calls (guards per fenced transaction).
+    pg.psql("ALTER SYSTEM SET track_functions = 'all'")?;
+    pg.psql("SELECT pg_reload_conf()")?;
     let listen = crate::process::free_port();
     // A protecting gateway names its resource: the bench token's.
     let section = postgres_section(listen, pg.port).replacen(
@@ -260,7 +311,15 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             ">= 0.75x",
         ),
         (Workload::SelectOnly, 1, "`pgbench -S`, 1 client, tps", "-"),
+        (
+            Workload::WriteExtended,
+            8,
+            "8 writers, pipelined write transaction (`-M extended`, `\\startpipeline`): plain direct vs fenced, tps",
+            ">= 0.75x",
+        ),
     ];
+    // Per write case: guard calls and transactions through the gateway.
+    let mut guards = vec![(0u64, 0u64); cases.len()];
     let mut tps = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut p50 = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut guard_direct = [Vec::new(), Vec::new()];
@@ -270,7 +329,11 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     for rep in 0..reps {
         for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
             let log = (*clients == 1).then(|| dir.path().join("log"));
-            let write = matches!(workload, Workload::Write);
+            let write = workload.writes();
+            let script = match workload {
+                Workload::WriteExtended => &pipelined,
+                _ => &script,
+            };
             // The plain baseline writes without a token: only with the triggers off.
             if write {
                 set_triggers(&pg, false)?;
@@ -281,23 +344,28 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 *clients,
                 seconds,
                 None,
-                &script,
+                script,
                 log.as_deref(),
             )?;
             if write {
                 set_triggers(&pg, true)?;
             }
             let token = write.then_some(TOKEN);
+            let calls = if write { guard_calls(&pg)? } else { 0 };
             let gateway = pgbench(
                 listen,
                 *workload,
                 *clients,
                 seconds,
                 token,
-                &script,
+                script,
                 log.as_deref(),
             )
             .with_context(|| format!("through the gateway; its log:\n{}", node.log_text()))?;
+            if write {
+                guards[c].0 += guard_calls(&pg)? - calls;
+                guards[c].1 += gateway.transactions;
+            }
             eprintln!(
                 "postgres rep {rep}: {what}: direct {:.0} tps (p50 {:.0} µs), gateway {:.0} tps (p50 {:.0} µs)",
                 direct.tps, direct.p50_us, gateway.tps, gateway.p50_us
@@ -395,6 +463,25 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             d_on_8 / d_off_8
         )
     };
+    let guard_note = format!(
+        "Guards per fenced transaction through the gateway (`fencegate.guard` calls counted by the server, `track_functions = all`, over transactions completed): {}.",
+        cases
+            .iter()
+            .zip(&guards)
+            .filter(|((w, ..), _)| w.writes())
+            .map(|((workload, clients, ..), (calls, txs))| {
+                let kind = match workload {
+                    Workload::WriteExtended => "pipelined write",
+                    _ => "write",
+                };
+                format!(
+                    "{kind}, {clients} client(s) {:.2} ({calls} / {txs})",
+                    *calls as f64 / (*txs).max(1) as f64
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
     let (plain_1, plain_8) = (median(&mut tps[1].0), median(&mut tps[2].0));
     let mut rows: Vec<Row> = cases
         .iter()
@@ -429,7 +516,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         headers: ["direct".into(), "gateway".into()],
         rows,
         tables: Vec::new(),
-        notes: vec![trigger_note, format!(
+        notes: vec![trigger_note, guard_note, format!(
             "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
             guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
         )],

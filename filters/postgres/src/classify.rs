@@ -45,6 +45,11 @@ pub struct Statement {
     pub targets: Vec<String>,
     /// The token of a `/* fencing_token='...' */` comment in or right after the statement.
     pub comment_token: Option<String>,
+    /// Not proven to leave the transaction it runs in open (other than as
+    /// [`Kind::TransactionControl`]): `CALL` and `DO` may COMMIT, `VACUUM`, `CREATE DATABASE`
+    /// and the like commit at once outside a transaction block. True for anything but queries,
+    /// DML and session settings, and where unknown; after one, the next write is guarded again.
+    pub may_end_transaction: bool,
 }
 
 /// A classified query string.
@@ -202,6 +207,7 @@ pub fn classify(sql: &str) -> Classified {
                     command: first_word(sql),
                     targets: Vec::new(),
                     comment_token: comments(sql).into_iter().map(|(_, t)| t).next(),
+                    may_end_transaction: true,
                 }],
                 parse_error: Some(e.to_string()),
             }
@@ -236,9 +242,13 @@ pub fn classify(sql: &str) -> Classified {
             start,
             end,
             kind,
-            command: first_word(text),
+            command: match node {
+                Some(NodeEnum::TransactionStmt(t)) => transaction_command(t, text),
+                _ => first_word(text),
+            },
             targets,
             comment_token,
+            may_end_transaction: may_end_transaction(node),
         });
     }
     Classified {
@@ -306,6 +316,48 @@ fn classify_statement(
         NodeEnum::CopyStmt(copy) if !copy.is_from => read_unless(text, whole),
         _ => (Kind::Write, targets(text, whole)),
     }
+}
+
+/// A transaction-control statement's command word, from the parse tree (`BEGIN` and `START`
+/// only for statements that open a transaction block: the gateway relies on it).
+fn transaction_command(t: &protobuf::TransactionStmt, text: &str) -> String {
+    use protobuf::TransactionStmtKind as K;
+    match K::try_from(t.kind) {
+        Ok(K::TransStmtBegin) => "BEGIN".to_owned(),
+        Ok(K::TransStmtStart) => "START".to_owned(),
+        _ => match first_word(text).as_str() {
+            "BEGIN" | "START" => "TRANSACTION".to_owned(),
+            word => word.to_owned(),
+        },
+    }
+}
+
+/// See [`Statement::may_end_transaction`]. Functions cannot end a transaction, so what a query or
+/// a DML statement calls does not matter; only procedures (`CALL`) and `DO` blocks can.
+fn may_end_transaction(node: Option<&NodeEnum>) -> bool {
+    !matches!(
+        node,
+        Some(
+            NodeEnum::SelectStmt(_)
+                | NodeEnum::InsertStmt(_)
+                | NodeEnum::UpdateStmt(_)
+                | NodeEnum::DeleteStmt(_)
+                | NodeEnum::MergeStmt(_)
+                | NodeEnum::CopyStmt(_)
+                | NodeEnum::TruncateStmt(_)
+                | NodeEnum::LockStmt(_)
+                | NodeEnum::ExplainStmt(_)
+                | NodeEnum::DeclareCursorStmt(_)
+                | NodeEnum::FetchStmt(_)
+                | NodeEnum::ClosePortalStmt(_)
+                | NodeEnum::PrepareStmt(_)
+                | NodeEnum::ExecuteStmt(_)
+                | NodeEnum::DeallocateStmt(_)
+                | NodeEnum::VariableSetStmt(_)
+                | NodeEnum::VariableShowStmt(_)
+                | NodeEnum::TransactionStmt(_)
+        )
+    )
 }
 
 /// A statement whose shape is read-only is still a write if it modifies tables (a

@@ -27,12 +27,26 @@ pub(super) enum Role {
 pub(super) struct GuardInfo {
     pub(super) token: Token,
     pub(super) summary: OperationSummary,
-    /// The session's transaction epoch when the guard was sent.
-    pub(super) epoch: u64,
-    /// Whether a success means the open transaction is guarded for this token.
-    pub(super) remember: bool,
     /// Only the Execute of the extended guard decides; its Parse/Bind/Close only swallow.
     pub(super) decides: bool,
+}
+
+/// The last guard sent, and where in the stream of messages it was sent: the store's pass it
+/// leaves lasts exactly as long as the transaction the guard ran in, so a later write in that
+/// same transaction needs no guard of its own. Judged when messages are *sent* (replies may
+/// still be on their way), so that a pipeline pays one guard; a misjudgment fails closed, as
+/// the store's triggers refuse a write whose transaction holds no pass (FG002).
+#[derive(Debug, Clone)]
+pub(super) struct Pass {
+    token: Token,
+    /// [`State::epoch`] when the guard was sent: a transaction-control statement since may have
+    /// ended its transaction.
+    epoch: u64,
+    /// [`State::scope`] when the guard was sent.
+    scope: u64,
+    /// A `BEGIN` was sent earlier in the guard's own scope (no transaction control between): if
+    /// the guard ran, so did the `BEGIN`, and the guard's transaction outlives the scope.
+    in_block: bool,
 }
 
 /// A client's Parse (`parsed: Some`) or Close (`None`) of a statement name. It changes the
@@ -63,10 +77,17 @@ pub(super) enum Expect {
     Describe,
     Execute(Role),
     Close(Role, Option<Box<StatementChange>>),
-    Sync,
+    /// `epoch`: [`State::epoch`] when it was sent.
+    Sync {
+        epoch: u64,
+    },
     /// A simple Query (or FunctionCall): replies until ReadyForQuery. `parts` lists, in order,
-    /// the statements whose replies are told apart (empty: relay everything).
-    Query(VecDeque<Role>),
+    /// the statements whose replies are told apart (empty: relay everything); `epoch`:
+    /// [`State::epoch`] once it was sent.
+    Query {
+        parts: VecDeque<Role>,
+        epoch: u64,
+    },
     /// A local answer, sent when it reaches the front of the queue.
     Local {
         bytes: Bytes,
@@ -76,7 +97,10 @@ pub(super) enum Expect {
 
 impl Expect {
     pub(super) fn is_extended(&self) -> bool {
-        !matches!(self, Self::Sync | Self::Query(_) | Self::Local { .. })
+        !matches!(
+            self,
+            Self::Sync { .. } | Self::Query { .. } | Self::Local { .. }
+        )
     }
 }
 
@@ -85,10 +109,17 @@ pub(super) struct State {
     pub(super) pending: VecDeque<Expect>,
     /// The last ReadyForQuery status: `I`, `T` or `E`.
     pub(super) status: u8,
-    /// The token the open transaction is known to be guarded with.
-    pub(super) guarded: Option<Token>,
+    /// [`State::epoch`] when the request the last ReadyForQuery answers was sent.
+    pub(super) status_epoch: u64,
+    /// The last guard sent, if nothing since ended what it covers.
+    pub(super) pass: Option<Pass>,
     /// Bumped by every transaction-control statement sent.
     pub(super) epoch: u64,
+    /// Bumped by every Sync, simple Query and function call sent: each ends the transaction
+    /// the messages before it ran in, unless a transaction block is open.
+    pub(super) scope: u64,
+    /// The scope a `BEGIN` was sent in, when no other transaction control was sent after it.
+    pub(super) block_opened_in: Option<u64>,
     pub(super) session_token: Option<String>,
     /// The token from the startup options: what `RESET` goes back to, as for any setting.
     pub(super) startup_token: Option<String>,
@@ -110,8 +141,11 @@ impl State {
         Self {
             pending: VecDeque::new(),
             status,
-            guarded: None,
+            status_epoch: 0,
+            pass: None,
             epoch: 0,
+            scope: 0,
+            block_opened_in: None,
             startup_token: session_token.clone(),
             session_token,
             lexing,
@@ -191,14 +225,63 @@ impl State {
         }
     }
 
-    /// The guarded token, if it is safe to skip a guard for it now: inside an explicit
-    /// transaction with every earlier message answered.
-    pub(super) fn guarded_now(&self) -> Option<&Token> {
-        if self.status == b'T' && self.pending.is_empty() {
-            self.guarded.as_ref()
-        } else {
-            None
-        }
+    /// The token a statement sent now runs covered by (its transaction is the one a guard for
+    /// that token was sent in), if any. Between the guard and now no transaction control was
+    /// sent, and one of:
+    /// - nothing ended the extended protocol's implicit transaction either (same scope): an
+    ///   error in it makes the server skip everything up to the Sync, this statement included;
+    /// - the guard ran inside a transaction block opened in its own scope;
+    /// - the server last reported an open, healthy transaction block (`T`) for a request sent
+    ///   after the last transaction control: the guard ran in that block (had it failed, the
+    ///   block would be `E`), and the block is still open.
+    ///
+    /// An error after the guard aborts the block (`E`): every statement fails until ROLLBACK.
+    pub(super) fn covered(&self) -> Option<&Token> {
+        let pass = self.pass.as_ref()?;
+        let block_confirmed = self.status == b'T' && self.status_epoch == self.epoch;
+        let same = pass.epoch == self.epoch
+            && (pass.scope == self.scope || pass.in_block || block_confirmed);
+        same.then_some(&pass.token)
+    }
+
+    /// A guard for `token` is sent now.
+    pub(super) fn guard_sent(&mut self, token: Token) {
+        self.pass = Some(Pass {
+            token,
+            epoch: self.epoch,
+            scope: self.scope,
+            in_block: self.block_opened_in == Some(self.scope),
+        });
+    }
+
+    /// A transaction-control statement is sent now; `begins`: the last one is a `BEGIN` (or
+    /// `START TRANSACTION`).
+    pub(super) fn control_sent(&mut self, begins: bool) {
+        self.epoch += 1;
+        self.block_opened_in = begins.then_some(self.scope);
+    }
+
+    /// A statement that may end its transaction other than as transaction control (CALL, DO,
+    /// VACUUM, ...) is sent now: the next write is guarded again.
+    pub(super) fn pass_ended(&mut self) {
+        self.pass = None;
+    }
+
+    /// A Sync is sent now.
+    pub(super) fn sync_sent(&mut self) {
+        self.segment += 1;
+        self.scope += 1;
+        self.pending.push_back(Expect::Sync { epoch: self.epoch });
+    }
+
+    /// A simple Query or function call whose replies are told apart by `parts` is sent now
+    /// (transaction control in it already counted).
+    pub(super) fn query_sent(&mut self, parts: VecDeque<Role>) {
+        self.scope += 1;
+        self.pending.push_back(Expect::Query {
+            parts,
+            epoch: self.epoch,
+        });
     }
 }
 
@@ -212,6 +295,7 @@ pub(super) fn unknown_statement(name: &str) -> Classified {
             command: "EXECUTE".to_owned(),
             targets: Vec::new(),
             comment_token: None,
+            may_end_transaction: true,
         }],
         parse_error: Some(format!(
             "prepared statement {name:?} is not known to the gateway"
@@ -242,7 +326,7 @@ pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
         b'N' | b'A' => {}
         b'E' => {
             let failed_role = match state.pending.front_mut() {
-                Some(Expect::Query(parts)) => {
+                Some(Expect::Query { parts, .. }) => {
                     let role = parts.pop_front();
                     parts.clear();
                     role
@@ -297,19 +381,19 @@ pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                     state.skipped(skipped);
                 }
             }
-            if matches!(state.pending.front(), Some(Expect::Sync | Expect::Query(_))) {
+            if let Some(Expect::Sync { epoch } | Expect::Query { epoch, .. }) =
+                state.pending.front()
+            {
+                state.status_epoch = *epoch;
                 state.pending.pop_front();
             }
             state.status = frame.body().first().copied().unwrap_or(b'I');
-            if state.status == b'I' {
-                state.guarded = None;
-            }
         }
         tag => {
             let terminal_query = matches!(tag, b'C' | b'I');
             let mut done = None;
             match state.pending.front_mut() {
-                Some(Expect::Query(parts)) => {
+                Some(Expect::Query { parts, .. }) => {
                     if let Some(role) = parts.front() {
                         outcome.forward = matches!(role, Role::Client);
                         if terminal_query {
@@ -324,7 +408,9 @@ pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                         Expect::Close(r, _) => (tag == b'3', Some(&*r)),
                         Expect::Describe => (matches!(tag, b'T' | b'n'), None),
                         Expect::Execute(r) => (matches!(tag, b'C' | b'I' | b's'), Some(&*r)),
-                        Expect::Sync | Expect::Query(_) | Expect::Local { .. } => (false, None),
+                        Expect::Sync { .. } | Expect::Query { .. } | Expect::Local { .. } => {
+                            (false, None)
+                        }
                     };
                     if let Some(role) = role {
                         outcome.forward = matches!(role, Role::Client);
@@ -347,9 +433,6 @@ pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
             if let Some(Role::Guard(info)) = done {
                 if tag == b'C' && info.decides {
                     outcome.applied = true;
-                    if info.remember && info.epoch == state.epoch {
-                        state.guarded = Some(info.token.clone());
-                    }
                 }
             }
         }
@@ -382,27 +465,13 @@ mod tests {
     }
 
     fn state() -> State {
-        State {
-            pending: VecDeque::new(),
-            status: b'I',
-            guarded: None,
-            epoch: 0,
-            session_token: None,
-            startup_token: None,
-            lexing: Lexing::default(),
-            statements: HashMap::new(),
-            inflight: HashMap::new(),
-            segment: 0,
-            next_seq: 0,
-        }
+        State::new(b'I', None, Lexing::default())
     }
 
     fn guard(decides: bool) -> Role {
         Role::Guard(Box::new(GuardInfo {
-            token: Token::new(Resource::new("job").unwrap(), Revision::new(7).unwrap()),
+            token: token(),
             summary: OperationSummary::default(),
-            epoch: 0,
-            remember: true,
             decides,
         }))
     }
@@ -436,8 +505,10 @@ mod tests {
     #[test]
     fn simple_query_guard_replies_are_swallowed() {
         let mut s = state();
-        s.pending
-            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        s.pending.push_back(Expect::Query {
+            parts: VecDeque::from([guard(true), Role::Client]),
+            epoch: 0,
+        });
         let frames = [
             frame(b'T', b""),
             frame(b'D', b""),
@@ -452,14 +523,16 @@ mod tests {
     #[test]
     fn a_stale_guard_is_reported_once_and_its_error_relayed() {
         let mut s = state();
-        s.pending
-            .push_back(Expect::Query(VecDeque::from([guard(true), Role::Client])));
+        s.pending.push_back(Expect::Query {
+            parts: VecDeque::from([guard(true), Role::Client]),
+            epoch: 0,
+        });
         let frames = [stale_error(), frame(b'Z', b"I")];
         assert_eq!(relay(&mut s, &frames), ("EZ".to_owned(), vec![Some(9)]));
     }
 
     #[test]
-    fn extended_guard_is_invisible_and_sets_the_transaction_guard() {
+    fn extended_guard_replies_are_invisible() {
         let mut s = state();
         s.status = b'T';
         s.pending.extend([
@@ -470,7 +543,7 @@ mod tests {
             Expect::Execute(guard(true)),
             Expect::Bind(Role::Client),
             Expect::Execute(Role::Client),
-            Expect::Sync,
+            Expect::Sync { epoch: 0 },
         ]);
         let frames = [
             frame(b'3', b""),
@@ -484,7 +557,6 @@ mod tests {
             frame(b'Z', b"T"),
         ];
         assert_eq!(relay(&mut s, &frames), ("2CZ".to_owned(), vec![]));
-        assert!(s.guarded.is_some());
         assert!(s.pending.is_empty());
     }
 
@@ -511,7 +583,7 @@ mod tests {
             stale_error(),
         ];
         assert_eq!(relay(&mut s, &frames), ("1E".to_owned(), vec![Some(9)]));
-        s.pending.push_back(Expect::Sync);
+        s.pending.push_back(Expect::Sync { epoch: 0 });
         assert_eq!(relay(&mut s, &[frame(b'Z', b"I")]).0, "Z");
         assert!(s.pending.is_empty());
     }
@@ -533,7 +605,7 @@ mod tests {
         s.pending.push_back(Expect::Execute(Role::Client));
         s.pending
             .push_back(Expect::Parse(Role::Client, Some(change)));
-        s.pending.push_back(Expect::Sync);
+        s.pending.push_back(Expect::Sync { epoch: 0 });
         relay(&mut s, &[stale_error(), frame(b'Z', b"I")]);
         s.segment += 1;
         assert!(
@@ -554,6 +626,76 @@ mod tests {
         let change = s.change_sent(String::new(), None);
         s.skipped(Expect::Close(Role::Client, Some(change)));
         assert!(s.statements.contains_key(""));
+    }
+
+    fn token() -> Token {
+        Token::new(Resource::new("job").unwrap(), Revision::new(7).unwrap())
+    }
+
+    /// Issue 18: one guard per transaction, judged when messages are sent.
+    #[test]
+    fn a_pass_covers_its_implicit_transaction_until_the_sync() {
+        let mut s = state();
+        s.guard_sent(token());
+        assert_eq!(s.covered(), Some(&token()), "same Sync segment");
+        s.sync_sent();
+        assert_eq!(s.covered(), None, "the Sync ended the implicit transaction");
+        s.guard_sent(token());
+        s.query_sent(VecDeque::new());
+        assert_eq!(s.covered(), None, "a simple Query ends it too");
+    }
+
+    #[test]
+    fn a_pass_ends_with_transaction_control_or_a_statement_that_may_commit() {
+        let mut s = state();
+        s.guard_sent(token());
+        s.control_sent(false);
+        assert_eq!(s.covered(), None, "COMMIT or ROLLBACK");
+        s.guard_sent(token());
+        s.pass_ended();
+        assert_eq!(s.covered(), None, "CALL, DO, VACUUM, ...");
+        // A block opened and guarded in one pipeline lasts across its Syncs...
+        s.control_sent(true);
+        s.guard_sent(token());
+        s.sync_sent();
+        s.sync_sent();
+        assert_eq!(s.covered(), Some(&token()));
+        // ... until its COMMIT.
+        s.control_sent(false);
+        assert_eq!(s.covered(), None);
+        // A BEGIN in an earlier Sync segment may have been skipped after an error there.
+        s.control_sent(true);
+        s.sync_sent();
+        s.guard_sent(token());
+        s.sync_sent();
+        assert_eq!(s.covered(), None);
+    }
+
+    #[test]
+    fn a_block_the_server_reported_open_keeps_the_pass_across_syncs() {
+        let mut s = state();
+        // BEGIN, answered `T`.
+        s.control_sent(true);
+        s.query_sent(VecDeque::new());
+        relay(&mut s, &[frame(b'Z', b"T")]);
+        s.guard_sent(token());
+        s.sync_sent();
+        assert_eq!(s.covered(), Some(&token()));
+        // An answer to a request sent before a later COMMIT says nothing about after it.
+        s.control_sent(false);
+        s.sync_sent();
+        relay(&mut s, &[frame(b'Z', b"T")]);
+        s.guard_sent(token());
+        s.sync_sent();
+        assert_eq!(s.covered(), None);
+        // A failed block (`E`) does not count as open.
+        let mut s = state();
+        s.control_sent(true);
+        s.query_sent(VecDeque::new());
+        relay(&mut s, &[frame(b'Z', b"E")]);
+        s.guard_sent(token());
+        s.sync_sent();
+        assert_eq!(s.covered(), None);
     }
 
     #[test]

@@ -192,19 +192,14 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
             Ok(vec![frame.raw])
         }
         b'S' => {
-            let mut state = shared.lock();
-            state.segment += 1;
-            state.pending.push_back(Expect::Sync);
+            shared.lock().sync_sent();
             Ok(vec![frame.raw])
         }
         b'H' | b'd' | b'c' | b'f' | b'X' => Ok(vec![frame.raw]),
         b'F' => {
             // Fast-path function calls name no statement the parser could prove read-only.
             if !shared.protected {
-                shared
-                    .lock()
-                    .pending
-                    .push_back(Expect::Query(VecDeque::new()));
+                shared.lock().query_sent(VecDeque::new());
                 return Ok(vec![frame.raw]);
             }
             let rejection = Rejection::new(
@@ -244,6 +239,7 @@ fn classify_now(shared: &Shared, sql: &str) -> Classified {
                 command: String::new(),
                 targets: Vec::new(),
                 comment_token: None,
+                may_end_transaction: true,
             }],
             parse_error: None,
         },
@@ -288,7 +284,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
     let plan = {
         let state = shared.lock();
         let ctx = context(shared, state.session_token.as_deref());
-        rewrite::plan_query(&sql, &classified, &ctx, state.guarded_now())
+        rewrite::plan_query(&sql, &classified, &ctx, state.covered())
     };
     if let QueryPlan::Refuse(rejection) = &plan {
         let session_token = shared.lock().session_token.clone();
@@ -301,14 +297,13 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         shared.audit(rejection, token.as_ref(), summary).await;
         return Ok(refuse_simple(shared, rejection));
     }
-    let has_control = classified
+    let last_control = classified
         .statements
         .iter()
-        .any(|s| s.kind == Kind::TransactionControl);
+        .rfind(|s| s.kind == Kind::TransactionControl);
     let mut state = shared.lock();
-    if has_control {
-        state.epoch += 1;
-        state.guarded = None;
+    if let Some(control) = last_control {
+        state.control_sent(begins(control));
     }
     if classified
         .statements
@@ -317,36 +312,48 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         && !matches!(plan, QueryPlan::Refuse(_))
     {
         state.session_token = state.startup_token.clone();
-        state.guarded = None;
+        state.pass_ended();
     }
+    let ends = |state: &mut super::pending::State| {
+        if classified.statements.iter().any(|s| s.may_end_transaction) {
+            state.pass_ended();
+        }
+    };
     match plan {
         QueryPlan::Forward => {
-            state.pending.push_back(Expect::Query(VecDeque::new()));
+            ends(&mut state);
+            state.query_sent(VecDeque::new());
             Ok(vec![frame.raw])
         }
         QueryPlan::Rewrite { sql: out, parts } => {
-            let epoch = state.epoch;
             let mut roles = VecDeque::with_capacity(parts.len());
+            let mut last_guard = None;
             for (i, part) in parts.iter().enumerate() {
                 roles.push_back(match part {
                     Part::Client => Role::Client,
                     Part::Guard(token) => {
-                        // A transaction-control statement after the guard ends what it guarded.
-                        let next = statement_index(&parts, i);
-                        let remember = !classified.statements[next..]
-                            .iter()
-                            .any(|s| s.kind == Kind::TransactionControl);
+                        last_guard = Some((i, token));
                         Role::Guard(Box::new(GuardInfo {
                             token: token.clone(),
                             summary: summary.clone(),
-                            epoch,
-                            remember,
                             decides: true,
                         }))
                     }
                 });
             }
-            state.pending.push_back(Expect::Query(roles));
+            // The last guard covers what follows it in this transaction, unless a
+            // transaction-control statement after it ends that (then it was counted above).
+            if let Some((i, token)) = last_guard {
+                let next = statement_index(&parts, i);
+                if !classified.statements[next..]
+                    .iter()
+                    .any(|s| s.kind == Kind::TransactionControl)
+                {
+                    state.guard_sent(token.clone());
+                }
+            }
+            ends(&mut state);
+            state.query_sent(roles);
             let mut buf = BytesMut::new();
             frontend::query(&out, &mut buf)
                 .map_err(|e| PostgresError::Protocol(format!("query text: {e}")))?;
@@ -355,7 +362,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         QueryPlan::SetToken(value) => {
             let tag = if value.is_some() { "SET" } else { "RESET" };
             state.session_token = value.or_else(|| state.startup_token.clone());
-            state.guarded = None;
+            state.pass_ended();
             let mut bytes = BytesMut::from(&message::command_complete(tag)[..]);
             bytes.extend_from_slice(&message::ready_for_query(state.status));
             state.pending.push_back(Expect::Local {
@@ -405,9 +412,7 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Vec<Bytes> {
         shared.wake.notify_one();
         return Vec::new();
     }
-    state
-        .pending
-        .push_back(Expect::Query(VecDeque::from([Role::Refusal])));
+    state.query_sent(VecDeque::from([Role::Refusal]));
     vec![rewrite::refusal_query(rejection)]
 }
 
@@ -423,15 +428,12 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             match &s.kind {
                 Kind::SetToken(value) => {
                     state.session_token = value.clone().or_else(|| state.startup_token.clone());
-                    state.guarded = None;
+                    state.pass_ended();
                 }
-                Kind::TransactionControl => {
-                    state.epoch += 1;
-                    state.guarded = None;
-                }
+                Kind::TransactionControl => state.control_sent(begins(s)),
                 Kind::SessionReset => {
                     state.session_token = state.startup_token.clone();
-                    state.guarded = None;
+                    state.pass_ended();
                 }
                 _ => {}
             }
@@ -441,6 +443,19 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
                 decision = d;
                 break;
             }
+        }
+        // One guard per transaction: a write in the transaction a guard for the same token was
+        // already sent in (pipelined, possibly unanswered) is covered by its pass.
+        let decision = match decision {
+            Decision::Guard(token) if state.covered() == Some(&token) => Decision::Pass,
+            Decision::Guard(token) => {
+                state.guard_sent(token.clone());
+                Decision::Guard(token)
+            }
+            other => other,
+        };
+        if classified.statements.iter().any(|s| s.may_end_transaction) {
+            state.pass_ended();
         }
         let hint = classified
             .statements
@@ -455,16 +470,9 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             Ok(vec![frame.raw])
         }
         Decision::Guard(token) => {
-            let mut state = shared.lock();
-            if state.guarded_now() == Some(&token) {
-                state.pending.push_back(Expect::Bind(Role::Client));
-                return Ok(vec![frame.raw]);
-            }
             let info = GuardInfo {
                 token: token.clone(),
                 summary,
-                epoch: state.epoch,
-                remember: true,
                 decides: false,
             };
             let swallow = || Role::Guard(Box::new(info.clone()));
@@ -472,7 +480,7 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
                 decides: true,
                 ..info.clone()
             }));
-            state.pending.extend([
+            shared.lock().pending.extend([
                 Expect::Close(swallow(), None),
                 Expect::Close(swallow(), None),
                 Expect::Parse(swallow(), None),
@@ -499,4 +507,9 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             Ok(vec![rewrite::refusal_messages(&rejection), frame.raw])
         }
     }
+}
+
+/// Whether a transaction-control statement opens a transaction block.
+fn begins(statement: &crate::classify::Statement) -> bool {
+    matches!(statement.command.as_str(), "BEGIN" | "START")
 }
