@@ -502,13 +502,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         title: "PostgreSQL: pgbench direct against through the gateway".into(),
         setup: vec![
             format!("Machine: {}", machine::describe()),
-            format!(
-                "{}; {}; fencegate {} ({})",
-                machine::version(&[&pg_bin()?.join("postgres").display().to_string(), "--version"]),
-                machine::version(&[&pgbench_path(), "--version"]),
-                env!("CARGO_PKG_VERSION"),
-                machine::git_head()
-            ),
+            versions()?,
             format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database, and the store's triggers protect the pgbench tables (`fencegate postgres protect --schema public --resource bench`; disabled only for the plain direct write baseline)", std::env::temp_dir().display()),
             format!("{reps} repetitions, direct and gateway interleaved; medians. Latency rows: median of pgbench's per-transaction log (`-l`), gateway cell = p50 (+ added µs)"),
             format!("Write transaction (pgbench's simple-update, as a `-f` script): `BEGIN; UPDATE pgbench_accounts ...; SELECT abalance ...; INSERT INTO pgbench_history ...; END;`. Direct: no token. Gateway: `PGOPTIONS=\"-c fencegate.token={TOKEN}\"` (session token; the guard runs before the UPDATE in the same Query message, the INSERT is covered by it). All writers share the token and resource `bench` (fence row taken `FOR SHARE`); fence after the run: {applied}"),
@@ -521,4 +515,18 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
         )],
     })
+}
+
+/// The setup line naming PostgreSQL's, pgbench's and fencegate's versions.
+pub fn versions() -> anyhow::Result<String> {
+    Ok(format!(
+        "{}; {}; fencegate {} ({})",
+        machine::version(&[
+            &pg_bin()?.join("postgres").display().to_string(),
+            "--version"
+        ]),
+        machine::version(&[&pgbench_path(), "--version"]),
+        env!("CARGO_PKG_VERSION"),
+        machine::git_head()
+    ))
 }

@@ -12,12 +12,10 @@ use fencegate_testkit::enforce_library::enforce_library_conf;
 
 use crate::load::median;
 use crate::machine;
-use crate::postgres::{
-    pgbench, pgbench_init, pgbench_path, protect, set_triggers, Workload, GUARDED_SCRIPT,
-};
+use crate::postgres::{pgbench, pgbench_init, protect, set_triggers, Workload, GUARDED_SCRIPT};
 use crate::process::fencegate_binary;
 use crate::report::{Section, Table};
-use crate::servers::{install_fence_sql, pg_bin, Postgres};
+use crate::servers::{install_fence_sql, Postgres};
 
 const WRITERS: usize = 8;
 const MODES: [&str; 3] = ["off", "plpgsql", "c"];
@@ -108,13 +106,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         title: "Store enforcement: the triggers' throughput, plpgsql against C".into(),
         setup: vec![
             format!("Machine: {}", machine::describe()),
-            format!(
-                "{}; {}; fencegate {} ({})",
-                machine::version(&[&pg_bin()?.join("postgres").display().to_string(), "--version"]),
-                machine::version(&[&pgbench_path(), "--version"]),
-                env!("CARGO_PKG_VERSION"),
-                machine::git_head()
-            ),
+            crate::postgres::versions()?,
             format!("PostgreSQL on loopback, fsync=on, synchronous_commit=on; `pgbench -i -s 1`, the pgbench tables protected for resource `bench`; each run `pgbench -n -M simple -c {WRITERS} -j 2 -T {seconds}` of the guarded write transaction sent directly (no gateway): `BEGIN; SELECT fencegate.guard('bench', 1) \\; UPDATE pgbench_accounts ...; SELECT abalance ...; INSERT INTO pgbench_history ...; END;` (2 protected statements)"),
             format!("{reps} repetitions; in each, the three modes one after another, the order turning with each repetition; medians. The mode is switched with `fencegate postgres install --enforce plpgsql|c` and `ALTER TABLE ... DISABLE|ENABLE ALWAYS TRIGGER`"),
         ],
