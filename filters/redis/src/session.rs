@@ -131,6 +131,7 @@ pub(crate) async fn run(
         ),
         wait: None,
         read_at: read_at.clone(),
+        config: gateway.live_versioned(),
         shutdown,
         batching,
         hellos_pending: hellos_pending.clone(),
@@ -287,6 +288,8 @@ struct Reader {
     /// How long to wait before the next request, after a refusal over the budget.
     wait: Option<Duration>,
     read_at: ReadTimes,
+    /// The gateway's protect rules as of version `.0` (see [`Gateway::live_versioned`]).
+    config: (u64, Arc<crate::config::RedisConfig>),
     /// The node is draining: end the session at the next idle point.
     shutdown: CancellationToken,
     /// Whether pipelined fenced writes may share one batch fence call: off on servers without
@@ -351,6 +354,13 @@ impl Batch {
     fn forward(&mut self, args: &[Bytes]) {
         self.close_run();
         self.send(args);
+    }
+
+    /// Like [`Batch::forward`] for a request whose wire bytes are its canonical encoding.
+    fn forward_wire(&mut self, wire: &[u8]) {
+        self.close_run();
+        self.upstream.extend_from_slice(wire);
+        self.requests += 1;
     }
 
     fn push(&mut self, slot: Slot) {
@@ -505,8 +515,12 @@ impl Reader {
                 match self.parser.next(&self.buf, &self.gateway.limits) {
                     Ok(Some(request)) => {
                         started = tokio::time::Instant::now();
-                        self.buf.advance(request.wire_len);
-                        self.handle(request, &mut batch);
+                        let len = request.wire_len;
+                        let raw = canonical(&self.buf[..len], &request.args);
+                        // The request's bytes stay in `buf` until it is handled: a relayed
+                        // request is copied upstream from there.
+                        self.handle(request, raw, &mut batch);
+                        self.buf.advance(len);
                         if self.wait.is_some() {
                             // Refused over the budget: answer what came so far, then wait.
                             break;
@@ -574,6 +588,11 @@ impl Reader {
     /// is over budget and this connection holds a partial request.
     fn account_buffered(&mut self) -> bool {
         let now = self.buf.len();
+        if now == 0 && self.held == 0 {
+            // The common case after a whole request: no shared counter written (every session
+            // writing it bounced its cache line between the cores, issue 18).
+            return true;
+        }
         let buffered = &self.gateway.buffered;
         let total = if now >= self.held {
             buffered.fetch_add(now - self.held, Ordering::Relaxed) + (now - self.held)
@@ -605,6 +624,15 @@ impl Reader {
         charge.within
     }
 
+    /// Takes the gateway's protect rules again if a reload changed them since this session last
+    /// looked: one atomic load per request instead of a lock and a reference count shared by
+    /// every session (issue 18).
+    fn refresh_config(&mut self) {
+        if self.gateway.live_version() != self.config.0 {
+            self.config = self.gateway.live_versioned();
+        }
+    }
+
     /// A write was accepted under a valid token: the connection leaves the tarpit.
     fn accepted(&mut self) {
         if self.tarpit.accepted() {
@@ -612,7 +640,9 @@ impl Reader {
         }
     }
 
-    fn handle(&mut self, request: Request, batch: &mut Batch) {
+    /// Handles one request; `raw`: its bytes at the front of `buf` are exactly what encoding
+    /// its arguments would write, so a relayed request is copied from there.
+    fn handle(&mut self, request: Request, raw: bool, batch: &mut Batch) {
         if request.args.is_empty() {
             return;
         }
@@ -728,7 +758,8 @@ impl Reader {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
-                let class = classify(&self.info.table, &self.gateway.live(), args);
+                self.refresh_config();
+                let class = classify(&self.info.table, &self.config.1, args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
@@ -736,14 +767,18 @@ impl Reader {
             .gateway
             .fences_at_risk()
             .then(|| self.gateway.health().err().unwrap_or_default());
-        let config = self.gateway.live();
+        self.refresh_config();
         let inputs = Inputs {
             table: &self.info.table,
-            config: &config,
+            config: &self.config.1,
             token: self.token.as_ref(),
             fences_at_risk: risk.as_deref(),
         };
         match decide(&inputs, args) {
+            Decision::Pass if raw => {
+                batch.forward_wire(&self.buf[..request.wire_len]);
+                batch.push(Slot::Upstream(Expect::Plain));
+            }
             Decision::Pass => self.pass(args, batch),
             Decision::Unknown => self.unknown(&request, batch),
             Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
@@ -809,7 +844,7 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
-        if let Err(detail) = scope::check(&self.gateway.live(), &token, &keys) {
+        if let Err(detail) = scope::check(&self.config.1, &token, &keys) {
             return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
         }
         if self.gateway.fences_at_risk() {
@@ -1469,6 +1504,25 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     stream.read_buf(buf).await
 }
 
+/// Whether `wire`, a request the parser accepted with these `args`, is byte for byte the RESP
+/// array [`Frame::command`] encodes from them. Every length the parser accepted in another
+/// spelling (`+3`, `03`) is longer than its canonical form, so equal sizes mean equal bytes:
+/// relaying such a request as it came sends exactly what was decided on. Inline commands are
+/// re-encoded.
+fn canonical(wire: &[u8], args: &[Bytes]) -> bool {
+    fn digits(n: usize) -> usize {
+        n.checked_ilog10().map_or(1, |d| d as usize + 1)
+    }
+    let encoded = 1
+        + digits(args.len())
+        + 2
+        + args
+            .iter()
+            .map(|a| 1 + digits(a.len()) + 2 + a.len() + 2)
+            .sum::<usize>();
+    wire.first() == Some(&b'*') && wire.len() == encoded
+}
+
 fn is_missing_script(error: &[u8]) -> bool {
     error.starts_with(b"NOSCRIPT") || error.starts_with(b"ERR Function not found")
 }
@@ -1482,7 +1536,44 @@ fn stale_fence(error: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    #[test]
+    fn only_the_canonical_spelling_is_relayed_as_it_came() {
+        let args = [Bytes::from_static(b"GET"), Bytes::from_static(b"k")];
+        assert!(canonical(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"*2\r\n$03\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"*+2\r\n$3\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"GET k\r\n", &args));
+    }
+
+    proptest! {
+        /// Whatever the parser accepts and `canonical` passes is exactly the re-encoding.
+        #[test]
+        fn canonical_means_identical_bytes(
+            args in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..12), 1..5),
+            spellings in prop::collection::vec(0usize..3, 6),
+        ) {
+            let spell = |n: usize, i: usize| match spellings[i % spellings.len()] {
+                0 => n.to_string(),
+                1 => format!("0{n}"),
+                _ => format!("+{n}"),
+            };
+            let mut wire = format!("*{}\r\n", spell(args.len(), 0)).into_bytes();
+            for (i, a) in args.iter().enumerate() {
+                wire.extend_from_slice(format!("${}\r\n", spell(a.len(), i + 1)).as_bytes());
+                wire.extend_from_slice(a);
+                wire.extend_from_slice(b"\r\n");
+            }
+            let request = crate::frame::parse_request(&wire, &crate::frame::Limits::default())
+                .unwrap()
+                .unwrap();
+            let encoded = Frame::command(request.args.iter().cloned()).to_bytes();
+            prop_assert_eq!(canonical(&wire, &request.args), wire[..] == encoded[..]);
+        }
+    }
 
     #[test]
     fn reads_the_fence_from_the_script_error() {
