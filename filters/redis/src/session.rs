@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -26,7 +27,7 @@ use fencegate_core::{
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::classify::{classify, Class};
@@ -35,6 +36,7 @@ use crate::error::{FrameError, RedisError};
 use crate::fence_batch::{self, Run, Split};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
+use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
 use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
@@ -105,7 +107,7 @@ pub(crate) async fn run(
     }));
     let resp3 = Arc::new(AtomicBool::new(false));
     let identity = Arc::new(std::sync::Mutex::new(None));
-    let (tx, rx) = mpsc::channel(SLOT_QUEUE);
+    let (tx, rx) = hand_off(SLOT_QUEUE);
     let read_at = ReadTimes::default();
     let batching = matches!(info.mode, ScriptMode::Function);
     let hellos_pending = Arc::new(AtomicUsize::new(0));
@@ -155,16 +157,19 @@ pub(crate) async fn run(
         slots: rx,
         read_at,
     };
-    // Both directions are futures of this one task, not tasks of their own: a slot handed to
-    // the writer wakes the task that is already running (no wake-up of another worker thread),
-    // and a connection's work stays on one thread (issue 18's profile: the hand-offs between
-    // the two tasks cost a context switch per request). When the writer ends first, the
-    // reader is dropped with it.
+    // Both directions are futures of this one task, not tasks of their own: a connection's
+    // work stays on one thread (issue 18's profile: the hand-offs between two tasks cost a
+    // context switch per request). The slots go through a queue that wakes no one
+    // ([`hand_off`]): `biased`, the reader is polled first and the writer second in every
+    // poll, so the writer sees in the same poll whatever the reader queued (a waker would
+    // wake this running task, which tokio turns into a wake-up of a parked worker thread per
+    // request). When the writer ends first, the reader is dropped with it.
     let result = {
         let reader = reader.run();
         let writer = writer.run();
         tokio::pin!(reader, writer);
         tokio::select! {
+            biased;
             _ = &mut reader => writer.await,
             w = &mut writer => w,
         }
@@ -271,7 +276,7 @@ struct Reader {
     client: ReadHalf,
     buf: BytesMut,
     upstream: Arc<Mutex<UpstreamWriter>>,
-    slots: mpsc::Sender<Slot>,
+    slots: Producer<Slot>,
     resp3: Arc<AtomicBool>,
     token: Option<Token>,
     multi: Option<Multi>,
@@ -1036,7 +1041,7 @@ struct Writer {
     speaks_resp3: bool,
     /// Shared with the reader: counted down once a `HELLO`'s reply has settled the protocol.
     hellos_pending: Arc<AtomicUsize>,
-    slots: mpsc::Receiver<Slot>,
+    slots: Consumer<Slot>,
     read_at: ReadTimes,
 }
 
@@ -1071,9 +1076,9 @@ impl Writer {
     async fn work(&mut self) -> Result<(), RedisError> {
         loop {
             let slot = match self.slots.try_recv() {
-                Ok(slot) => slot,
-                Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
-                Err(mpsc::error::TryRecvError::Empty) => {
+                Poll::Ready(Some(slot)) => slot,
+                Poll::Ready(None) => return Ok(()),
+                Poll::Pending => {
                     self.flush().await?;
                     if self.listening() {
                         match self.relay_until_slot().await? {
