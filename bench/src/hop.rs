@@ -151,7 +151,7 @@ impl Rig {
     }
 }
 
-pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
+pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Result<Section> {
     let load_before = machine::load_average();
     let dir = tempfile::Builder::new()
         .prefix("fencegate-bench-hop")
@@ -217,6 +217,17 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             "`pgbench -S`, 1 client, tps",
         ),
     ];
+    let cases: Vec<(Load, &str)> = match only {
+        None => cases,
+        Some(text) => {
+            let text = text.to_lowercase();
+            cases
+                .into_iter()
+                .filter(|(_, what)| what.to_lowercase().contains(&text))
+                .collect()
+        }
+    };
+    anyhow::ensure!(!cases.is_empty(), "no peers case matches --cases {only:?}");
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
     // A short first run of each case on each path warms it up (PgBouncer opens its server
     // connections, the gateway its buffers); for redis-benchmark, which counts requests, not

@@ -40,6 +40,11 @@ struct Cli {
     /// The report to update (only the sections of the suites run are replaced).
     #[arg(long, global = true, default_value = "docs/BENCHMARKS.md")]
     out: PathBuf,
+    /// Runs only the cases whose label contains this text, ignoring case (peers suite only;
+    /// e.g. `--cases redis`). A partial run replaces the whole section: write it elsewhere
+    /// with `--out`.
+    #[arg(long, global = true)]
+    cases: Option<String>,
 }
 
 #[derive(Subcommand, Clone, Copy, PartialEq)]
@@ -76,12 +81,17 @@ const EVERY: [Suite; 6] = [
     Suite::Authority,
 ];
 
-async fn run_suite(suite: Suite, run: Duration, reps: usize) -> anyhow::Result<report::Section> {
+async fn run_suite(
+    suite: Suite,
+    run: Duration,
+    reps: usize,
+    cases: Option<&str>,
+) -> anyhow::Result<report::Section> {
     match suite {
         Suite::Authority => authority::run(run, reps).await,
         Suite::Redis => redis::run(run, reps).await,
         Suite::Postgres => postgres::run(run, reps).await,
-        Suite::Peers => hop::run(run, reps).await,
+        Suite::Peers => hop::run(run, reps, cases).await,
         Suite::S3 => s3::run(run, reps).await,
         Suite::Triggers => triggers::run(run, reps).await,
         Suite::Footprint => footprint::run(reps).await,
@@ -110,7 +120,7 @@ async fn main() -> anyhow::Result<()> {
         vec![cli.suite]
     };
     for suite in suites {
-        let section = run_suite(suite, run, cli.reps).await?;
+        let section = run_suite(suite, run, cli.reps, cli.cases.as_deref()).await?;
         let text = section.render(&command);
         // Each suite's section is written as soon as it is done.
         report::write(&cli.out, &section.name, &text)?;

@@ -44,10 +44,6 @@ fn refuse(detail: String) -> Class {
 
 /// Classifies `args` (command name first).
 pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> Class {
-    let name = args
-        .first()
-        .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
-        .unwrap_or_default();
     let enforcing = config.enforces_any();
     let Some(info) = table.lookup(args) else {
         return if enforcing {
@@ -59,6 +55,13 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
     if !info.arity_ok(args.len()) {
         return Class::Pass;
     }
+    // Built only on the paths that refuse or look further (not for a plain relayed command:
+    // one allocation per request saved, issue 18).
+    let name = || {
+        args.first()
+            .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
+            .unwrap_or_default()
+    };
     let script = matches!(info.name.as_str(), "eval" | "evalsha" | "fcall");
     let keys = info.keys(args);
     if let Ok(keys) = &keys {
@@ -68,7 +71,8 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
                 .any(|k| k.starts_with(FENCE_KEY_PREFIX.as_bytes()))
         {
             return refuse(format!(
-                "{name} would write a fence key; fence keys are managed by fencegate"
+                "{} would write a fence key; fence keys are managed by fencegate",
+                name()
             ));
         }
     }
@@ -78,12 +82,14 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
             .is_some_and(|f| f.len() >= 10 && f[..10].eq_ignore_ascii_case(b"fencegate_"))
     {
         return refuse(format!(
-            "{name} of a fencegate_* function: the fence function is called only by the gateway"
+            "{} of a fencegate_* function: the fence function is called only by the gateway",
+            name()
         ));
     }
     if !enforcing {
         return Class::Pass;
     }
+    let name = name();
     let protected = |keys: &[&Bytes]| {
         keys.iter()
             .any(|k| config.mode_for(k) == ProtectMode::Enforce)

@@ -136,7 +136,22 @@ impl CommandTable {
 
     /// The entry for a request's arguments, resolving subcommands (`OBJECT ENCODING`).
     pub fn lookup(&self, args: &[Bytes]) -> Option<&CommandInfo> {
-        let name = String::from_utf8_lossy(args.first()?).to_ascii_lowercase();
+        let first = args.first()?;
+        // A short ASCII name is lower-cased on the stack: no allocation per request (issue 18).
+        // Anything else takes the general path below; no command name is longer or non-ASCII.
+        let mut short = [0u8; 32];
+        let simple = first.len() <= short.len() && first.is_ascii();
+        if simple {
+            let lower = &mut short[..first.len()];
+            lower.copy_from_slice(first);
+            lower.make_ascii_lowercase();
+            let lower = std::str::from_utf8(lower).ok()?;
+            let info = self.commands.get(lower)?;
+            if !info.container {
+                return Some(info);
+            }
+        }
+        let name = String::from_utf8_lossy(first).to_ascii_lowercase();
         let info = self.commands.get(&name)?;
         if !info.container {
             return Some(info);

@@ -47,10 +47,11 @@ pub enum Decision {
 
 /// Decides a request (`args`: command name first).
 pub fn decide(inputs: &Inputs, args: &[Bytes]) -> Decision {
-    let name = args
-        .first()
-        .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
-        .unwrap_or_default();
+    let name = || {
+        args.first()
+            .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
+            .unwrap_or_default()
+    };
     match classify(inputs.table, inputs.config, args) {
         Class::Pass => Decision::Pass,
         Class::Unknown => Decision::Unknown,
@@ -63,7 +64,8 @@ pub fn decide(inputs: &Inputs, args: &[Bytes]) -> Decision {
             None => Decision::Refuse {
                 reason: RejectReason::Missing,
                 detail: format!(
-                    "{name} writes a protected key; send FENCE <token> on this connection first"
+                    "{} writes a protected key; send FENCE <token> on this connection first",
+                    name()
                 ),
             },
             Some(token) => match scope::check(inputs.config, token, &keys) {

@@ -26,6 +26,8 @@ pub struct Gateway {
     /// The config whose protect rules are in force: `config`, or what
     /// [`Gateway::set_protect_rules`] last put in its place. Sessions read it per request.
     live: std::sync::RwLock<Arc<RedisConfig>>,
+    /// Counts the changes of `live`, so a session reads it again only after one.
+    live_version: AtomicU64,
     pub(crate) policy: TokenPolicy,
     pub(crate) sink: Arc<dyn AuditSink>,
     pub(crate) limits: Limits,
@@ -85,6 +87,7 @@ impl Gateway {
         );
         Ok(Arc::new(Self {
             live: std::sync::RwLock::new(Arc::new(config.clone())),
+            live_version: AtomicU64::new(0),
             config,
             policy,
             sink,
@@ -151,6 +154,19 @@ impl Gateway {
         self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// How many times the config in force changed: a session that saw this version holds
+    /// the rules in force.
+    pub(crate) fn live_version(&self) -> u64 {
+        // Acquire: a version read here was stored after its config (see `set_protect_rules`).
+        self.live_version.load(Ordering::Acquire)
+    }
+
+    /// The config in force with its version (the version read first: a change in between
+    /// only makes the session read it again).
+    pub(crate) fn live_versioned(&self) -> (u64, Arc<RedisConfig>) {
+        (self.live_version(), self.live())
+    }
+
     /// Puts `new`'s protect rules in force (SIGHUP): open sessions apply them from their next
     /// request on. Everything else in `new` is ignored (it needs a restart). `new` is checked
     /// first; when it is refused, the rules in force stay.
@@ -158,7 +174,9 @@ impl Gateway {
         let mut next = (*self.live()).clone();
         next.protect = new.protect.clone();
         next.validate()?;
-        *self.live.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
+        let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
+        *live = Arc::new(next);
+        self.live_version.fetch_add(1, Ordering::Release);
         Ok(())
     }
 

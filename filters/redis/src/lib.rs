@@ -24,6 +24,7 @@ mod fence_reset;
 pub mod frame;
 mod gateway;
 pub mod glob;
+mod hand_off;
 pub mod request_parser;
 pub mod rewrite;
 pub mod scope;

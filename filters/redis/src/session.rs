@@ -1,15 +1,15 @@
 //! One client connection relayed to one upstream connection: the only I/O of the filter.
 //!
-//! The reader task parses client requests, decides each one (relay, rewrite into the fence
-//! script call, answer locally, refuse), writes the batch upstream with one write, and queues a
-//! *slot* per request, in order, for the writer task. Fenced writes under one token that come
-//! back to back in one read share one slot and one batch fence call, whose reply the writer
-//! splits back into one reply per write. The writer takes slots in order: a local
-//! reply is written at once, an upstream slot takes the next upstream reply. So pipelined
-//! requests keep their order even when some are answered by the gateway. Client output is
-//! flushed once per batch: whenever the writer would wait.
+//! Two futures of one task share the work. The reader parses client requests, decides each
+//! one (relay, rewrite into the fence script call, answer locally, refuse), writes the batch
+//! upstream with one write, and queues a *slot* per request, in order, for the writer. Fenced
+//! writes under one token that come back to back in one read share one slot and one batch
+//! fence call, whose reply the writer splits back into one reply per write. The writer takes
+//! slots in order: a local reply is written at once, an upstream slot takes the next upstream
+//! reply. So pipelined requests keep their order even when some are answered by the gateway.
+//! Client output is flushed once per batch: whenever the writer would wait.
 //!
-//! Buffers exist only while there is something in them: a buffer that is empty when its task
+//! Buffers exist only while there is something in them: a buffer that is empty when its side
 //! would wait is given back and taken again (at full capacity) when bytes arrive, so an idle
 //! connection holds none of them.
 
@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -26,7 +27,7 @@ use fencegate_core::{
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::classify::{classify, Class};
@@ -35,6 +36,7 @@ use crate::error::{FrameError, RedisError};
 use crate::fence_batch::{self, Run, Split};
 use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
+use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
 use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
@@ -105,7 +107,7 @@ pub(crate) async fn run(
     }));
     let resp3 = Arc::new(AtomicBool::new(false));
     let identity = Arc::new(std::sync::Mutex::new(None));
-    let (tx, rx) = mpsc::channel(SLOT_QUEUE);
+    let (tx, rx) = hand_off(SLOT_QUEUE);
     let read_at = ReadTimes::default();
     let batching = matches!(info.mode, ScriptMode::Function);
     let hellos_pending = Arc::new(AtomicUsize::new(0));
@@ -131,6 +133,7 @@ pub(crate) async fn run(
         ),
         wait: None,
         read_at: read_at.clone(),
+        config: gateway.live_versioned(),
         shutdown,
         batching,
         hellos_pending: hellos_pending.clone(),
@@ -154,13 +157,24 @@ pub(crate) async fn run(
         slots: rx,
         read_at,
     };
-    let mut reader = tokio::spawn(reader.run());
-    let mut writer = tokio::spawn(writer.run());
-    let result = tokio::select! {
-        r = &mut reader => { let w = writer.await; r.ok().and(w.ok()) }
-        w = &mut writer => { reader.abort(); w.ok() }
+    // Both directions are futures of this one task, not tasks of their own: a connection's
+    // work stays on one thread (issue 18's profile: the hand-offs between two tasks cost a
+    // context switch per request). The slots go through a queue that wakes no one
+    // ([`hand_off`]): `biased`, the reader is polled first and the writer second in every
+    // poll, so the writer sees in the same poll whatever the reader queued (a waker would
+    // wake this running task, which tokio turns into a wake-up of a parked worker thread per
+    // request). When the writer ends first, the reader is dropped with it.
+    let result = {
+        let reader = reader.run();
+        let writer = writer.run();
+        tokio::pin!(reader, writer);
+        tokio::select! {
+            biased;
+            _ = &mut reader => writer.await,
+            w = &mut writer => w,
+        }
     };
-    if let Some(Err(e)) = result {
+    if let Err(e) = result {
         if upstream_fault(&e) {
             sink.upstream_failed(Store::Redis, UpstreamFailure::Error);
         }
@@ -262,7 +276,7 @@ struct Reader {
     client: ReadHalf,
     buf: BytesMut,
     upstream: Arc<Mutex<UpstreamWriter>>,
-    slots: mpsc::Sender<Slot>,
+    slots: Producer<Slot>,
     resp3: Arc<AtomicBool>,
     token: Option<Token>,
     multi: Option<Multi>,
@@ -279,6 +293,8 @@ struct Reader {
     /// How long to wait before the next request, after a refusal over the budget.
     wait: Option<Duration>,
     read_at: ReadTimes,
+    /// The gateway's protect rules as of version `.0` (see [`Gateway::live_versioned`]).
+    config: (u64, Arc<crate::config::RedisConfig>),
     /// The node is draining: end the session at the next idle point.
     shutdown: CancellationToken,
     /// Whether pipelined fenced writes may share one batch fence call: off on servers without
@@ -343,6 +359,13 @@ impl Batch {
     fn forward(&mut self, args: &[Bytes]) {
         self.close_run();
         self.send(args);
+    }
+
+    /// Like [`Batch::forward`] for a request whose wire bytes are its canonical encoding.
+    fn forward_wire(&mut self, wire: &[u8]) {
+        self.close_run();
+        self.upstream.extend_from_slice(wire);
+        self.requests += 1;
     }
 
     fn push(&mut self, slot: Slot) {
@@ -497,8 +520,12 @@ impl Reader {
                 match self.parser.next(&self.buf, &self.gateway.limits) {
                     Ok(Some(request)) => {
                         started = tokio::time::Instant::now();
-                        self.buf.advance(request.wire_len);
-                        self.handle(request, &mut batch);
+                        let len = request.wire_len;
+                        let raw = canonical(&self.buf[..len], &request.args);
+                        // The request's bytes stay in `buf` until it is handled: a relayed
+                        // request is copied upstream from there.
+                        self.handle(request, raw, &mut batch);
+                        self.buf.advance(len);
                         if self.wait.is_some() {
                             // Refused over the budget: answer what came so far, then wait.
                             break;
@@ -566,6 +593,11 @@ impl Reader {
     /// is over budget and this connection holds a partial request.
     fn account_buffered(&mut self) -> bool {
         let now = self.buf.len();
+        if now == 0 && self.held == 0 {
+            // The common case after a whole request: no shared counter written (every session
+            // writing it bounced its cache line between the cores, issue 18).
+            return true;
+        }
         let buffered = &self.gateway.buffered;
         let total = if now >= self.held {
             buffered.fetch_add(now - self.held, Ordering::Relaxed) + (now - self.held)
@@ -597,6 +629,15 @@ impl Reader {
         charge.within
     }
 
+    /// Takes the gateway's protect rules again if a reload changed them since this session last
+    /// looked: one atomic load per request instead of a lock and a reference count shared by
+    /// every session (issue 18).
+    fn refresh_config(&mut self) {
+        if self.gateway.live_version() != self.config.0 {
+            self.config = self.gateway.live_versioned();
+        }
+    }
+
     /// A write was accepted under a valid token: the connection leaves the tarpit.
     fn accepted(&mut self) {
         if self.tarpit.accepted() {
@@ -604,7 +645,9 @@ impl Reader {
         }
     }
 
-    fn handle(&mut self, request: Request, batch: &mut Batch) {
+    /// Handles one request; `raw`: its bytes at the front of `buf` are exactly what encoding
+    /// its arguments would write, so a relayed request is copied from there.
+    fn handle(&mut self, request: Request, raw: bool, batch: &mut Batch) {
         if request.args.is_empty() {
             return;
         }
@@ -720,7 +763,8 @@ impl Reader {
             multi.commands.push(name.clone());
             multi.bytes += request.wire_len;
             if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
-                let class = classify(&self.info.table, &self.gateway.live(), args);
+                self.refresh_config();
+                let class = classify(&self.info.table, &self.config.1, args);
                 return self.queue_fenced(&request, class, batch);
             }
         }
@@ -728,14 +772,18 @@ impl Reader {
             .gateway
             .fences_at_risk()
             .then(|| self.gateway.health().err().unwrap_or_default());
-        let config = self.gateway.live();
+        self.refresh_config();
         let inputs = Inputs {
             table: &self.info.table,
-            config: &config,
+            config: &self.config.1,
             token: self.token.as_ref(),
             fences_at_risk: risk.as_deref(),
         };
         match decide(&inputs, args) {
+            Decision::Pass if raw => {
+                batch.forward_wire(&self.buf[..request.wire_len]);
+                batch.push(Slot::Upstream(Expect::Plain));
+            }
             Decision::Pass => self.pass(args, batch),
             Decision::Unknown => self.unknown(&request, batch),
             Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
@@ -801,7 +849,7 @@ impl Reader {
             .as_ref()
             .and_then(|m| m.token.clone())
             .expect("fenced transaction has a token");
-        if let Err(detail) = scope::check(&self.gateway.live(), &token, &keys) {
+        if let Err(detail) = scope::check(&self.config.1, &token, &keys) {
             return self.refuse(request, RejectReason::OutOfScope, &detail, batch);
         }
         if self.gateway.fences_at_risk() {
@@ -993,7 +1041,7 @@ struct Writer {
     speaks_resp3: bool,
     /// Shared with the reader: counted down once a `HELLO`'s reply has settled the protocol.
     hellos_pending: Arc<AtomicUsize>,
-    slots: mpsc::Receiver<Slot>,
+    slots: Consumer<Slot>,
     read_at: ReadTimes,
 }
 
@@ -1028,9 +1076,9 @@ impl Writer {
     async fn work(&mut self) -> Result<(), RedisError> {
         loop {
             let slot = match self.slots.try_recv() {
-                Ok(slot) => slot,
-                Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
-                Err(mpsc::error::TryRecvError::Empty) => {
+                Poll::Ready(Some(slot)) => slot,
+                Poll::Ready(None) => return Ok(()),
+                Poll::Pending => {
                     self.flush().await?;
                     if self.listening() {
                         match self.relay_until_slot().await? {
@@ -1432,10 +1480,9 @@ impl Writer {
 
 /// Reads what `stream` has into `buf`, like `read_buf`; `Ok(0)` only at end of stream.
 ///
-/// A buffer holding part of a frame is read into as it is. An empty buffer is kept while bytes
-/// are already waiting; otherwise it is given back before waiting, and a fresh one of `BUFFER`
-/// bytes is taken once the socket is readable. Cancel safe: bytes are only read once the wait
-/// is over, and what the buffer holds is never dropped.
+/// A buffer holding part of a frame is read into as it is. An empty buffer is given back before
+/// waiting, and a fresh one of `BUFFER` bytes is taken once the socket is readable. Cancel
+/// safe: bytes are only read once the wait is over, and what the buffer holds is never dropped.
 ///
 /// A TLS stream has no readiness to wait for without reading (rustls buffers records itself),
 /// so it reads into a buffer of `BUFFER` bytes taken before the wait.
@@ -1452,24 +1499,33 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     if !buf.is_empty() {
         return stream.read_buf(buf).await;
     }
-    if buf.capacity() > 0 {
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            result => return result,
-        }
-    }
     *buf = BytesMut::new();
-    loop {
-        stream.readable().await?;
-        if buf.capacity() == 0 {
-            // Never read into no room: that would return 0 and look like end of stream.
-            *buf = BytesMut::with_capacity(BUFFER);
-        }
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            result => return result,
-        }
+    stream.readable().await?;
+    // Never read into no room: that would return 0 and look like end of stream.
+    *buf = BytesMut::with_capacity(BUFFER);
+    // `read_buf` (not `try_read_buf`): a read that does not fill the buffer tells tokio the
+    // socket is drained, so the next wait sleeps at once instead of first reading `EAGAIN`
+    // (about one wasted `recvfrom` per request in issue 18's profile).
+    stream.read_buf(buf).await
+}
+
+/// Whether `wire`, a request the parser accepted with these `args`, is byte for byte the RESP
+/// array [`Frame::command`] encodes from them. Every length the parser accepted in another
+/// spelling (`+3`, `03`) is longer than its canonical form, so equal sizes mean equal bytes:
+/// relaying such a request as it came sends exactly what was decided on. Inline commands are
+/// re-encoded.
+fn canonical(wire: &[u8], args: &[Bytes]) -> bool {
+    fn digits(n: usize) -> usize {
+        n.checked_ilog10().map_or(1, |d| d as usize + 1)
     }
+    let encoded = 1
+        + digits(args.len())
+        + 2
+        + args
+            .iter()
+            .map(|a| 1 + digits(a.len()) + 2 + a.len() + 2)
+            .sum::<usize>();
+    wire.first() == Some(&b'*') && wire.len() == encoded
 }
 
 fn is_missing_script(error: &[u8]) -> bool {
@@ -1485,7 +1541,44 @@ fn stale_fence(error: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    #[test]
+    fn only_the_canonical_spelling_is_relayed_as_it_came() {
+        let args = [Bytes::from_static(b"GET"), Bytes::from_static(b"k")];
+        assert!(canonical(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"*2\r\n$03\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"*+2\r\n$3\r\nGET\r\n$1\r\nk\r\n", &args));
+        assert!(!canonical(b"GET k\r\n", &args));
+    }
+
+    proptest! {
+        /// Whatever the parser accepts and `canonical` passes is exactly the re-encoding.
+        #[test]
+        fn canonical_means_identical_bytes(
+            args in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..12), 1..5),
+            spellings in prop::collection::vec(0usize..3, 6),
+        ) {
+            let spell = |n: usize, i: usize| match spellings[i % spellings.len()] {
+                0 => n.to_string(),
+                1 => format!("0{n}"),
+                _ => format!("+{n}"),
+            };
+            let mut wire = format!("*{}\r\n", spell(args.len(), 0)).into_bytes();
+            for (i, a) in args.iter().enumerate() {
+                wire.extend_from_slice(format!("${}\r\n", spell(a.len(), i + 1)).as_bytes());
+                wire.extend_from_slice(a);
+                wire.extend_from_slice(b"\r\n");
+            }
+            let request = crate::frame::parse_request(&wire, &crate::frame::Limits::default())
+                .unwrap()
+                .unwrap();
+            let encoded = Frame::command(request.args.iter().cloned()).to_bytes();
+            prop_assert_eq!(canonical(&wire, &request.args), wire[..] == encoded[..]);
+        }
+    }
 
     #[test]
     fn reads_the_fence_from_the_script_error() {
