@@ -371,7 +371,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
         setup: vec![
             format!("Machine: {}", machine::describe()),
             format!(
-                "Shared machine: other engineers' builds and tests ran on the same 2 cores during the run; load average {load_before} before, {load_after} after (1, 5, 15 min). Throughput depends on that load; CPU time per request much less"
+                "Machine load (the 2 cores may be shared with builds and tests): load average {load_before} before, {load_after} after (1, 5, 15 min). Throughput depends on that load; CPU time per request much less"
             ),
             format!(
                 "{}; {}; {}; {}; {}; {}; fencegate {} ({})",
