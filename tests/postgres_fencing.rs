@@ -805,21 +805,7 @@ async fn a_transaction_is_guarded_once_before_its_first_write() {
 /// statements after the error are skipped, the implicit transaction rolls back).
 #[tokio::test(flavor = "multi_thread")]
 async fn single_sync_pipeline_with_an_error_matches_the_server() {
-    fn message(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut m = vec![tag];
-        m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
-        m.extend_from_slice(body);
-        m
-    }
-    fn statement(sql: &str) -> Vec<u8> {
-        let mut parse = b"\0".to_vec();
-        parse.extend_from_slice(sql.as_bytes());
-        parse.extend_from_slice(b"\0\0\0");
-        let mut out = message(b'P', &parse);
-        out.extend(message(b'B', b"\0\0\0\0\0\0\0\0"));
-        out.extend(message(b'E', b"\0\0\0\0\0"));
-        out
-    }
+    use support::postgres_server::{message, statement};
     /// Logs in (trust), sends the pipeline, returns the reply tags up to ReadyForQuery.
     fn run(port: u16, options: &str, pipeline: &[u8]) -> String {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();

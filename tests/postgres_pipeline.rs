@@ -14,29 +14,11 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use support::postgres_server::{cli, code, PgGateway};
+use support::postgres_server::{cli, code, message, statement, PgGateway};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, NoTls, Statement};
 
 const TOKEN: &str = "fg1~1~job";
-
-fn message(tag: u8, body: &[u8]) -> Vec<u8> {
-    let mut m = vec![tag];
-    m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
-    m.extend_from_slice(body);
-    m
-}
-
-/// Parse (unnamed), Bind, Execute of `sql`.
-fn statement(sql: &str) -> Vec<u8> {
-    let mut parse = b"\0".to_vec();
-    parse.extend_from_slice(sql.as_bytes());
-    parse.extend_from_slice(b"\0\0\0");
-    let mut out = message(b'P', &parse);
-    out.extend(message(b'B', b"\0\0\0\0\0\0\0\0"));
-    out.extend(message(b'E', b"\0\0\0\0\0"));
-    out
-}
 
 fn sync() -> Vec<u8> {
     message(b'S', b"")

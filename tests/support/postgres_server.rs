@@ -122,3 +122,22 @@ pub fn code(e: &tokio_postgres::Error) -> String {
         .map(|c| c.code().to_owned())
         .unwrap_or_else(|| format!("no SQLSTATE: {e}"))
 }
+
+/// One frontend message of the wire protocol: its tag, its length, its body.
+pub fn message(tag: u8, body: &[u8]) -> Vec<u8> {
+    let mut m = vec![tag];
+    m.extend_from_slice(&(body.len() as u32 + 4).to_be_bytes());
+    m.extend_from_slice(body);
+    m
+}
+
+/// Parse (unnamed), Bind, Execute of `sql`, for raw extended-protocol pipelines.
+pub fn statement(sql: &str) -> Vec<u8> {
+    let mut parse = b"\0".to_vec();
+    parse.extend_from_slice(sql.as_bytes());
+    parse.extend_from_slice(b"\0\0\0");
+    let mut out = message(b'P', &parse);
+    out.extend(message(b'B', b"\0\0\0\0\0\0\0\0"));
+    out.extend(message(b'E', b"\0\0\0\0\0"));
+    out
+}

@@ -8,8 +8,8 @@ use fencegate_testkit::redis_server;
 
 use std::sync::Arc;
 
-use fencegate_core::{MemoryAuditSink, TokenPolicy};
-use fencegate_redis::{Gateway, ProtectMode, ProtectRule, RedisConfig};
+use fencegate_core::MemoryAuditSink;
+use fencegate_redis::{ProtectMode, ProtectRule, RedisConfig};
 use fencegate_testkit::redis_client::{cmd, connect};
 use redis::aio::MultiplexedConnection;
 use redis::{RedisError, Value};
@@ -45,11 +45,7 @@ async fn setup() -> Setup {
         ]),
         ..RedisConfig::default()
     };
-    let sink = Arc::new(MemoryAuditSink::default());
-    let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
-    let listener = gateway.bind().await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(gateway.serve(listener));
+    let (addr, sink) = super::harness::serve(config).await;
     let direct = connect(&server.url()).await;
     let s = Setup {
         _server: server,

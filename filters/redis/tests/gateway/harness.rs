@@ -15,6 +15,12 @@ pub async fn serve_every_key(upstream: SocketAddr) -> (SocketAddr, Arc<MemoryAud
         protect: Some(vec![ProtectRule::every_key()]),
         ..RedisConfig::default()
     };
+    serve(config).await
+}
+
+/// Serves the Redis filter with `config` (unsigned tokens accepted); returns its address and
+/// audit sink.
+pub async fn serve(config: RedisConfig) -> (SocketAddr, Arc<MemoryAuditSink>) {
     let sink = Arc::new(MemoryAuditSink::default());
     let gateway = Gateway::new(config, TokenPolicy::unsigned(), sink.clone()).unwrap();
     let listener = gateway.bind().await.unwrap();
