@@ -8,6 +8,7 @@ use bytes::Bytes;
 
 use crate::error::RedisError;
 use crate::frame::Frame;
+use crate::sharing;
 
 /// Commands flagged `readonly` that modify stored data anyway.
 pub const READ_ONLY_BUT_WRITES: &[&str] = &["pfcount"];
@@ -35,6 +36,8 @@ pub struct CommandInfo {
     pub keyspace: bool,
     /// Has subcommands (look up `name|sub` instead).
     pub container: bool,
+    /// May run on an upstream connection other sessions share ([`crate::sharing`]).
+    pub shareable: bool,
     /// Where the keys are.
     pub key_specs: Vec<KeySpec>,
 }
@@ -200,6 +203,7 @@ fn add_entry(commands: &mut HashMap<String, CommandInfo>, entry: &Frame) -> Resu
         blocking: flags.iter().any(|f| f == "blocking"),
         keyspace: categories.iter().any(|c| c == "@keyspace"),
         container: !subcommands.is_empty(),
+        shareable: sharing::shareable(&name, &flags, &categories, !subcommands.is_empty()),
         key_specs,
     };
     commands.insert(name, info);

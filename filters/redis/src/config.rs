@@ -13,6 +13,8 @@
 //! partial_request_timeout_seconds = 30  # a request must arrive whole this soon after its start
 //! idle_timeout_seconds = 0           # close silent connections after this long (0: never)
 //! max_buffered_bytes = 536870912     # partial requests of all connections together
+//! shared_upstream_connections = 1    # upstream connections clients share until one changes its
+//!                                    #   connection's state (SELECT, AUTH, MULTI, ...); 0: never share
 //! refusals_per_second = 300          # refusals of clients without a valid token, all connections
 //! refusal_burst = 600                #   together; beyond them the refused connection waits
 //! tarpit_initial_ms = 10             #   this long before its next request, doubling with each
@@ -88,6 +90,15 @@ pub struct RedisConfig {
     /// read goes over is closed.
     #[serde(default = "default_max_buffered_bytes")]
     pub max_buffered_bytes: usize,
+    /// Upstream connections that client sessions share while none of their requests could
+    /// change a connection's state (see `fencegate_redis::sharing`): their requests reach Redis
+    /// batched with other clients', as through twemproxy. A session moves to a connection of
+    /// its own, for the rest of its life, at its first request that could (`SELECT`, `AUTH`,
+    /// `HELLO`, `CLIENT ...`, `MULTI`, `WATCH`, a subscription, a blocking command, a script).
+    /// A slow command delays the other sessions on its connection. 0: every session has its
+    /// own connection from the start.
+    #[serde(default = "default_shared_upstream_connections")]
+    pub shared_upstream_connections: usize,
     /// Refusals per second the gateway serves without delay to clients that present no valid
     /// token (no token, a malformed or forged one), all connections together. Beyond it (and
     /// `refusal_burst`), the connection whose request was refused waits before its next
@@ -201,6 +212,10 @@ fn default_partial_request_timeout() -> u64 {
 fn default_max_buffered_bytes() -> usize {
     512 * 1024 * 1024
 }
+/// One connection batches the most (Redis runs commands on one thread either way).
+fn default_shared_upstream_connections() -> usize {
+    1
+}
 /// Refusals are rare in normal operation (a lost lock, a misconfigured client). At 300/s a
 /// tokenless flood left fenced-write latency unchanged on 2 cores (tests/redis_flood.rs);
 /// at 1000/s its p99 rose by a few milliseconds.
@@ -233,6 +248,7 @@ impl Default for RedisConfig {
             partial_request_timeout_seconds: default_partial_request_timeout(),
             idle_timeout_seconds: 0,
             max_buffered_bytes: default_max_buffered_bytes(),
+            shared_upstream_connections: default_shared_upstream_connections(),
             refusals_per_second: default_refusals_per_second(),
             refusal_burst: default_refusal_burst(),
             tarpit_initial_ms: default_tarpit_initial_ms(),

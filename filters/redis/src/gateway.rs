@@ -18,6 +18,7 @@ use crate::error::RedisError;
 use crate::frame::Limits;
 use crate::rewrite::ScriptMode;
 use crate::session;
+use crate::shared_upstream::SharedPool;
 use crate::upstream::{ControlConnection, Upstream, UpstreamInfo};
 
 /// One Redis gateway: a listener's shared state.
@@ -54,6 +55,8 @@ pub struct Gateway {
     pub(crate) tarpit_waits: AtomicU64,
     /// The sessions running now (the node waits on it while it drains).
     sessions: TaskTracker,
+    /// Upstream connections sessions share while they are in the plain state.
+    pub(crate) shared: SharedPool,
 }
 
 /// How often refusals over the budget are logged (one line per period, with a count).
@@ -78,6 +81,7 @@ impl Gateway {
             ..Limits::default()
         };
         let upstream = Upstream::load(&config)?;
+        let config_shared = config.shared_upstream_connections;
         let (tls, server_cert) = crate::tls::acceptor(&config)?.unzip();
         let refusals = RefusalBudget::new(
             config.refusals_per_second,
@@ -104,6 +108,7 @@ impl Gateway {
             tarpitted: AtomicUsize::new(0),
             tarpit_waits: AtomicU64::new(0),
             sessions: TaskTracker::new(),
+            shared: SharedPool::new(config_shared),
         }))
     }
 

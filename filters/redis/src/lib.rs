@@ -29,6 +29,8 @@ pub mod request_parser;
 pub mod rewrite;
 pub mod scope;
 mod session;
+mod shared_upstream;
+pub mod sharing;
 mod stream;
 mod text;
 mod tls;

@@ -9,6 +9,13 @@
 //! reply. So pipelined requests keep their order even when some are answered by the gateway.
 //! Client output is flushed once per batch: whenever the writer would wait.
 //!
+//! A session starts on an upstream connection it shares with other sessions
+//! ([`crate::shared_upstream`]) when the gateway has some, and moves to a connection of its own,
+//! for good, at its first request that could change a connection's state ([`crate::sharing`]):
+//! the reader stops before that request, waits until the writer has every reply from the shared
+//! connection, then sends it and everything after on its own connection. So Redis runs the
+//! session's requests in order across the move, and no other session ever sees its state.
+//!
 //! Buffers exist only while there is something in them: a buffer that is empty when its side
 //! would wait is given back and taken again (at full capacity) when bytes arrive, so an idle
 //! connection holds none of them.
@@ -27,7 +34,7 @@ use fencegate_core::{
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::Mutex;
+use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::classify::{classify, Class};
@@ -40,6 +47,7 @@ use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
 use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
+use crate::shared_upstream::{Inbox, Outbox, Reply, SharedConnection};
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
@@ -81,12 +89,20 @@ pub(crate) async fn run(
     };
     // Boxed: the connect state is dead once the session runs, so it stays out of the task.
     let ready = Box::pin(async {
-        Ok::<_, RedisError>((
-            gateway.info().await?,
-            upstream::connect(&gateway.upstream, &gateway.config).await?,
-        ))
+        let info = gateway.info().await?;
+        let link = if gateway.shared.enabled() {
+            Link::Shared(
+                gateway
+                    .shared
+                    .get(&gateway.upstream, &gateway.config)
+                    .await?,
+            )
+        } else {
+            Link::Own(upstream::connect(&gateway.upstream, &gateway.config).await?)
+        };
+        Ok::<_, RedisError>((info, link))
     });
-    let (info, upstream) = match ready.await {
+    let (info, link) = match ready.await {
         Ok(pair) => pair,
         Err(e) => {
             tracing::warn!(conn = id, %peer, error = %e, "upstream unavailable; closing client");
@@ -100,11 +116,18 @@ pub(crate) async fn run(
     };
     tracing::debug!(conn = id, %peer, "session started");
     let (client_r, client_w) = stream::split(client);
-    let (up_r, up_w) = stream::split(upstream);
-    let up_w = Arc::new(Mutex::new(UpstreamWriter {
-        half: up_w,
-        sent: 0,
-    }));
+    let sharing = matches!(link, Link::Shared(_));
+    let (sink, source) = match link {
+        Link::Own(connection) => {
+            let (read_half, write_half) = stream::split(connection);
+            (Sink::Own(write_half), Source::Own(read_half))
+        }
+        Link::Shared(connection) => {
+            let (outbox, inbox) = mpsc::unbounded_channel();
+            (Sink::Shared { connection, outbox }, Source::Shared(inbox))
+        }
+    };
+    let up_w = Arc::new(Mutex::new(UpstreamWriter { sink, sent: 0 }));
     let resp3 = Arc::new(AtomicBool::new(false));
     let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = hand_off(SLOT_QUEUE);
@@ -137,6 +160,7 @@ pub(crate) async fn run(
         shutdown,
         batching,
         hellos_pending: hellos_pending.clone(),
+        sharing,
     };
     let sink = gateway.sink.clone();
     let writer = Writer {
@@ -144,7 +168,7 @@ pub(crate) async fn run(
         id,
         client: client_w,
         out: BytesMut::new(),
-        upstream: up_r,
+        upstream: source,
         ubuf: BytesMut::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
@@ -183,10 +207,56 @@ pub(crate) async fn run(
     tracing::debug!(conn = id, %peer, "session ended");
 }
 
+/// The upstream connection a session starts on.
+enum Link {
+    Own(Connection),
+    Shared(Arc<SharedConnection>),
+}
+
+/// Where the session's requests go.
+enum Sink {
+    Own(WriteHalf),
+    Shared {
+        connection: Arc<SharedConnection>,
+        /// Where the shared connection sends this session's replies.
+        outbox: Outbox,
+    },
+}
+
+/// Where the session's replies come from.
+enum Source {
+    Own(ReadHalf),
+    Shared(Inbox),
+}
+
 struct UpstreamWriter {
-    half: WriteHalf,
+    sink: Sink,
     /// Requests written so far (for the writer's reload-and-retry bookkeeping).
     sent: u64,
+}
+
+impl UpstreamWriter {
+    /// Sends `requests` requests encoded in `bytes`.
+    async fn send(&mut self, bytes: &[u8], requests: u64) -> Result<(), RedisError> {
+        match &mut self.sink {
+            Sink::Own(half) => half
+                .write_all(bytes)
+                .await
+                .map_err(RedisError::io("writing to upstream"))?,
+            Sink::Shared { connection, outbox } => connection.submit(outbox, bytes, requests)?,
+        }
+        self.sent += requests;
+        Ok(())
+    }
+}
+
+/// A reply from the shared connection, or the error that ends the session.
+fn shared_reply(reply: Option<Reply>) -> Result<(Frame, Bytes), RedisError> {
+    match reply {
+        Some(Ok(reply)) => Ok(reply),
+        Some(Err(why)) => Err(RedisError::Upstream(why.to_string())),
+        None => Err(RedisError::Upstream("the shared connection is gone".into())),
+    }
 }
 
 /// What the writer does for one request, in request order.
@@ -199,6 +269,9 @@ enum Slot {
     Upstream(Expect),
     /// Flush and close the client connection.
     Close,
+    /// Every reply from the shared connection is in: read replies from this connection of the
+    /// session's own from now on, and say so.
+    Pin(ReadHalf, oneshot::Sender<()>),
 }
 
 impl Slot {
@@ -206,6 +279,7 @@ impl Slot {
     fn requests(&self) -> usize {
         match self {
             Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.attempts.len(),
+            Slot::Pin(..) => 0,
             _ => 1,
         }
     }
@@ -305,6 +379,8 @@ struct Reader {
     /// `HELLO`s sent whose reply the writer has not yet seen: until then the protocol `resp3`
     /// assumes may be wrong (a failed `HELLO 3`), and a batch's reply would be misread.
     hellos_pending: Arc<AtomicUsize>,
+    /// The session is still on a shared upstream connection.
+    sharing: bool,
 }
 
 /// When each slot's request was read, in slot order: the reader pushes, the writer pops once
@@ -516,8 +592,14 @@ impl Reader {
             let mut batch = Batch::default();
             let read_at = std::time::Instant::now();
             let mut fatal = None;
+            let mut pin = false;
             loop {
                 match self.parser.next(&self.buf, &self.gateway.limits) {
+                    Ok(Some(request)) if self.sharing && self.pins(&request) => {
+                        // Stays in `buf`, parsed again once the session has its own connection.
+                        pin = true;
+                        break;
+                    }
                     Ok(Some(request)) => {
                         started = tokio::time::Instant::now();
                         let len = request.wire_len;
@@ -540,12 +622,11 @@ impl Reader {
             }
             batch.close_run();
             if !batch.upstream.is_empty() {
-                let mut up = self.upstream.lock().await;
-                up.half
-                    .write_all(&batch.upstream)
+                self.upstream
+                    .lock()
                     .await
-                    .map_err(RedisError::io("writing to upstream"))?;
-                up.sent += batch.requests;
+                    .send(&batch.upstream, batch.requests)
+                    .await?;
             }
             for slot in batch.slots {
                 self.read_at
@@ -586,7 +667,58 @@ impl Reader {
                 tokio::time::sleep(wait).await;
                 resume = true;
             }
+            if pin {
+                if !self.pin().await {
+                    return Ok(());
+                }
+                resume = true;
+            }
         }
+    }
+
+    /// Whether the session must leave its shared connection before `request` goes upstream.
+    /// Commands the upstream did not list are answered by the gateway, so never pin.
+    fn pins(&self, request: &Request) -> bool {
+        self.info
+            .table
+            .lookup(&request.args)
+            .is_some_and(|info| !info.shareable)
+    }
+
+    /// Moves the session to an upstream connection of its own: opens it, lets the writer take
+    /// every reply still due from the shared connection, then sends from here on through the
+    /// new one. `false`: the upstream could not be reached; the client was told and the
+    /// session ends.
+    async fn pin(&mut self) -> bool {
+        let connection = match upstream::connect(&self.gateway.upstream, &self.gateway.config).await
+        {
+            Ok(connection) => connection,
+            Err(e) => {
+                tracing::warn!(conn = self.id, peer = %self.peer, error = %e, "upstream unavailable for a connection of the session's own; closing client");
+                self.gateway
+                    .sink
+                    .upstream_failed(Store::Redis, UpstreamFailure::Connect);
+                let text = format!("ERR fencegate: upstream unavailable: {e}");
+                let _ = self.slots.send(Slot::Local(Frame::error(&text))).await;
+                let _ = self.slots.send(Slot::Close).await;
+                return false;
+            }
+        };
+        let (read_half, write_half) = stream::split(connection);
+        let (switched, done) = oneshot::channel();
+        if self
+            .slots
+            .send(Slot::Pin(read_half, switched))
+            .await
+            .is_err()
+            || done.await.is_err()
+        {
+            return false;
+        }
+        self.upstream.lock().await.sink = Sink::Own(write_half);
+        self.sharing = false;
+        tracing::debug!(conn = self.id, peer = %self.peer, "the session moved to an upstream connection of its own");
+        true
     }
 
     /// Counts this connection's buffered bytes in the gateway's total; `false` when the total
@@ -1023,7 +1155,8 @@ struct Writer {
     id: u64,
     client: WriteHalf,
     out: BytesMut,
-    upstream: ReadHalf,
+    upstream: Source,
+    /// Replies read from the session's own connection, not yet parsed.
     ubuf: BytesMut,
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
@@ -1101,6 +1234,12 @@ impl Writer {
                     frame.encode(self.out());
                 }
                 Slot::Close => return Ok(()),
+                Slot::Pin(half, switched) => {
+                    // Every slot before this one took its reply: nothing more is due from the
+                    // shared connection.
+                    self.upstream = Source::Own(half);
+                    let _ = switched.send(());
+                }
                 Slot::Upstream(expect) => {
                     let reply = self.next_reply().await?;
                     self.deliver(expect, reply).await?;
@@ -1180,9 +1319,14 @@ impl Writer {
                 self.relay_or_stash(reply);
             }
             self.flush().await?;
+            // A shared connection sends nothing unasked (a session that subscribes or speaks
+            // RESP3 has its own).
+            let Source::Own(upstream) = &mut self.upstream else {
+                return Ok(self.slots.recv().await);
+            };
             tokio::select! {
                 slot = self.slots.recv() => return Ok(slot),
-                n = read(&mut self.upstream, &mut self.ubuf) => {
+                n = read(upstream, &mut self.ubuf) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
@@ -1339,9 +1483,13 @@ impl Writer {
         // The reader may hold the lock while its write waits for Redis, which may be waiting
         // for us to read replies: keep reading (into the stash) until the lock is ours.
         let mut up = loop {
+            // The reader holds the lock of a shared connection only to queue bytes.
+            let Source::Own(upstream) = &mut self.upstream else {
+                break upstream_w.lock().await;
+            };
             tokio::select! {
                 guard = upstream_w.lock() => break guard,
-                n = read(&mut self.upstream, &mut self.ubuf) => {
+                n = read(upstream, &mut self.ubuf) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
@@ -1367,11 +1515,8 @@ impl Writer {
             let raw = frame.to_bytes();
             return Ok((frame, raw));
         }
-        up.half
-            .write_all(&Frame::command(call.iter().cloned()).to_bytes())
-            .await
-            .map_err(RedisError::io("writing to upstream"))?;
-        up.sent += 1;
+        up.send(&Frame::command(call.iter().cloned()).to_bytes(), 1)
+            .await?;
         drop(up);
         self.read_reply().await
     }
@@ -1428,19 +1573,32 @@ impl Writer {
     /// The next upstream reply; out-of-band frames met on the way go straight to the client.
     async fn read_reply(&mut self) -> Result<(Frame, Bytes), RedisError> {
         loop {
-            while let Some((frame, raw)) = self.parse_upstream()? {
-                if self.out_of_band(&frame) {
-                    self.out().extend_from_slice(&raw);
-                    continue;
+            if let Source::Shared(inbox) = &mut self.upstream {
+                match inbox.try_recv() {
+                    Ok(reply) => return shared_reply(Some(reply)),
+                    Err(mpsc::error::TryRecvError::Disconnected) => return shared_reply(None),
+                    Err(mpsc::error::TryRecvError::Empty) => {}
                 }
-                return Ok((frame, raw));
+            } else {
+                while let Some((frame, raw)) = self.parse_upstream()? {
+                    if self.out_of_band(&frame) {
+                        self.out().extend_from_slice(&raw);
+                        continue;
+                    }
+                    return Ok((frame, raw));
+                }
             }
             self.flush().await?;
-            let n = read(&mut self.upstream, &mut self.ubuf)
-                .await
-                .map_err(RedisError::io("reading from upstream"))?;
-            if n == 0 {
-                return Err(RedisError::Upstream("closed the connection".into()));
+            match &mut self.upstream {
+                Source::Shared(inbox) => return shared_reply(inbox.recv().await),
+                Source::Own(half) => {
+                    let n = read(half, &mut self.ubuf)
+                        .await
+                        .map_err(RedisError::io("reading from upstream"))?;
+                    if n == 0 {
+                        return Err(RedisError::Upstream("closed the connection".into()));
+                    }
+                }
             }
         }
     }
