@@ -22,7 +22,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -134,6 +134,7 @@ pub(crate) async fn run(
     let read_at = ReadTimes::default();
     let batching = matches!(info.mode, ScriptMode::Function);
     let hellos_pending = Arc::new(AtomicUsize::new(0));
+    let completed = Arc::new(AtomicU64::new(0));
     let reader = Reader {
         gateway: gateway.clone(),
         info,
@@ -161,6 +162,7 @@ pub(crate) async fn run(
         batching,
         hellos_pending: hellos_pending.clone(),
         sharing,
+        completed: completed.clone(),
     };
     let sink = gateway.sink.clone();
     let writer = Writer {
@@ -172,7 +174,7 @@ pub(crate) async fn run(
         ubuf: BytesMut::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
-        completed: 0,
+        completed: completed.clone(),
         resp3,
         identity,
         subscriptions: Default::default(),
@@ -381,6 +383,8 @@ struct Reader {
     hellos_pending: Arc<AtomicUsize>,
     /// The session is still on a shared upstream connection.
     sharing: bool,
+    /// Upstream replies the writer has taken (see [`Writer::completed`]).
+    completed: Arc<AtomicU64>,
 }
 
 /// When each slot's request was read, in slot order: the reader pushes, the writer pops once
@@ -622,11 +626,22 @@ impl Reader {
             }
             batch.close_run();
             if !batch.upstream.is_empty() {
-                self.upstream
-                    .lock()
-                    .await
-                    .send(&batch.upstream, batch.requests)
-                    .await?;
+                let upstream = self.upstream.clone();
+                let mut up = upstream.lock().await;
+                let sent = up.sent;
+                if let Sink::Shared { connection, .. } = &mut up.sink {
+                    // Gone while nothing of this session was in flight (Redis restarted, or
+                    // closed it as idle): take the pool's next one; nothing can be reordered.
+                    if connection.is_closed() && self.completed.load(Ordering::Acquire) == sent
+                    {
+                        *connection = self
+                            .gateway
+                            .shared
+                            .get(&self.gateway.upstream, &self.gateway.config)
+                            .await?;
+                    }
+                }
+                up.send(&batch.upstream, batch.requests).await?;
             }
             for slot in batch.slots {
                 self.read_at
@@ -1161,8 +1176,9 @@ struct Writer {
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
-    /// Upstream slots fully answered so far (for the reload-and-retry bookkeeping).
-    completed: u64,
+    /// Upstream replies taken so far: equal to the requests sent when nothing is in flight
+    /// (the reload-and-retry bookkeeping, and when the reader may replace a shared connection).
+    completed: Arc<AtomicU64>,
     resp3: Arc<AtomicBool>,
     identity: Identity,
     /// Channels, patterns and shard channels this connection is subscribed to, as Redis
@@ -1243,7 +1259,7 @@ impl Writer {
                 Slot::Upstream(expect) => {
                     let reply = self.next_reply().await?;
                     self.deliver(expect, reply).await?;
-                    self.completed += 1;
+                    self.completed.fetch_add(1, Ordering::Release);
                 }
             }
             // One lock for every request the slot answered (a batch answers several).
@@ -1500,11 +1516,12 @@ impl Writer {
             }
         };
         // This slot is the (completed + 1)th: anything sent after it is still in flight.
-        if self.completed + 1 < up.sent || !self.stash.is_empty() {
+        let completed = self.completed.load(Ordering::Acquire);
+        if completed + 1 < up.sent || !self.stash.is_empty() {
             tracing::warn!(
                 conn = self.id,
                 sent = up.sent,
-                completed = self.completed,
+                completed,
                 stashed = self.stash.len(),
                 "a pipelined fenced write met a missing fence function; answered TRYAGAIN"
             );
@@ -1518,7 +1535,10 @@ impl Writer {
         up.send(&Frame::command(call.iter().cloned()).to_bytes(), 1)
             .await?;
         drop(up);
-        self.read_reply().await
+        let reply = self.read_reply().await?;
+        // Two replies taken for this slot: the refusal and the answer to the call sent again.
+        self.completed.fetch_add(1, Ordering::Release);
+        Ok(reply)
     }
 
     /// Audits the store's stale refusal of `attempt`. Returns the reply to send instead of the

@@ -112,7 +112,8 @@ impl SharedConnection {
         Ok(())
     }
 
-    fn is_closed(&self) -> bool {
+    /// Whether the connection failed (or the gateway stopped): it takes no more requests.
+    pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed.is_some()
     }
 
