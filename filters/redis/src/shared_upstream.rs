@@ -171,6 +171,10 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
             () = stop.cancelled() => return shared.fail("the gateway stopped"),
             () = shared.queued.notified() => {}
         }
+        // Let the other sessions the same wake-up made ready queue theirs first: one write
+        // then carries them all (twemproxy's batching, by the same means: one turn of the
+        // event loop per write).
+        tokio::task::yield_now().await;
         loop {
             let mut bytes = {
                 let mut queue = shared.lock();
