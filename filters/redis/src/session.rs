@@ -677,12 +677,18 @@ impl Reader {
     }
 
     /// Whether the session must leave its shared connection before `request` goes upstream.
-    /// Commands the upstream did not list are answered by the gateway, so never pin.
+    /// A command missing from the table pins too, unless the gateway answers it itself
+    /// (`FENCE`, an empty request): without an enforce rule it is relayed, and the server may
+    /// know it after all (`rename-command SELECT xselect` lists `select` and runs `xselect`; a
+    /// module loaded after the table was learned).
     fn pins(&self, request: &Request) -> bool {
-        self.info
-            .table
-            .lookup(&request.args)
-            .is_some_and(|info| !info.shareable)
+        match self.info.table.lookup(&request.args) {
+            Some(info) => !info.shareable,
+            None => request
+                .args
+                .first()
+                .is_some_and(|name| !name.eq_ignore_ascii_case(b"FENCE")),
+        }
     }
 
     /// Moves the session to an upstream connection of its own: opens it, lets the writer take
