@@ -632,3 +632,120 @@ async fn sharing_renamed_command_does_not_run_on_the_shared_connection() {
         .unwrap();
     assert_eq!(on_shared["db"], "0", "{connections:#?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharing_fenced_pipelines_of_many_clients_stay_apart() {
+    const CLIENTS: usize = 8;
+    const WRITES: usize = 10;
+    let server = RedisServer::start();
+    let (addr, sink) = gateway(sharing_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut tasks = Vec::new();
+    for c in 0..CLIENTS {
+        tasks.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr).await;
+            let fence = format!("FENCE fg1~{}~job{c}", c + 1);
+            let mut requests = vec![fence];
+            for i in 0..WRITES {
+                requests.push(format!("SET fenced:{c}:{i} v{c}-{i}"));
+                requests.push(format!("GET plain:{c}:{i}"));
+            }
+            requests.push(format!("GET fenced:{c}:0"));
+            let requests: Vec<&str> = requests.iter().map(String::as_str).collect();
+            client.send(&requests).await;
+            assert_eq!(client.reply().await, ok(), "client {c} FENCE");
+            for i in 0..WRITES {
+                assert_eq!(client.reply().await, ok(), "client {c} write {i}");
+                assert_eq!(client.reply().await, Frame::Null, "client {c} read {i}");
+            }
+            assert_eq!(client.reply().await, bulk(&format!("v{c}-0")));
+            client
+        }));
+    }
+    let mut clients = Vec::new();
+    for task in tasks {
+        clients.push(task.await.unwrap());
+    }
+    for c in 0..CLIENTS {
+        for i in 0..WRITES {
+            assert_eq!(
+                direct.get(0, &format!("fenced:{c}:{i}")).await,
+                bulk(&format!("v{c}-{i}"))
+            );
+        }
+        assert_eq!(
+            direct.get(0, &format!("fencegate:fence:{{job{c}}}")).await,
+            bulk(&(c + 1).to_string())
+        );
+    }
+    assert!(sink.events().is_empty(), "{:#?}", sink.events());
+    direct.only_connection().await;
+}
+
+#[tokio::test]
+async fn sharing_pool_size_bounds_the_upstream_connections() {
+    let server = RedisServer::start();
+    let mut direct = Direct::connect(&server).await;
+    for (size, clients, expected) in [(0, 4, 4), (3, 9, 3)] {
+        let config = RedisConfig {
+            shared_upstream_connections: size,
+            ..plain_config(server.addr)
+        };
+        let (addr, _) = gateway(config).await;
+        let mut open = Vec::new();
+        for c in 0..clients {
+            let mut client = Client::connect(addr).await;
+            assert_eq!(
+                client.request(&format!("SET pool:{size}:{c} 1")).await,
+                ok()
+            );
+            open.push(client);
+        }
+        let connections = direct.gateway_connections().await;
+        assert_eq!(
+            connections.len(),
+            expected,
+            "shared_upstream_connections = {size}: {connections:#?}"
+        );
+        drop(open);
+        // The next round counts only its own gateway's connections.
+        let deadline = tokio::time::Instant::now() + REPLY_WAIT;
+        while size == 0 && !direct.gateway_connections().await.is_empty() {
+            assert!(tokio::time::Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// Redis closes a connection on a request over its `proto-max-bulk-len` (1 MB at the least):
+/// one client's large value must not end the shared connection of every other session.
+#[tokio::test]
+async fn sharing_request_redis_refuses_for_its_size_ends_no_other_session() {
+    let server = RedisServer::start_with(&["--proto-max-bulk-len", "1mb"]);
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut plain = Client::connect(addr).await;
+    assert_eq!(plain.request("SET k 1").await, ok());
+    let shared = direct.only_connection().await;
+
+    let mut large = Client::connect(addr).await;
+    let value = "x".repeat(1_500_000);
+    let Frame::Error(e) = large.request(&format!("SET large {value}")).await else {
+        panic!("Redis took a value over proto-max-bulk-len")
+    };
+    assert!(
+        String::from_utf8_lossy(&e).contains("invalid bulk length"),
+        "{e:?}"
+    );
+    assert_eq!(plain.request("GET k").await, bulk("1"));
+    assert_eq!(direct.only_connection().await["id"], shared["id"]);
+    // A large value Redis accepts still works (on the session's own connection).
+    let mut accepted = Client::connect(addr).await;
+    let value = "y".repeat(1_000_000);
+    assert_eq!(accepted.request(&format!("SET fits {value}")).await, ok());
+    assert_eq!(
+        accepted.request("STRLEN fits").await,
+        Frame::Integer(1_000_000)
+    );
+    assert_eq!(plain.request("GET k").await, bulk("1"));
+}
