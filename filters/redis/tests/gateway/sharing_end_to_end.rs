@@ -749,3 +749,59 @@ async fn sharing_request_redis_refuses_for_its_size_ends_no_other_session() {
     );
     assert_eq!(plain.request("GET k").await, bulk("1"));
 }
+
+/// The fence function flushed upstream while sessions share the connection: the fenced write
+/// that meets the missing function is reloaded and sent again (or answered TRYAGAIN when a
+/// request of its session is behind it), and the other sessions' replies stay theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharing_fence_reload_keeps_every_session_in_order() {
+    let server = RedisServer::start();
+    let (addr, sink) = gateway(sharing_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut fenced = Client::connect(addr).await;
+    assert_eq!(fenced.request("FENCE fg1~3~job").await, ok());
+    assert_eq!(fenced.request("SET fenced:a 1").await, ok());
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut noise = Vec::new();
+    for n in 0..3 {
+        let stop = stop.clone();
+        noise.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr).await;
+            let mut round = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || round < 3 {
+                let key = format!("noise:{n}:{round}");
+                client
+                    .send(&[&format!("SET {key} {round}"), &format!("GET {key}")])
+                    .await;
+                assert_eq!(client.reply().await, ok());
+                assert_eq!(client.reply().await, bulk(&round.to_string()));
+                round += 1;
+            }
+        }));
+    }
+
+    assert_eq!(direct.client.request("FUNCTION FLUSH").await, ok());
+    assert_eq!(fenced.request("SET fenced:a 2").await, ok());
+    assert_eq!(direct.get(0, "fenced:a").await, bulk("2"));
+
+    assert_eq!(direct.client.request("FUNCTION FLUSH").await, ok());
+    assert_eq!(direct.client.request("SET plain:x x").await, ok());
+    fenced.send(&["SET fenced:a 3", "GET plain:x"]).await;
+    let first = fenced.reply().await;
+    assert_eq!(fenced.reply().await, bulk("x"));
+    let want = match &first {
+        Frame::Simple(_) => "3",
+        Frame::Error(e) if e.starts_with(b"TRYAGAIN") => "2",
+        other => panic!("the fenced write got {other:?}"),
+    };
+    assert_eq!(direct.get(0, "fenced:a").await, bulk(want));
+    assert_eq!(fenced.request("SET fenced:a 4").await, ok());
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in noise {
+        task.await.unwrap();
+    }
+    assert!(sink.events().is_empty(), "{:#?}", sink.events());
+    direct.only_connection().await;
+}
