@@ -48,6 +48,7 @@ use crate::request_parser::RequestParser;
 use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
 use crate::shared_upstream::{Inbox, Outbox, Reply, SharedConnection};
+use crate::sharing;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
@@ -691,13 +692,23 @@ impl Reader {
         }
     }
 
-    /// Whether the session must leave its shared connection before `request` goes upstream.
-    /// Commands the upstream did not list are answered by the gateway, so never pin.
+    /// Whether the session must leave its shared connection before `request` goes upstream:
+    /// a request that is not shareable ([`crate::sharing`]) or too large for one
+    /// ([`sharing::LARGEST_SHARED_REQUEST`]). A command missing from the table pins too,
+    /// unless the gateway answers it itself (`FENCE`, an empty request): without an enforce
+    /// rule it is relayed, and the server may know it after all (`rename-command SELECT
+    /// xselect` lists `select` and runs `xselect`; a module loaded after the table was learned).
     fn pins(&self, request: &Request) -> bool {
-        self.info
-            .table
-            .lookup(&request.args)
-            .is_some_and(|info| !info.shareable)
+        if request.wire_len > sharing::LARGEST_SHARED_REQUEST {
+            return true;
+        }
+        match self.info.table.lookup(&request.args) {
+            Some(info) => !info.shareable,
+            None => request
+                .args
+                .first()
+                .is_some_and(|name| !name.eq_ignore_ascii_case(b"FENCE")),
+        }
     }
 
     /// Moves the session to an upstream connection of its own: opens it, lets the writer take

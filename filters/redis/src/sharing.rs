@@ -31,6 +31,12 @@ pub const UNSHARED_CATEGORIES: &[&str] = &[
 /// Command flags that say the same (a second line in case a category is missing).
 pub const UNSHARED_FLAGS: &[&str] = &["noscript", "blocking", "pubsub", "admin"];
 
+/// The largest request that runs on a shared connection, in bytes on the wire. Redis closes a
+/// connection on a bulk string over its `proto-max-bulk-len`, which can be lowered to 1 MiB
+/// and no further: a request this size or smaller cannot trip it and end the connection of
+/// every session on it. A larger one runs on a connection of the session's own.
+pub const LARGEST_SHARED_REQUEST: usize = 1024 * 1024;
+
 /// `@connection` commands that only answer: `PING` and `ECHO` (client pools send `PING` to
 /// check a connection; pinning a session for it would make sharing rare).
 pub const ANSWER_ONLY: &[&str] = &["ping", "echo"];

@@ -13,4 +13,6 @@ mod gateway {
     mod keyspec_differential;
     mod refusal_tarpit;
     mod reply_streams;
+    mod sharing_differential;
+    mod sharing_end_to_end;
 }
