@@ -309,6 +309,50 @@ impl Gateway {
         Ok(())
     }
 
+    /// Like [`Gateway::serve_until`], on a thread of its own with a single-threaded runtime:
+    /// one event loop for every session and the shared upstream connections, as twemproxy
+    /// runs. A request's wake-ups then never cross threads (issue 18: the gateway's CPU per
+    /// `GET` at 50 clients, 13-14 µs on the node's multi-threaded runtime, 10-12 µs on one
+    /// thread, twemproxy's 10-11 µs in the same runs). Returns at once; the future it returns
+    /// resolves when the accept loop has ended. The thread keeps its runtime until the last
+    /// session has ended, so draining sessions finish there.
+    pub fn serve_on_own_thread(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> Result<impl std::future::Future<Output = Result<(), RedisError>>, RedisError> {
+        let listener = listener
+            .into_std()
+            .map_err(RedisError::io("moving the Redis listener to its thread"))?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(RedisError::io("starting the Redis gateway's runtime"))?;
+        let (ended, serving) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("fencegate-redis".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let sessions = self.sessions();
+                    let result = match TcpListener::from_std(listener) {
+                        Ok(listener) => self.serve_until(listener, shutdown).await,
+                        Err(e) => Err(RedisError::io("registering the Redis listener")(e)),
+                    };
+                    let _ = ended.send(result);
+                    sessions.close();
+                    sessions.wait().await;
+                });
+            })
+            .map_err(RedisError::io("starting the Redis gateway's thread"))?;
+        Ok(async move {
+            serving.await.unwrap_or_else(|_| {
+                Err(RedisError::io("the Redis gateway's thread")(
+                    std::io::Error::other("it ended without a result"),
+                ))
+            })
+        })
+    }
+
     /// The certificate the TLS listener presents, when `tls_cert` is set: SIGHUP reloads it.
     pub fn server_cert(&self) -> Option<Arc<ServerCert>> {
         self.server_cert.clone()

@@ -633,8 +633,7 @@ impl Reader {
                 if let Sink::Shared { connection, .. } = &mut up.sink {
                     // Gone while nothing of this session was in flight (Redis restarted, or
                     // closed it as idle): take the pool's next one; nothing can be reordered.
-                    if connection.is_closed() && self.completed.load(Ordering::Acquire) == sent
-                    {
+                    if connection.is_closed() && self.completed.load(Ordering::Acquire) == sent {
                         *connection = self
                             .gateway
                             .shared
