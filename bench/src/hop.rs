@@ -19,11 +19,11 @@ use crate::load::median;
 use crate::machine;
 use crate::peer::{Pgbouncer, Twemproxy};
 use crate::postgres::{pgbench, pgbench_init, pgbench_path, Workload};
-use crate::redis::redis_benchmark;
+use crate::redis::{redis_benchmark, set_load};
 use crate::report::{Section, Table};
 use crate::resp::Connection;
 use crate::servers::{
-    pg_bin, postgres_passthrough_section, redis_passthrough_section, Node, Postgres, Redis,
+    pg_bin, postgres_passthrough_section, redis_fenced_prefix_section, Node, Postgres, Redis,
 };
 
 /// The three paths, in table order.
@@ -41,6 +41,12 @@ enum Load {
     Pgbench {
         workload: Workload,
         clients: usize,
+    },
+    /// fencegate-bench's RESP generator: `SET bench:set:<client> xxx`, plain on the direct and
+    /// peer paths, fenced (`FENCE` once per connection, key protected) through fencegate.
+    FencedSet {
+        clients: usize,
+        pipeline: usize,
     },
 }
 
@@ -100,8 +106,37 @@ struct Rig {
 }
 
 impl Rig {
-    fn run(&self, load: Load, path: usize, requests: u64, seconds: u64) -> anyhow::Result<Measure> {
+    async fn run(
+        &self,
+        load: Load,
+        path: usize,
+        requests: u64,
+        seconds: u64,
+    ) -> anyhow::Result<Measure> {
         match load {
+            Load::FencedSet { clients, pipeline } => {
+                let proxy = self.redis_pid[path].map(cpu::CpuClock::new);
+                let store = cpu::CpuClock::new(self.redis_server);
+                let before = (proxy.as_ref().map(|c| c.used()).transpose()?, store.used()?);
+                let token = (path == 2).then_some(crate::redis::TOKEN);
+                let o = set_load(
+                    self.redis[path],
+                    clients,
+                    pipeline,
+                    token,
+                    Duration::from_secs(seconds),
+                )
+                .await?;
+                let after = (proxy.as_ref().map(|c| c.used()).transpose()?, store.used()?);
+                let per_request = |c: Duration| c.as_secs_f64() * 1e6 / o.done.max(1) as f64;
+                Ok(Measure {
+                    rate: o.ops_per_sec,
+                    p50_us: o.p50_us as f64,
+                    p99_us: o.p99_us as f64,
+                    cpu_us: before.0.zip(after.0).map(|(b, a)| per_request(a - b)),
+                    store_us: Some(per_request(after.1 - before.1)),
+                })
+            }
             Load::Redis {
                 test,
                 clients,
@@ -167,7 +202,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
     let node = Node::start(
         &format!(
             "{}{}",
-            redis_passthrough_section(redis_listen, redis.port),
+            redis_fenced_prefix_section(redis_listen, redis.port),
             postgres_passthrough_section(pg_listen, pg.port)
         ),
         &[redis_listen, pg_listen],
@@ -199,6 +234,20 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
             "Redis GET, 50 clients (redis-benchmark), req/s",
         ),
         (redis_case("set", 50, 1), "Redis SET, 50 clients, req/s"),
+        (
+            Load::FencedSet {
+                clients: 50,
+                pipeline: 1,
+            },
+            "Redis SET, 50 clients, fenced through fencegate (plain on the others), req/s",
+        ),
+        (
+            Load::FencedSet {
+                clients: 50,
+                pipeline: 16,
+            },
+            "Redis SET, 50 clients, -P 16, fenced through fencegate (plain on the others), req/s",
+        ),
         (redis_case("get", 1, 1), "Redis GET, 1 client, req/s"),
         (
             redis_case("get", 50, 16),
@@ -237,9 +286,9 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
         for path in 0..3 {
             let guess = match load {
                 Load::Redis { pipeline, .. } => 20_000 * *pipeline as u64,
-                Load::Pgbench { .. } => 0,
+                Load::Pgbench { .. } | Load::FencedSet { .. } => 0,
             };
-            let m = rig.run(*load, path, guess, 1)?;
+            let m = rig.run(*load, path, guess, 1).await?;
             rate[c][path] = m.rate;
             eprintln!("hop warm-up: {what}: {} {:.0}", PATHS[path], m.rate);
         }
@@ -253,6 +302,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
                 let requests = ((rate[c][path] * run.as_secs_f64()) as u64).max(2_000);
                 let m = rig
                     .run(*load, path, requests, seconds)
+                    .await
                     .with_context(|| format!("{what}, {}", PATHS[path]))
                     .with_context(|| {
                         format!(
@@ -280,7 +330,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
     let load_after = machine::load_average();
 
     let peer_name = |load: &Load| match load {
-        Load::Redis { .. } => "twemproxy",
+        Load::Redis { .. } | Load::FencedSet { .. } => "twemproxy",
         Load::Pgbench { .. } => "PgBouncer",
     };
     let mut throughput = Table {
@@ -350,7 +400,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
             format!("{:.1}", cpu[1]),
             format!("**{:.2}**", cpu[1] / cpu[0]),
         ]);
-        if matches!(load, Load::Redis { .. }) {
+        if matches!(load, Load::Redis { .. } | Load::FencedSet { .. }) {
             let mut row = vec![label.clone()];
             row.extend((0..3).map(|p| format!("{:.1}", med(&f.store[p]))));
             store.rows.push(row);
@@ -384,7 +434,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
                 env!("CARGO_PKG_VERSION"),
                 machine::git_head()
             ),
-            "Paths: direct = the store itself; peer = twemproxy (one server pool, one server connection, the same redis-server) or PgBouncer (`pool_mode = session`, `auth_type = trust`, the same PostgreSQL); fencegate = one `fencegate serve` node whose Redis gateway protects no key (`protect = []`) and whose PostgreSQL gateway protects no database (`databases = []`), so all three paths do the same work".into(),
+            "Paths: direct = the store itself; peer = twemproxy (one server pool, one server connection, the same redis-server) or PgBouncer (`pool_mode = session`, `auth_type = trust`, the same PostgreSQL); fencegate = one `fencegate serve` node whose Redis gateway protects only `bench:*` (the fenced SET rows; redis-benchmark's `key:*` is unprotected) and whose PostgreSQL gateway protects no database (`databases = []`), so all three paths do the same work but in the fenced rows, where fencegate runs each SET (or each client's pipeline of 16) as a call of the fence function while the other paths send plain SETs".into(),
             format!("Same client, keys and store on every path: `redis-benchmark -t get|set` on key `key:__rand_int__` (3-byte value; requests sized to about {seconds} s from the previous run of the same path), `pgbench -n -T {seconds}` on `pgbench -i -s 1` tables, `-j` = min(clients, 2); redis-server without persistence, PostgreSQL with fsync on (reads only here)"),
             format!("{reps} repetitions after one warm-up run of each case on each path; in each repetition, every case runs on the three paths one after another, the order turning with each repetition; medians. Latency: redis-benchmark's p50/p99 (per pipeline of 16 with -P 16), pgbench's per-transaction log (`-l`)"),
             "Proxy CPU per request: utime + stime of the proxy process from `/proc/<pid>/stat` (clock ticks of 10 ms) before and after the run, divided by the requests (pgbench: transactions) of the run; for fencegate the whole node process (all its threads, authority and the idle gateways included). The last table measures redis-server's own CPU time the same way, on each path: what each proxy's way of talking to the store costs the store".into(),

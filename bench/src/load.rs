@@ -10,6 +10,9 @@ use hdrhistogram::Histogram;
 pub struct Outcome {
     pub ops_per_sec: f64,
     pub p50_us: u64,
+    pub p99_us: u64,
+    /// Operations completed.
+    pub done: u64,
     pub errors: u64,
 }
 
@@ -51,6 +54,8 @@ where
     Outcome {
         ops_per_sec: done as f64 / elapsed,
         p50_us: all.value_at_quantile(0.5),
+        p99_us: all.value_at_quantile(0.99),
+        done,
         errors,
     }
 }
@@ -100,6 +105,8 @@ impl Tally {
         Outcome {
             ops_per_sec: self.done as f64 / elapsed.as_secs_f64(),
             p50_us: self.histogram.value_at_quantile(0.5),
+            p99_us: self.histogram.value_at_quantile(0.99),
+            done: self.done,
             errors: self.errors,
         }
     }

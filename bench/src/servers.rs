@@ -352,10 +352,12 @@ pub fn redis_section(listen: u16, upstream: u16) -> String {
     )
 }
 
-/// `section` for a Redis gateway that protects no key (a pass-through): the same work as any
-/// other proxy, for comparisons with one.
-pub fn redis_passthrough_section(listen: u16, upstream: u16) -> String {
-    format!("[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\nprotect = []\n\n")
+/// `section` for a Redis gateway that protects `bench:*` (the RESP generator's keys, a token of
+/// any resource) and nothing else: redis-benchmark's `key:*` pass through.
+pub fn redis_fenced_prefix_section(listen: u16, upstream: u16) -> String {
+    format!(
+        "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\naccept_unpersisted_fences = true\n\n[[redis.protect]]\npattern = \"bench:*\"\nmode = \"enforce\"\nresource = \"*\"\n\n"
+    )
 }
 
 /// `section` for a PostgreSQL gateway that protects no database (a pass-through).
