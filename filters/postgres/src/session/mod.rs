@@ -1,11 +1,11 @@
 //! One client connection relayed to one upstream connection (session mode). The only module of
 //! the crate that does I/O.
 //!
-//! Two tasks per session: `client -> upstream` reads the client's messages, decides (through the
-//! pure [`crate::rewrite`]) and forwards them, pushing what replies each message will get onto a
-//! shared queue; `upstream -> client` reads the server's replies and uses that queue to swallow
-//! the guard's own replies, audit stale refusals reported by the guard, and emit the gateway's
-//! local answers in order.
+//! Two loops per session, two futures of one task: `client -> upstream` reads the client's
+//! messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing what
+//! replies each message will get onto a shared queue; `upstream -> client` reads the server's
+//! replies and uses that queue to swallow the guard's own replies, audit stale refusals
+//! reported by the guard, and emit the gateway's local answers in order.
 //!
 //! - [`startup`]: the startup packet, TLS, cancels and the relayed authentication.
 //! - [`pending`]: PURE: the queue of replies each forwarded message will get, the statement
@@ -218,18 +218,25 @@ async fn session(
     let (stream, buffered) = client_read.into_parts();
     let (client_read, client_write) = tokio::io::split(stream);
     let client_read = FrameReader::with_buffer(client_read, buffered, max);
-    let replies = tokio::spawn(replies::relay_replies(
-        shared.clone(),
-        upstream_read,
-        LazyWriter::new(client_write),
-    ));
+    // Both directions are futures of this one task, not tasks of their own (issue 18's
+    // profile: a request read on one worker thread and its reply on the other cost a futex
+    // wake-up and a context switch per request). Each still runs until it ends, as two tasks
+    // would: neither waits for the other except through the sockets and the shared queue.
+    let replies =
+        replies::relay_replies(shared.clone(), upstream_read, LazyWriter::new(client_write));
     let requests =
         requests::relay_requests(shared.clone(), client_read, LazyWriter::new(upstream_write));
-    let result = requests.await;
-    if result.is_err() {
-        // Let the reply task deliver what is queued (a protocol error, say), then stop.
-        shared.wake.notify_one();
-    }
-    let replies = replies.await.unwrap_or(Ok(()));
+    tokio::pin!(requests, replies);
+    let (result, replies) = tokio::select! {
+        biased;
+        result = &mut requests => {
+            if result.is_err() {
+                // Let the reply loop deliver what is queued (a protocol error, say), then stop.
+                shared.wake.notify_one();
+            }
+            (result, replies.await)
+        }
+        replies = &mut replies => (requests.await, replies),
+    };
     result.and(replies)
 }

@@ -31,13 +31,17 @@ pub(super) async fn relay_requests(
     mut client: FrameReader<ReadHalf<ClientStream>>,
     mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
 ) -> Result<(), PostgresError> {
+    // One wait for the drain for the whole session, not a new one (and a new waiter in the
+    // token's list) per message.
+    let drained = shared.drained();
+    tokio::pin!(drained);
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
         let pipelined = client.has_complete_frame();
         let read = tokio::select! {
             biased;
-            () = shared.drained(), if !pipelined => None,
+            () = &mut drained, if !pipelined => None,
             read = client.read_frame() => Some(read),
         };
         let Some(read) = read else {
