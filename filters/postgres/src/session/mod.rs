@@ -18,7 +18,9 @@ mod requests;
 mod startup;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use fencegate_core::{
@@ -62,7 +64,8 @@ pub(crate) async fn run(
 struct Shared {
     pub(super) gateway: Arc<Gateway>,
     pub(super) state: Mutex<State>,
-    pub(super) wake: Notify,
+    /// A local answer was queued since the reply loop last looked (see [`Shared::local_queued`]).
+    pub(super) local: AtomicBool,
     pub(super) peer: SocketAddr,
     pub(super) user: String,
     pub(super) protected: bool,
@@ -80,6 +83,28 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells the reply loop that a local answer was queued. Only the request loop queues them,
+    /// and the session's `biased` select polls it before the reply loop in every poll of the
+    /// task, so the reply loop sees the flag in the same poll: no waker is needed (a `Notify`
+    /// cost a lock per poll of the waiting reply loop, and each notification woke the task
+    /// that was running).
+    fn local_queued(&self) {
+        self.local.store(true, Ordering::Release);
+    }
+
+    /// Ready once a local answer was queued since the last time it was ready. Registers no
+    /// waker: see [`Shared::local_queued`].
+    async fn local_ready(&self) {
+        std::future::poll_fn(|_| {
+            if self.local.swap(false, Ordering::AcqRel) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
     }
 
     /// Notes that a request (Query or Sync) was read now.
@@ -204,7 +229,7 @@ async fn session(
     let shared = Arc::new(Shared {
         gateway,
         state: Mutex::new(State::new(status, session_token, lexing)),
-        wake: Notify::new(),
+        local: AtomicBool::new(false),
         peer,
         user,
         protected,
@@ -232,7 +257,7 @@ async fn session(
         result = &mut requests => {
             if result.is_err() {
                 // Let the reply loop deliver what is queued (a protocol error, say), then stop.
-                shared.wake.notify_one();
+                shared.local_queued();
             }
             (result, replies.await)
         }

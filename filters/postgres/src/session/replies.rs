@@ -24,17 +24,12 @@ pub(super) async fn relay_replies(
     mut upstream: FrameReader<ReadHalf<UpstreamStream>>,
     mut client: LazyWriter<WriteHalf<ClientStream>>,
 ) -> Result<(), PostgresError> {
-    // One waiter for local answers, kept registered across upstream messages (a new one per
-    // message took the `Notify`'s lock twice per message) and renewed each time it fires.
-    let wake = shared.wake.notified();
-    tokio::pin!(wake);
     loop {
         let frame = tokio::select! {
             frame = upstream.read_frame() => frame.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
             })?,
-            () = &mut wake => {
-                wake.set(shared.wake.notified());
+            () = shared.local_ready() => {
                 if deliver_local(&shared, &mut client).await? {
                     return Ok(());
                 }
