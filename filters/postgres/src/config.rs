@@ -21,6 +21,8 @@
 //! install_dsn_env = "FENCEGATE_PG_DSN" # env var holding the fence schema owner's DSN: for the
 //!                                     # install, and to keep the store's token keys in step
 //! max_message_bytes = 67108864     # larger client messages: 08P01 and the connection closes
+//! session_threads = 1              # threads running the sessions, each with its own epoll
+//!                                  # (default 1, as PgBouncer: the least CPU per request)
 //! tls_cert = "/etc/fencegate/pg.crt" # optional PEM chain; with tls_key, SSLRequest is accepted
 //! tls_key = "/etc/fencegate/pg.key"  # and TLS terminated with rustls (else SSLRequest gets 'N')
 //! ```
@@ -73,6 +75,10 @@ pub struct PostgresConfig {
     /// The largest message accepted from a client, in bytes.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
+    /// How many threads run the sessions, each a single-threaded runtime with its own epoll;
+    /// a session stays on one for its life (see `session_thread`).
+    #[serde(default = "default_session_threads")]
+    pub session_threads: usize,
     /// PEM certificate chain for client TLS (with `tls_key`).
     #[serde(default)]
     pub tls_cert: Option<PathBuf>,
@@ -108,6 +114,9 @@ fn default_unprotected_schemas() -> Vec<String> {
 fn default_max_message_bytes() -> usize {
     64 * 1024 * 1024
 }
+fn default_session_threads() -> usize {
+    1
+}
 
 impl Default for PostgresConfig {
     fn default() -> Self {
@@ -123,6 +132,7 @@ impl Default for PostgresConfig {
             install_on_start: false,
             install_dsn_env: None,
             max_message_bytes: default_max_message_bytes(),
+            session_threads: default_session_threads(),
             tls_cert: None,
             tls_key: None,
         }
@@ -132,6 +142,12 @@ impl Default for PostgresConfig {
 impl PostgresConfig {
     /// Checks what serde cannot.
     pub fn validate(&self) -> Result<(), PostgresError> {
+        if !(1..=1024).contains(&self.session_threads) {
+            return Err(PostgresError::Config(format!(
+                "session_threads ({}) must be between 1 and 1024",
+                self.session_threads
+            )));
+        }
         if self.max_message_bytes < 64 * 1024 {
             return Err(PostgresError::Config(format!(
                 "max_message_bytes ({}) must be at least 65536",

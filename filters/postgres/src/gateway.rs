@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use fencegate_core::{AuditSink, Resource, TokenPolicy};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -13,6 +13,7 @@ use crate::classify_cache::ClassifyCache;
 use crate::config::PostgresConfig;
 use crate::error::PostgresError;
 use crate::session;
+use crate::session_thread::SessionThreads;
 use crate::upstream::Upstream;
 
 /// One PostgreSQL gateway: a listener's shared state.
@@ -31,6 +32,8 @@ pub struct Gateway {
     connections: AtomicU64,
     /// The sessions running now (the node waits on it while it drains).
     sessions: TaskTracker,
+    /// The threads the sessions run on.
+    threads: SessionThreads,
 }
 
 /// Statement shapes remembered per gateway (cleared when full).
@@ -53,6 +56,7 @@ impl Gateway {
         }
         .unzip();
         let upstream = Upstream::new(&config)?;
+        let threads = SessionThreads::start(config.session_threads)?;
         Ok(Arc::new(Self {
             upstream,
             config,
@@ -64,6 +68,7 @@ impl Gateway {
             classified: ClassifyCache::new(CLASSIFY_CACHE_SHAPES),
             connections: AtomicU64::new(0),
             sessions: TaskTracker::new(),
+            threads,
         }))
     }
 
@@ -147,10 +152,23 @@ impl Gateway {
                     continue;
                 }
             };
+            // The session runs on a session thread (see `crate::session_thread`): the socket leaves
+            // this runtime's reactor and joins that thread's.
+            let socket = match socket.into_std() {
+                Ok(socket) => socket,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "handing a PostgreSQL client to a session thread failed");
+                    continue;
+                }
+            };
             let gateway = self.clone();
             let shutdown = shutdown.clone();
-            self.sessions
-                .spawn(async move { session::run(gateway, socket, peer, shutdown).await });
+            self.threads.spawn(&self.sessions, async move {
+                match TcpStream::from_std(socket) {
+                    Ok(socket) => session::run(gateway, socket, peer, shutdown).await,
+                    Err(e) => tracing::warn!(error = %e, %peer, "registering a PostgreSQL client with its session thread failed"),
+                }
+            });
         }
         drop(listener);
         self.sessions.close();

@@ -1,11 +1,11 @@
 //! One client connection relayed to one upstream connection (session mode). The only module of
 //! the crate that does I/O.
 //!
-//! Two tasks per session: `client -> upstream` reads the client's messages, decides (through the
-//! pure [`crate::rewrite`]) and forwards them, pushing what replies each message will get onto a
-//! shared queue; `upstream -> client` reads the server's replies and uses that queue to swallow
-//! the guard's own replies, audit stale refusals reported by the guard, and emit the gateway's
-//! local answers in order.
+//! Two loops per session, two futures of one task: `client -> upstream` reads the client's
+//! messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing what
+//! replies each message will get onto a shared queue; `upstream -> client` reads the server's
+//! replies and uses that queue to swallow the guard's own replies, audit stale refusals
+//! reported by the guard, and emit the gateway's local answers in order.
 //!
 //! - [`startup`]: the startup packet, TLS, cancels and the relayed authentication.
 //! - [`pending`]: PURE: the queue of replies each forwarded message will get, the statement
@@ -18,7 +18,9 @@ mod requests;
 mod startup;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use fencegate_core::{
@@ -62,7 +64,8 @@ pub(crate) async fn run(
 struct Shared {
     pub(super) gateway: Arc<Gateway>,
     pub(super) state: Mutex<State>,
-    pub(super) wake: Notify,
+    /// A local answer was queued since the reply loop last looked (see [`Shared::local_queued`]).
+    pub(super) local: AtomicBool,
     pub(super) peer: SocketAddr,
     pub(super) user: String,
     pub(super) protected: bool,
@@ -80,6 +83,28 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells the reply loop that a local answer was queued. Only the request loop queues them,
+    /// and the session's `biased` select polls it before the reply loop in every poll of the
+    /// task, so the reply loop sees the flag in the same poll: no waker is needed (a `Notify`
+    /// cost a lock per poll of the waiting reply loop, and each notification woke the task
+    /// that was running).
+    fn local_queued(&self) {
+        self.local.store(true, Ordering::Release);
+    }
+
+    /// Ready once a local answer was queued since the last time it was ready. Registers no
+    /// waker: see [`Shared::local_queued`].
+    async fn local_ready(&self) {
+        std::future::poll_fn(|_| {
+            if self.local.swap(false, Ordering::AcqRel) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
     }
 
     /// Notes that a request (Query or Sync) was read now.
@@ -204,7 +229,7 @@ async fn session(
     let shared = Arc::new(Shared {
         gateway,
         state: Mutex::new(State::new(status, session_token, lexing)),
-        wake: Notify::new(),
+        local: AtomicBool::new(false),
         peer,
         user,
         protected,
@@ -218,18 +243,25 @@ async fn session(
     let (stream, buffered) = client_read.into_parts();
     let (client_read, client_write) = tokio::io::split(stream);
     let client_read = FrameReader::with_buffer(client_read, buffered, max);
-    let replies = tokio::spawn(replies::relay_replies(
-        shared.clone(),
-        upstream_read,
-        LazyWriter::new(client_write),
-    ));
+    // Both directions are futures of this one task, not tasks of their own (issue 18's
+    // profile: a request read on one worker thread and its reply on the other cost a futex
+    // wake-up and a context switch per request). Each still runs until it ends, as two tasks
+    // would: neither waits for the other except through the sockets and the shared queue.
+    let replies =
+        replies::relay_replies(shared.clone(), upstream_read, LazyWriter::new(client_write));
     let requests =
         requests::relay_requests(shared.clone(), client_read, LazyWriter::new(upstream_write));
-    let result = requests.await;
-    if result.is_err() {
-        // Let the reply task deliver what is queued (a protocol error, say), then stop.
-        shared.wake.notify_one();
-    }
-    let replies = replies.await.unwrap_or(Ok(()));
+    tokio::pin!(requests, replies);
+    let (result, replies) = tokio::select! {
+        biased;
+        result = &mut requests => {
+            if result.is_err() {
+                // Let the reply loop deliver what is queued (a protocol error, say), then stop.
+                shared.local_queued();
+            }
+            (result, replies.await)
+        }
+        replies = &mut replies => (requests.await, replies),
+    };
     result.and(replies)
 }

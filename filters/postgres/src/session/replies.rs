@@ -29,7 +29,7 @@ pub(super) async fn relay_replies(
             frame = upstream.read_frame() => frame.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
             })?,
-            () = shared.wake.notified() => {
+            () = shared.local_ready() => {
                 if deliver_local(&shared, &mut client).await? {
                     return Ok(());
                 }

@@ -31,13 +31,17 @@ pub(super) async fn relay_requests(
     mut client: FrameReader<ReadHalf<ClientStream>>,
     mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
 ) -> Result<(), PostgresError> {
+    // One wait for the drain for the whole session, not a new one (and a new waiter in the
+    // token's list) per message.
+    let drained = shared.drained();
+    tokio::pin!(drained);
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
         let pipelined = client.has_complete_frame();
         let read = tokio::select! {
             biased;
-            () = shared.drained(), if !pipelined => None,
+            () = &mut drained, if !pipelined => None,
             read = client.read_frame() => Some(read),
         };
         let Some(read) = read else {
@@ -138,7 +142,7 @@ fn fatal(shared: &Shared, code: &str, message: String) {
         .lock()
         .pending
         .push_back(Expect::Local { bytes, close: true });
-    shared.wake.notify_one();
+    shared.local_queued();
 }
 
 /// Decides about one client message; returns the bytes to send upstream, in order.
@@ -280,7 +284,8 @@ fn shorten(name: &str) -> String {
 async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
     let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let classified = classify_now(shared, &sql);
-    let summary = summary_of(&classified, frame.raw.len());
+    // Only refusals and guards quote the summary: a relayed read does not build it.
+    let summary = || summary_of(&classified, frame.raw.len());
     let plan = {
         let state = shared.lock();
         let ctx = context(shared, state.session_token.as_deref());
@@ -294,7 +299,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
             .find_map(|s| s.comment_token.clone())
             .or(session_token)
             .and_then(|t| Token::parse(&t).ok());
-        shared.audit(rejection, token.as_ref(), summary).await;
+        shared.audit(rejection, token.as_ref(), summary()).await;
         return Ok(refuse_simple(shared, rejection));
     }
     let last_control = classified
@@ -326,6 +331,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
             Ok(vec![frame.raw])
         }
         QueryPlan::Rewrite { sql: out, parts } => {
+            let summary = summary();
             let mut roles = VecDeque::with_capacity(parts.len());
             let mut last_guard = None;
             for (i, part) in parts.iter().enumerate() {
@@ -370,7 +376,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
                 close: false,
             });
             drop(state);
-            shared.wake.notify_one();
+            shared.local_queued();
             Ok(Vec::new())
         }
         // Audited and answered above; refusing again here keeps this arm fail-closed.
@@ -409,7 +415,7 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Vec<Bytes> {
             close: false,
         });
         drop(state);
-        shared.wake.notify_one();
+        shared.local_queued();
         return Vec::new();
     }
     state.query_sent(VecDeque::from([Role::Refusal]));
