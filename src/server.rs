@@ -223,7 +223,7 @@ pub async fn serve(
         certs.extend(gateway.server_cert().map(|c| ("redis", c)));
         listeners.spawn(log_end(
             "Redis",
-            gateway.serve_on_own_thread(listener, drain.clone())?,
+            gateway.serve_until(listener, drain.clone()),
             running,
         ));
     }

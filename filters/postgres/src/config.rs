@@ -76,7 +76,7 @@ pub struct PostgresConfig {
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
     /// How many threads run the sessions, each a single-threaded runtime with its own epoll;
-    /// a session stays on one for its life (see `session_thread`).
+    /// a session stays on one for its life (see `fencegate_core::SessionThreads`).
     #[serde(default = "default_session_threads")]
     pub session_threads: usize,
     /// PEM certificate chain for client TLS (with `tls_key`).

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use fencegate_core::{AuditSink, Resource, TokenPolicy};
+use fencegate_core::{AuditSink, Resource, SessionThreads, TokenPolicy};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -13,7 +13,6 @@ use crate::classify_cache::ClassifyCache;
 use crate::config::PostgresConfig;
 use crate::error::PostgresError;
 use crate::session;
-use crate::session_thread::SessionThreads;
 use crate::upstream::Upstream;
 
 /// One PostgreSQL gateway: a listener's shared state.
@@ -56,7 +55,8 @@ impl Gateway {
         }
         .unzip();
         let upstream = Upstream::new(&config)?;
-        let threads = SessionThreads::start(config.session_threads)?;
+        let threads = SessionThreads::start("fg-pg-session", config.session_threads)
+            .map_err(PostgresError::io("starting the session threads"))?;
         Ok(Arc::new(Self {
             upstream,
             config,
@@ -152,7 +152,7 @@ impl Gateway {
                     continue;
                 }
             };
-            // The session runs on a session thread (see `crate::session_thread`): the socket leaves
+            // The session runs on a session thread (see `fencegate_core::SessionThreads`): the socket leaves
             // this runtime's reactor and joins that thread's.
             let socket = match socket.into_std() {
                 Ok(socket) => socket,

@@ -49,7 +49,6 @@ pub mod message;
 pub mod protect;
 pub mod rewrite;
 mod session;
-mod session_thread;
 pub mod sqlstate;
 pub mod status;
 pub mod tls;

@@ -15,6 +15,8 @@
 //! max_buffered_bytes = 536870912     # partial requests of all connections together
 //! shared_upstream_connections = 1    # upstream connections clients share until one changes its
 //!                                    #   connection's state (SELECT, AUTH, MULTI, ...); 0: never share
+//! session_threads = 1                # threads running the sessions, each with its own epoll
+//!                                    #   (default 1, as twemproxy: the least CPU per request)
 //! refusals_per_second = 300          # refusals of clients without a valid token, all connections
 //! refusal_burst = 600                #   together; beyond them the refused connection waits
 //! tarpit_initial_ms = 10             #   this long before its next request, doubling with each
@@ -99,6 +101,11 @@ pub struct RedisConfig {
     /// own connection from the start.
     #[serde(default = "default_shared_upstream_connections")]
     pub shared_upstream_connections: usize,
+    /// How many threads run the sessions, each a single-threaded runtime with its own epoll;
+    /// a session stays on one for its life (see `fencegate_core::SessionThreads`). A shared
+    /// upstream connection runs on the thread of the session that opened it.
+    #[serde(default = "default_session_threads")]
+    pub session_threads: usize,
     /// Refusals per second the gateway serves without delay to clients that present no valid
     /// token (no token, a malformed or forged one), all connections together. Beyond it (and
     /// `refusal_burst`), the connection whose request was refused waits before its next
@@ -216,6 +223,9 @@ fn default_max_buffered_bytes() -> usize {
 fn default_shared_upstream_connections() -> usize {
     1
 }
+fn default_session_threads() -> usize {
+    1
+}
 /// Refusals are rare in normal operation (a lost lock, a misconfigured client). At 300/s a
 /// tokenless flood left fenced-write latency unchanged on 2 cores (tests/redis_flood.rs);
 /// at 1000/s its p99 rose by a few milliseconds.
@@ -249,6 +259,7 @@ impl Default for RedisConfig {
             idle_timeout_seconds: 0,
             max_buffered_bytes: default_max_buffered_bytes(),
             shared_upstream_connections: default_shared_upstream_connections(),
+            session_threads: default_session_threads(),
             refusals_per_second: default_refusals_per_second(),
             refusal_burst: default_refusal_burst(),
             tarpit_initial_ms: default_tarpit_initial_ms(),
@@ -280,6 +291,12 @@ impl RedisConfig {
             return Err(RedisError::Config(format!(
                 "max_buffered_bytes ({}) must be at least max_request_bytes ({})",
                 self.max_buffered_bytes, self.max_request_bytes
+            )));
+        }
+        if !(1..=1024).contains(&self.session_threads) {
+            return Err(RedisError::Config(format!(
+                "session_threads ({}) must be between 1 and 1024",
+                self.session_threads
             )));
         }
         if self.refusals_per_second == 0 || self.refusal_burst == 0 {

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{AuditSink, Charge, RefusalBudget, ServerCert, TokenPolicy};
-use tokio::net::TcpListener;
+use fencegate_core::{AuditSink, Charge, RefusalBudget, ServerCert, SessionThreads, TokenPolicy};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -57,6 +57,8 @@ pub struct Gateway {
     sessions: TaskTracker,
     /// Upstream connections sessions share while they are in the plain state.
     pub(crate) shared: SharedPool,
+    /// Where the sessions run (`session_threads`), and with them the shared connections.
+    threads: SessionThreads,
 }
 
 /// How often refusals over the budget are logged (one line per period, with a count).
@@ -82,6 +84,8 @@ impl Gateway {
         };
         let upstream = Upstream::load(&config)?;
         let config_shared = config.shared_upstream_connections;
+        let threads = SessionThreads::start("fg-redis-session", config.session_threads)
+            .map_err(RedisError::io("starting the session threads"))?;
         let (tls, server_cert) = crate::tls::acceptor(&config)?.unzip();
         let refusals = RefusalBudget::new(
             config.refusals_per_second,
@@ -109,6 +113,7 @@ impl Gateway {
             tarpit_waits: AtomicU64::new(0),
             sessions: TaskTracker::new(),
             shared: SharedPool::new(config_shared),
+            threads,
         }))
     }
 
@@ -298,59 +303,28 @@ impl Gateway {
                 }
             };
             backoff = Duration::from_millis(10);
+            // The session runs on a session thread (see `fencegate_core::SessionThreads`): the
+            // socket leaves this runtime's reactor and joins that thread's.
+            let socket = match socket.into_std() {
+                Ok(socket) => socket,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "handing a Redis client to a session thread failed");
+                    continue;
+                }
+            };
             let gateway = self.clone();
             let shutdown = shutdown.clone();
-            self.sessions
-                .spawn(async move { session::run(gateway, socket, peer, shutdown).await });
+            self.threads.spawn(&self.sessions, async move {
+                match TcpStream::from_std(socket) {
+                    Ok(socket) => session::run(gateway, socket, peer, shutdown).await,
+                    Err(e) => tracing::warn!(error = %e, %peer, "registering a Redis client with its session thread failed"),
+                }
+            });
         }
         drop(listener);
         self.sessions.close();
         tracing::info!(sessions = self.sessions.len(), "redis gateway stopped accepting; sessions finish their transactions and replies in flight");
         Ok(())
-    }
-
-    /// Like [`Gateway::serve_until`], on a thread of its own with a single-threaded runtime:
-    /// one event loop for every session and the shared upstream connections, as twemproxy
-    /// runs. A request's wake-ups then never cross threads (issue 18: the gateway's CPU per
-    /// `GET` at 50 clients, 13-14 µs on the node's multi-threaded runtime, 10-12 µs on one
-    /// thread, twemproxy's 10-11 µs in the same runs). Returns at once; the future it returns
-    /// resolves when the accept loop has ended. The thread keeps its runtime until the last
-    /// session has ended, so draining sessions finish there.
-    pub fn serve_on_own_thread(
-        self: Arc<Self>,
-        listener: TcpListener,
-        shutdown: CancellationToken,
-    ) -> Result<impl std::future::Future<Output = Result<(), RedisError>>, RedisError> {
-        let listener = listener
-            .into_std()
-            .map_err(RedisError::io("moving the Redis listener to its thread"))?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(RedisError::io("starting the Redis gateway's runtime"))?;
-        let (ended, serving) = tokio::sync::oneshot::channel();
-        std::thread::Builder::new()
-            .name("fencegate-redis".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let sessions = self.sessions();
-                    let result = match TcpListener::from_std(listener) {
-                        Ok(listener) => self.serve_until(listener, shutdown).await,
-                        Err(e) => Err(RedisError::io("registering the Redis listener")(e)),
-                    };
-                    let _ = ended.send(result);
-                    sessions.close();
-                    sessions.wait().await;
-                });
-            })
-            .map_err(RedisError::io("starting the Redis gateway's thread"))?;
-        Ok(async move {
-            serving.await.unwrap_or_else(|_| {
-                Err(RedisError::io("the Redis gateway's thread")(
-                    std::io::Error::other("it ended without a result"),
-                ))
-            })
-        })
     }
 
     /// The certificate the TLS listener presents, when `tls_cert` is set: SIGHUP reloads it.
