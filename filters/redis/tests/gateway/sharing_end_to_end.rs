@@ -804,3 +804,75 @@ async fn sharing_fence_reload_keeps_every_session_in_order() {
     assert!(sink.events().is_empty(), "{:#?}", sink.events());
     direct.only_connection().await;
 }
+
+/// The process's resident memory, in bytes (`VmRSS`).
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// A client that pipelines large reads and never reads their replies: on a connection of its
+/// own, Redis would hold them (under its `client-output-buffer-limit`); on a shared connection
+/// the gateway reads them at once for the other sessions' sake, so it must bound what it keeps
+/// for one session (DESIGN rule 10) instead of holding every reply the client asked for.
+#[tokio::test]
+async fn sharing_client_that_never_reads_holds_bounded_memory() {
+    const VALUE: usize = 4 * 1024 * 1024;
+    const READS: usize = 150;
+    let server = RedisServer::start();
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let value = "v".repeat(VALUE);
+    assert_eq!(
+        direct.client.request(&format!("SET big {value}")).await,
+        ok()
+    );
+    drop(value);
+    let mut other = Client::connect(addr).await;
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    let before = resident_bytes();
+
+    let mut hog = Client::connect(addr).await;
+    let reads = vec!["GET big"; READS];
+    hog.send(&reads).await;
+    // Replies come back in order on the shared connection: once the other session's PING is
+    // answered, the gateway has read every reply of the hog's.
+    loop {
+        let Frame::Bulk(stats) = direct.client.request("INFO commandstats").await else {
+            panic!("INFO")
+        };
+        let stats = String::from_utf8_lossy(&stats).into_owned();
+        let gets = stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_get:calls="))
+            .and_then(|l| l.split(',').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        if gets > READS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(other.request("PING").await, Frame::simple("PONG"));
+    let grown = resident_bytes().saturating_sub(before);
+    eprintln!("resident memory grew {} MiB", grown >> 20);
+    assert!(
+        grown < 256 * 1024 * 1024,
+        "the gateway holds {} MiB for a client that reads nothing ({} MiB of replies asked)",
+        grown >> 20,
+        (VALUE * READS) >> 20
+    );
+    // Its session ends after the replies it was given; none is anybody else's.
+    let mut got = 0;
+    while let Some((frame, _)) = hog.next().await {
+        match frame {
+            Frame::Bulk(b) if b.len() == VALUE => got += 1,
+            Frame::Error(_) => {}
+            other => panic!("the hog got {other:?}"),
+        }
+    }
+    assert!(got <= READS);
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+}
