@@ -876,3 +876,46 @@ async fn sharing_client_that_never_reads_holds_bounded_memory() {
     assert!(got <= READS);
     assert_eq!(other.request("GET missing").await, Frame::Null);
 }
+
+/// While Redis does not read (a slow command of anybody's), a client's pipelined requests
+/// wait: on a connection of its own in the socket's buffers, its reader blocked; on a shared
+/// connection in the gateway's queue, which must stay bounded as well (DESIGN rule 10) rather
+/// than take every request the slot queue admits (4096 of up to 1 MiB per session).
+#[tokio::test]
+async fn sharing_requests_queued_while_redis_stalls_are_bounded() {
+    const VALUE: usize = 512 * 1024;
+    const WRITES: usize = 1500;
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut other = Client::connect(addr).await;
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    let before = resident_bytes();
+
+    direct.client.send(&["DEBUG SLEEP 4"]).await;
+    let mut flood = Client::connect(addr).await;
+    let value = "f".repeat(VALUE);
+    let request = format!("SET flood {value}");
+    let sender = tokio::spawn(async move {
+        for _ in 0..WRITES {
+            flood.send(&[&request]).await;
+        }
+        flood
+    });
+    // Whatever the flood got into the gateway by the time Redis wakes up.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let grown = resident_bytes().saturating_sub(before);
+    eprintln!("resident memory grew {} MiB", grown >> 20);
+    assert_eq!(direct.client.reply().await, ok());
+    let mut flood = sender.await.unwrap();
+    for _ in 0..WRITES {
+        assert_eq!(flood.reply().await, ok());
+    }
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    assert!(
+        grown < 256 * 1024 * 1024,
+        "the gateway queued {} MiB for a stalled Redis ({} MiB sent)",
+        grown >> 20,
+        (VALUE * WRITES) >> 20
+    );
+}
