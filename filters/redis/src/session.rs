@@ -246,7 +246,10 @@ impl UpstreamWriter {
                 .write_all(bytes)
                 .await
                 .map_err(RedisError::io("writing to upstream"))?,
-            Sink::Shared { connection, outbox } => connection.submit(outbox, bytes, requests)?,
+            Sink::Shared { connection, outbox } => {
+                connection.room().await;
+                connection.submit(outbox, bytes, requests)?
+            }
         }
         self.sent += requests;
         Ok(())

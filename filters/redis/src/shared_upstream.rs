@@ -120,6 +120,9 @@ pub(crate) struct SharedConnection {
     queue: std::sync::Mutex<Queue>,
     /// Wakes the writing task when bytes were queued.
     queued: Notify,
+    /// Wakes the sessions waiting for room ([`SharedConnection::room`]) when the queue was
+    /// taken to be written, or the connection failed.
+    written: Notify,
 }
 
 struct Queue {
@@ -147,6 +150,7 @@ impl SharedConnection {
                 closed: None,
             }),
             queued: Notify::new(),
+            written: Notify::new(),
         });
         let (read_half, write_half) = stream::split(connection);
         tokio::spawn(write_loop(shared.clone(), write_half, stop.clone()));
@@ -190,6 +194,23 @@ impl SharedConnection {
         Ok(())
     }
 
+    /// Waits until the requests not yet written are under [`sharing::LARGEST_SHARED_QUEUE`]
+    /// (or the connection failed: [`SharedConnection::submit`] then says so).
+    pub(crate) async fn room(&self) {
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
+            {
+                let queue = self.lock();
+                if queue.closed.is_some() || queue.out.len() < sharing::LARGEST_SHARED_QUEUE {
+                    return;
+                }
+            }
+            written.await;
+        }
+    }
+
     /// Whether the connection failed (or the gateway stopped): it takes no more requests.
     pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed.is_some()
@@ -221,6 +242,7 @@ impl SharedConnection {
             let _ = to.tx.send(Err(why));
         }
         self.queued.notify_one();
+        self.written.notify_waiters();
     }
 
     /// Hands parsed replies to their sessions, in order.
@@ -263,6 +285,7 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
                 }
                 std::mem::replace(&mut queue.out, std::mem::take(&mut spare))
             };
+            shared.written.notify_waiters();
             if let Err(e) = half.write_all(&bytes).await {
                 return shared.fail(&format!("writing to upstream: {e}"));
             }

@@ -45,6 +45,12 @@ pub const LARGEST_SHARED_REQUEST: usize = 1024 * 1024;
 /// Redis ends a client over its output buffer limit (DESIGN rule 10).
 pub const LARGEST_SHARED_BACKLOG: usize = 64 * 1024 * 1024;
 
+/// The most request bytes waiting to be written to one shared connection. While Redis does not
+/// read (a slow command of anybody's), a session that would queue more waits, as its reader
+/// waits on a socket of its own whose buffers are full; without it one session could queue
+/// every request its slot queue admits (4096 of up to 1 MiB) in the gateway's memory.
+pub const LARGEST_SHARED_QUEUE: usize = 16 * 1024 * 1024;
+
 /// `@connection` commands that only answer: `PING` and `ECHO` (client pools send `PING` to
 /// check a connection; pinning a session for it would make sharing rare).
 pub const ANSWER_ONLY: &[&str] = &["ping", "echo"];
