@@ -930,3 +930,74 @@ async fn sharing_requests_queued_while_redis_stalls_are_bounded() {
         (VALUE * WRITES) >> 20
     );
 }
+
+/// Waits until the gateway connection `id` upstream satisfies `done`.
+async fn until_connection(direct: &mut Direct, id: &str, what: &str, done: fn(&Listed) -> bool) {
+    let deadline = tokio::time::Instant::now() + REPLY_WAIT;
+    loop {
+        let connections = direct.gateway_connections().await;
+        let c = connections
+            .iter()
+            .find(|c| c["id"] == id)
+            .expect("the connection is gone");
+        if done(c) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {c:#?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Redis echoes a key name in some errors (`-NOGROUP No such key '<key>' ...`), so a client
+/// picks an error line's length: one longer than the gateway reads as a header line (64 KiB)
+/// must reach that client, and must not end the shared connection with the requests of
+/// other sessions behind it.
+#[tokio::test]
+async fn sharing_long_error_line_ends_no_other_session() {
+    let server = RedisServer::start();
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut writer = Client::connect(addr).await;
+    let mut adversary = Client::connect(addr).await;
+    let mut behind = Client::connect(addr).await;
+    assert_eq!(writer.request("SET x 1").await, ok());
+    assert_eq!(adversary.request("GET x").await, bulk("1"));
+    assert_eq!(behind.request("GET x").await, bulk("1"));
+    let shared = direct.only_connection().await["id"].clone();
+
+    // Writes pause upstream, so the shared connection waits at the writer's SET and Redis
+    // takes what comes behind it into its query buffer, in order.
+    assert_eq!(
+        direct.client.request("CLIENT PAUSE 30000 WRITE").await,
+        ok()
+    );
+    writer.send(&["SET w 1"]).await;
+    until_connection(&mut direct, &shared, "the SET never waited upstream", |c| {
+        c["flags"].contains('b') && c["cmd"] == "set"
+    })
+    .await;
+    let key = "k".repeat(900_000);
+    adversary.send(&[&format!("XPENDING {key} group")]).await;
+    until_connection(
+        &mut direct,
+        &shared,
+        "the XPENDING never reached Redis",
+        |c| c["qbuf"].parse::<usize>().unwrap() > 900_000,
+    )
+    .await;
+    behind.send(&["GET x"]).await;
+    assert_eq!(direct.client.request("CLIENT UNPAUSE").await, ok());
+
+    assert_eq!(writer.reply().await, ok());
+    let reply = adversary.next().await.map(|(frame, _)| frame);
+    let Some(Frame::Error(e)) = reply else {
+        panic!(
+            "XPENDING on a missing key got {:?}",
+            reply.map(|f| format!("{f:?}").chars().take(80).collect::<String>())
+        )
+    };
+    assert!(e.starts_with(b"NOGROUP"), "{:?}", &e[..40]);
+    assert!(e.len() > 900_000);
+    assert_eq!(behind.next().await.map(|(frame, _)| frame), Some(bulk("1")));
+    assert_eq!(direct.only_connection().await["id"], shared);
+}
