@@ -167,9 +167,20 @@ struct Cursor<'a> {
 
 impl Cursor<'_> {
     fn line(&mut self) -> Result<&[u8], FrameError> {
+        self.line_up_to(64 * 1024)
+    }
+
+    /// A simple string's or error's text: as long as a frame may be ([`parse`] checks that),
+    /// not a header's 64 KiB (Redis echoes a key of any length in some errors,
+    /// `-NOGROUP No such key '<key>' ...`).
+    fn text(&mut self) -> Result<Bytes, FrameError> {
+        self.line_up_to(usize::MAX).map(Bytes::copy_from_slice)
+    }
+
+    fn line_up_to(&mut self, max: usize) -> Result<&[u8], FrameError> {
         let rest = &self.buf[self.pos..];
         let Some(end) = rest.windows(2).position(|w| w == b"\r\n") else {
-            if rest.len() > 64 * 1024 {
+            if rest.len() > max {
                 return Err(FrameError::Protocol("header line longer than 64 KiB"));
             }
             return Err(FrameError::Incomplete);
@@ -256,8 +267,8 @@ impl Cursor<'_> {
         };
         self.pos += 1;
         Ok(match kind {
-            b'+' => Frame::Simple(Bytes::copy_from_slice(self.line()?)),
-            b'-' => Frame::Error(Bytes::copy_from_slice(self.line()?)),
+            b'+' => Frame::Simple(self.text()?),
+            b'-' => Frame::Error(self.text()?),
             b':' => Frame::Integer(self.integer()?),
             b'$' => match self.length()? {
                 None => Frame::Null,

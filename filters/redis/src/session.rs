@@ -47,7 +47,7 @@ use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
 use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
 use crate::scope;
-use crate::shared_upstream::{Inbox, Outbox, Reply, SharedConnection};
+use crate::shared_upstream::{self, Inbox, Outbox, Reply, SharedConnection};
 use crate::sharing;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
@@ -124,7 +124,7 @@ pub(crate) async fn run(
             (Sink::Own(write_half), Source::Own(read_half))
         }
         Link::Shared(connection) => {
-            let (outbox, inbox) = mpsc::unbounded_channel();
+            let (outbox, inbox) = shared_upstream::inbox();
             (Sink::Shared { connection, outbox }, Source::Shared(inbox))
         }
     };
@@ -246,7 +246,10 @@ impl UpstreamWriter {
                 .write_all(bytes)
                 .await
                 .map_err(RedisError::io("writing to upstream"))?,
-            Sink::Shared { connection, outbox } => connection.submit(outbox, bytes, requests)?,
+            Sink::Shared { connection, outbox } => {
+                connection.room().await;
+                connection.submit(outbox, bytes, requests)?
+            }
         }
         self.sent += requests;
         Ok(())

@@ -16,7 +16,7 @@
 //! changed the connection's state after all.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RedisConfig;
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
+use crate::sharing;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::upstream::{self, Upstream};
 
@@ -34,10 +35,82 @@ use crate::upstream::{self, Upstream};
 pub(crate) type Reply = Result<(Frame, Bytes), Arc<str>>;
 
 /// Where a session receives its replies.
-pub(crate) type Inbox = mpsc::UnboundedReceiver<Reply>;
+pub(crate) struct Inbox {
+    rx: mpsc::UnboundedReceiver<Reply>,
+    backlog: Arc<Backlog>,
+}
 
 /// The sending side of a session's [`Inbox`].
-pub(crate) type Outbox = mpsc::UnboundedSender<Reply>;
+#[derive(Clone)]
+pub(crate) struct Outbox {
+    tx: mpsc::UnboundedSender<Reply>,
+    backlog: Arc<Backlog>,
+}
+
+/// Reply bytes in a session's inbox, bounded by [`sharing::LARGEST_SHARED_BACKLOG`].
+#[derive(Default)]
+struct Backlog {
+    bytes: AtomicUsize,
+    /// Went over the bound: the session's replies are dropped from then on.
+    over: AtomicBool,
+}
+
+/// A session's inbox and the outbox the shared connection sends its replies to.
+pub(crate) fn inbox() -> (Outbox, Inbox) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let backlog = Arc::new(Backlog::default());
+    (
+        Outbox {
+            tx,
+            backlog: backlog.clone(),
+        },
+        Inbox { rx, backlog },
+    )
+}
+
+impl Inbox {
+    fn taken(&self, reply: Reply) -> Reply {
+        if let Ok((_, raw)) = &reply {
+            self.backlog.bytes.fetch_sub(raw.len(), Ordering::Relaxed);
+        }
+        reply
+    }
+
+    /// The next reply if one is there.
+    pub(crate) fn try_recv(&mut self) -> Result<Reply, mpsc::error::TryRecvError> {
+        self.rx.try_recv().map(|reply| self.taken(reply))
+    }
+
+    /// The next reply; `None` when the shared connection is gone.
+    pub(crate) async fn recv(&mut self) -> Option<Reply> {
+        let reply = self.rx.recv().await?;
+        Some(self.taken(reply))
+    }
+}
+
+impl Outbox {
+    /// Hands `reply` to the session unless its unread replies would go over the bound; then it
+    /// is told why, once, and its replies are dropped from then on.
+    fn send(&self, reply: (Frame, Bytes)) {
+        let backlog = &self.backlog;
+        if backlog.over.load(Ordering::Relaxed) {
+            return;
+        }
+        let queued = backlog.bytes.load(Ordering::Relaxed);
+        if queued > 0 && queued + reply.1.len() > sharing::LARGEST_SHARED_BACKLOG {
+            backlog.over.store(true, Ordering::Relaxed);
+            let why = format!(
+                "the client left over {} bytes of replies unread",
+                sharing::LARGEST_SHARED_BACKLOG
+            );
+            let _ = self.tx.send(Err(why.into()));
+            return;
+        }
+        backlog.bytes.fetch_add(reply.1.len(), Ordering::Relaxed);
+        // A session that is gone no longer wants its replies; the order still counts them.
+        let _ = self.tx.send(Ok(reply));
+    }
+}
 
 /// How much room a read of replies has at least.
 const READ_ROOM: usize = 16 * 1024;
@@ -47,6 +120,9 @@ pub(crate) struct SharedConnection {
     queue: std::sync::Mutex<Queue>,
     /// Wakes the writing task when bytes were queued.
     queued: Notify,
+    /// Wakes the sessions waiting for room ([`SharedConnection::room`]) when the queue was
+    /// taken to be written, or the connection failed.
+    written: Notify,
 }
 
 struct Queue {
@@ -74,6 +150,7 @@ impl SharedConnection {
                 closed: None,
             }),
             queued: Notify::new(),
+            written: Notify::new(),
         });
         let (read_half, write_half) = stream::split(connection);
         tokio::spawn(write_loop(shared.clone(), write_half, stop.clone()));
@@ -99,9 +176,14 @@ impl SharedConnection {
                     "the shared connection is gone: {why}"
                 )));
             }
+            if to.backlog.over.load(Ordering::Relaxed) {
+                return Err(RedisError::Upstream(
+                    "the client left too many replies unread on a shared connection".into(),
+                ));
+            }
             queue.out.extend_from_slice(bytes);
             match queue.routes.back_mut() {
-                Some(last) if last.to.same_channel(to) => last.count += requests,
+                Some(last) if last.to.tx.same_channel(&to.tx) => last.count += requests,
                 _ => queue.routes.push_back(Route {
                     to: to.clone(),
                     count: requests,
@@ -110,6 +192,23 @@ impl SharedConnection {
         }
         self.queued.notify_one();
         Ok(())
+    }
+
+    /// Waits until the requests not yet written are under [`sharing::LARGEST_SHARED_QUEUE`]
+    /// (or the connection failed: [`SharedConnection::submit`] then says so).
+    pub(crate) async fn room(&self) {
+        loop {
+            let written = self.written.notified();
+            tokio::pin!(written);
+            written.as_mut().enable();
+            {
+                let queue = self.lock();
+                if queue.closed.is_some() || queue.out.len() < sharing::LARGEST_SHARED_QUEUE {
+                    return;
+                }
+            }
+            written.await;
+        }
     }
 
     /// Whether the connection failed (or the gateway stopped): it takes no more requests.
@@ -140,9 +239,10 @@ impl SharedConnection {
             );
         }
         for (to, why) in routes {
-            let _ = to.send(Err(why));
+            let _ = to.tx.send(Err(why));
         }
         self.queued.notify_one();
+        self.written.notify_waiters();
     }
 
     /// Hands parsed replies to their sessions, in order.
@@ -152,8 +252,7 @@ impl SharedConnection {
             let Some(route) = queue.routes.front_mut() else {
                 return Err("Redis sent a reply no request asked for");
             };
-            // A session that is gone no longer wants its replies; the order still counts them.
-            let _ = route.to.send(Ok(reply));
+            route.to.send(reply);
             route.count -= 1;
             if route.count == 0 {
                 queue.routes.pop_front();
@@ -186,6 +285,7 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
                 }
                 std::mem::replace(&mut queue.out, std::mem::take(&mut spare))
             };
+            shared.written.notify_waiters();
             if let Err(e) = half.write_all(&bytes).await {
                 return shared.fail(&format!("writing to upstream: {e}"));
             }

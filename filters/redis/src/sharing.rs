@@ -37,6 +37,20 @@ pub const UNSHARED_FLAGS: &[&str] = &["noscript", "blocking", "pubsub", "admin"]
 /// every session on it. A larger one runs on a connection of the session's own.
 pub const LARGEST_SHARED_REQUEST: usize = 1024 * 1024;
 
+/// The most reply bytes one session may leave unread on a shared connection (beyond one reply,
+/// which always fits). On a connection of its own, replies a client does not read wait in
+/// Redis (under its `client-output-buffer-limit`); a shared connection's replies are read at
+/// once for the other sessions' sake, so the gateway would hold every reply a client that
+/// never reads asked for. Over it, the session's later replies are dropped and it ends, as
+/// Redis ends a client over its output buffer limit (DESIGN rule 10).
+pub const LARGEST_SHARED_BACKLOG: usize = 64 * 1024 * 1024;
+
+/// The most request bytes waiting to be written to one shared connection. While Redis does not
+/// read (a slow command of anybody's), a session that would queue more waits, as its reader
+/// waits on a socket of its own whose buffers are full; without it one session could queue
+/// every request its slot queue admits (4096 of up to 1 MiB) in the gateway's memory.
+pub const LARGEST_SHARED_QUEUE: usize = 16 * 1024 * 1024;
+
 /// `@connection` commands that only answer: `PING` and `ECHO` (client pools send `PING` to
 /// check a connection; pinning a session for it would make sharing rare).
 pub const ANSWER_ONLY: &[&str] = &["ping", "echo"];

@@ -809,3 +809,202 @@ async fn sharing_fence_reload_keeps_every_session_in_order() {
     assert!(sink.events().is_empty(), "{:#?}", sink.events());
     direct.only_connection().await;
 }
+
+/// The process's resident memory, in bytes (`VmRSS`).
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// A client that pipelines large reads and never reads their replies: on a connection of its
+/// own, Redis would hold them (under its `client-output-buffer-limit`); on a shared connection
+/// the gateway reads them at once for the other sessions' sake, so it must bound what it keeps
+/// for one session (DESIGN rule 10) instead of holding every reply the client asked for.
+#[tokio::test]
+async fn sharing_client_that_never_reads_holds_bounded_memory() {
+    const VALUE: usize = 4 * 1024 * 1024;
+    const READS: usize = 150;
+    let server = RedisServer::start();
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let value = "v".repeat(VALUE);
+    assert_eq!(
+        direct.client.request(&format!("SET big {value}")).await,
+        ok()
+    );
+    drop(value);
+    let mut other = Client::connect(addr).await;
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    let before = resident_bytes();
+
+    let mut hog = Client::connect(addr).await;
+    let reads = vec!["GET big"; READS];
+    hog.send(&reads).await;
+    // Replies come back in order on the shared connection: once the other session's PING is
+    // answered, the gateway has read every reply of the hog's.
+    loop {
+        let Frame::Bulk(stats) = direct.client.request("INFO commandstats").await else {
+            panic!("INFO")
+        };
+        let stats = String::from_utf8_lossy(&stats).into_owned();
+        let gets = stats
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_get:calls="))
+            .and_then(|l| l.split(',').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        if gets > READS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(other.request("PING").await, Frame::simple("PONG"));
+    // The bound is 64 MiB of replies beyond one, each held parsed and raw; the margin is for
+    // the tests running beside this one in the process.
+    let grown = resident_bytes().saturating_sub(before);
+    eprintln!("resident memory grew {} MiB", grown >> 20);
+    assert!(
+        grown < 400 * 1024 * 1024,
+        "the gateway holds {} MiB for a client that reads nothing ({} MiB of replies asked)",
+        grown >> 20,
+        (VALUE * READS) >> 20
+    );
+    // Its session ends after the replies it was given; none is anybody else's.
+    let mut got = 0;
+    while let Some((frame, _)) = hog.next().await {
+        match frame {
+            Frame::Bulk(b) if b.len() == VALUE => got += 1,
+            Frame::Error(_) => {}
+            other => panic!("the hog got {other:?}"),
+        }
+    }
+    assert!(got <= READS);
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+}
+
+/// While Redis does not read (a slow command of anybody's), a client's pipelined requests
+/// wait: on a connection of its own in the socket's buffers, its reader blocked; on a shared
+/// connection in the gateway's queue, which must stay bounded as well (DESIGN rule 10) rather
+/// than take every request the slot queue admits (4096 of up to 1 MiB per session).
+#[tokio::test]
+async fn sharing_requests_queued_while_redis_stalls_are_bounded() {
+    const VALUE: usize = 512 * 1024;
+    const WRITES: usize = 1500;
+    let server = RedisServer::start_with(&["--enable-debug-command", "yes"]);
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut other = Client::connect(addr).await;
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    let before = resident_bytes();
+
+    direct.client.send(&["DEBUG SLEEP 3"]).await;
+    let mut flood = Client::connect(addr).await;
+    let value = "f".repeat(VALUE);
+    let request = format!("SET flood {value}");
+    let sender = tokio::spawn(async move {
+        for _ in 0..WRITES {
+            flood.send(&[&request]).await;
+        }
+        flood
+    });
+    // The most the gateway held at any time while Redis slept.
+    let mut grown = 0;
+    let awake = direct.client.reply();
+    tokio::pin!(awake);
+    loop {
+        tokio::select! {
+            reply = &mut awake => {
+                assert_eq!(reply, ok());
+                break;
+            }
+            () = tokio::time::sleep(Duration::from_millis(10)) => {
+                grown = grown.max(resident_bytes().saturating_sub(before));
+            }
+        }
+    }
+    eprintln!("resident memory grew {} MiB", grown >> 20);
+    let mut flood = sender.await.unwrap();
+    for _ in 0..WRITES {
+        assert_eq!(flood.reply().await, ok());
+    }
+    assert_eq!(other.request("GET missing").await, Frame::Null);
+    assert!(
+        grown < 256 * 1024 * 1024,
+        "the gateway queued {} MiB for a stalled Redis ({} MiB sent)",
+        grown >> 20,
+        (VALUE * WRITES) >> 20
+    );
+}
+
+/// Waits until the gateway connection `id` upstream satisfies `done`.
+async fn until_connection(direct: &mut Direct, id: &str, what: &str, done: fn(&Listed) -> bool) {
+    let deadline = tokio::time::Instant::now() + REPLY_WAIT;
+    loop {
+        let connections = direct.gateway_connections().await;
+        let c = connections
+            .iter()
+            .find(|c| c["id"] == id)
+            .expect("the connection is gone");
+        if done(c) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {c:#?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Redis echoes a key name in some errors (`-NOGROUP No such key '<key>' ...`), so a client
+/// picks an error line's length: one longer than the gateway reads as a header line (64 KiB)
+/// must reach that client, and must not end the shared connection with the requests of
+/// other sessions behind it.
+#[tokio::test]
+async fn sharing_long_error_line_ends_no_other_session() {
+    let server = RedisServer::start();
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut writer = Client::connect(addr).await;
+    let mut adversary = Client::connect(addr).await;
+    let mut behind = Client::connect(addr).await;
+    assert_eq!(writer.request("SET x 1").await, ok());
+    assert_eq!(adversary.request("GET x").await, bulk("1"));
+    assert_eq!(behind.request("GET x").await, bulk("1"));
+    let shared = direct.only_connection().await["id"].clone();
+
+    // Writes pause upstream, so the shared connection waits at the writer's SET and Redis
+    // takes what comes behind it into its query buffer, in order.
+    assert_eq!(
+        direct.client.request("CLIENT PAUSE 30000 WRITE").await,
+        ok()
+    );
+    writer.send(&["SET w 1"]).await;
+    until_connection(&mut direct, &shared, "the SET never waited upstream", |c| {
+        c["flags"].contains('b') && c["cmd"] == "set"
+    })
+    .await;
+    let key = "k".repeat(900_000);
+    adversary.send(&[&format!("XPENDING {key} group")]).await;
+    until_connection(
+        &mut direct,
+        &shared,
+        "the XPENDING never reached Redis",
+        |c| c["qbuf"].parse::<usize>().unwrap() > 900_000,
+    )
+    .await;
+    behind.send(&["GET x"]).await;
+    assert_eq!(direct.client.request("CLIENT UNPAUSE").await, ok());
+
+    assert_eq!(writer.reply().await, ok());
+    let reply = adversary.next().await.map(|(frame, _)| frame);
+    let Some(Frame::Error(e)) = reply else {
+        panic!(
+            "XPENDING on a missing key got {:?}",
+            reply.map(|f| format!("{f:?}").chars().take(80).collect::<String>())
+        )
+    };
+    assert!(e.starts_with(b"NOGROUP"), "{:?}", &e[..40]);
+    assert!(e.len() > 900_000);
+    assert_eq!(behind.next().await.map(|(frame, _)| frame), Some(bulk("1")));
+    assert_eq!(direct.only_connection().await["id"], shared);
+}
