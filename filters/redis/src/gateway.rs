@@ -59,6 +59,9 @@ pub struct Gateway {
     pub(crate) shared: SharedPool,
     /// Where the sessions run (`session_threads`), and with them the shared connections.
     threads: SessionThreads,
+    /// The upstream limits clients' output or memory (see
+    /// [`ControlConnection::sharing_hazard`]): new sessions get a connection of their own.
+    sharing_hazard: AtomicBool,
 }
 
 /// How often refusals over the budget are logged (one line per period, with a count).
@@ -114,6 +117,7 @@ impl Gateway {
             sessions: TaskTracker::new(),
             shared: SharedPool::new(config_shared),
             threads,
+            sharing_hazard: AtomicBool::new(false),
         }))
     }
 
@@ -154,6 +158,21 @@ impl Gateway {
         match control.check_durability(&self.config).await {
             Ok(()) => self.set_degraded(None),
             Err(e) => self.set_degraded(Some(e.to_string())),
+        }
+        if self.shared.enabled() {
+            let hazard = control.sharing_hazard().await.unwrap_or(None);
+            let was = self
+                .sharing_hazard
+                .swap(hazard.is_some(), Ordering::Relaxed);
+            match &hazard {
+                Some(why) if !was => {
+                    tracing::warn!(hazard = %why, "new Redis sessions get an upstream connection of their own instead of a shared one: with this setting Redis may close a connection for what one client did, which on a shared connection would end every session on it")
+                }
+                None if was => {
+                    tracing::info!("new Redis sessions share upstream connections again")
+                }
+                _ => {}
+            }
         }
         *guard = Some((info.clone(), Instant::now()));
         Ok(info)
@@ -251,6 +270,11 @@ impl Gateway {
         let mode = control.load_fence().await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
         Ok(mode)
+    }
+
+    /// Whether a new session starts on a shared upstream connection.
+    pub(crate) fn shares(&self) -> bool {
+        self.shared.enabled() && !self.sharing_hazard.load(Ordering::Relaxed)
     }
 
     pub(crate) fn next_connection_id(&self) -> u64 {

@@ -91,7 +91,7 @@ pub(crate) async fn run(
     // Boxed: the connect state is dead once the session runs, so it stays out of the task.
     let ready = Box::pin(async {
         let info = gateway.info().await?;
-        let link = if gateway.shared.enabled() {
+        let link = if gateway.shares() {
             Link::Shared(
                 gateway
                     .shared

@@ -264,6 +264,7 @@ impl SharedConnection {
 
 /// Writes what the sessions queued, all of it in one write per wake-up.
 async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: CancellationToken) {
+    let _closes = CloseOnEnd(shared.clone());
     let mut spare = BytesMut::new();
     loop {
         tokio::select! {
@@ -295,8 +296,19 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
     }
 }
 
+/// Closes the connection for every session when a task of it ends however it ends (a panic
+/// included), so no session waits for a reply that can no longer come.
+struct CloseOnEnd(Arc<SharedConnection>);
+
+impl Drop for CloseOnEnd {
+    fn drop(&mut self) {
+        self.0.fail("the shared connection's task ended");
+    }
+}
+
 /// Reads replies and routes them.
 async fn read_loop(shared: Arc<SharedConnection>, mut half: ReadHalf, stop: CancellationToken) {
+    let _closes = CloseOnEnd(shared.clone());
     let mut buf = BytesMut::new();
     let mut replies = Vec::new();
     loop {

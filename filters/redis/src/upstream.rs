@@ -184,6 +184,33 @@ impl ControlConnection {
         })
     }
 
+    /// Why sharing upstream connections would put sessions at risk here, if it would: a limit
+    /// on normal clients' output buffers, or `maxmemory-clients`, lets Redis close a
+    /// connection for what one client left unread or asked for, and on a shared connection
+    /// that ends every session on it. `None` when neither is set (or the server would not say:
+    /// the risk is then to availability only, never to which reply goes where).
+    pub async fn sharing_hazard(&mut self) -> Result<Option<String>, RedisError> {
+        let mut hazards = Vec::new();
+        if let Some(limits) = self.config_get("client-output-buffer-limit").await? {
+            let words: Vec<&str> = limits.split_whitespace().collect();
+            if let Some(i) = words.iter().position(|w| *w == "normal") {
+                let normal = words.get(i + 1..i + 4).unwrap_or_default();
+                if normal.iter().take(2).any(|limit| *limit != "0") {
+                    hazards.push(format!(
+                        "client-output-buffer-limit normal {}",
+                        normal.join(" ")
+                    ));
+                }
+            }
+        }
+        if let Some(limit) = self.config_get("maxmemory-clients").await? {
+            if limit != "0" {
+                hazards.push(format!("maxmemory-clients {limit}"));
+            }
+        }
+        Ok((!hazards.is_empty()).then(|| hazards.join(", ")))
+    }
+
     /// Learns the command table and loads the fence script.
     pub async fn learn(&mut self) -> Result<UpstreamInfo, RedisError> {
         let reply = self.request(&["COMMAND"]).await?;

@@ -1008,3 +1008,19 @@ async fn sharing_long_error_line_ends_no_other_session() {
     assert_eq!(behind.next().await.map(|(frame, _)| frame), Some(bulk("1")));
     assert_eq!(direct.only_connection().await["id"], shared);
 }
+
+/// With a limit on normal clients' output buffers Redis may close a connection for what one
+/// client left unread; on a shared connection that would end every session on it, so sessions
+/// get connections of their own.
+#[tokio::test]
+async fn sharing_is_off_when_redis_limits_normal_clients_output() {
+    let server = RedisServer::start_with(&["--client-output-buffer-limit", "normal 1mb 1mb 0"]);
+    let (addr, _) = gateway(plain_config(server.addr)).await;
+    let mut direct = Direct::connect(&server).await;
+    let mut one = Client::connect(addr).await;
+    let mut two = Client::connect(addr).await;
+    assert_eq!(one.request("SET k 1").await, ok());
+    assert_eq!(two.request("GET k").await, bulk("1"));
+    let connections = direct.gateway_connections().await;
+    assert_eq!(connections.len(), 2, "{connections:#?}");
+}
