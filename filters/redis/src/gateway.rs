@@ -18,7 +18,7 @@ use crate::error::RedisError;
 use crate::frame::Limits;
 use crate::rewrite::ScriptMode;
 use crate::session;
-use crate::shared_upstream::SharedPool;
+use crate::shared_upstream::{SharedConnection, SharedPool};
 use crate::upstream::{ControlConnection, Upstream, UpstreamInfo};
 
 /// One Redis gateway: a listener's shared state.
@@ -56,7 +56,7 @@ pub struct Gateway {
     /// The sessions running now (the node waits on it while it drains).
     sessions: TaskTracker,
     /// Upstream connections sessions share while they are in the plain state.
-    pub(crate) shared: SharedPool,
+    shared: SharedPool,
     /// Where the sessions run (`session_threads`), and with them the shared connections.
     threads: SessionThreads,
     /// The upstream limits clients' output or memory (see
@@ -270,6 +270,11 @@ impl Gateway {
         let mode = control.load_fence().await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
         Ok(mode)
+    }
+
+    /// The next shared upstream connection in turn (see [`SharedPool::get`]).
+    pub(crate) async fn shared_connection(&self) -> Result<Arc<SharedConnection>, RedisError> {
+        self.shared.get(&self.upstream, &self.config).await
     }
 
     /// Whether a new session starts on a shared upstream connection.

@@ -92,12 +92,7 @@ pub(crate) async fn run(
     let ready = Box::pin(async {
         let info = gateway.info().await?;
         let link = if gateway.shares() {
-            Link::Shared(
-                gateway
-                    .shared
-                    .get(&gateway.upstream, &gateway.config)
-                    .await?,
-            )
+            Link::Shared(gateway.shared_connection().await?)
         } else {
             Link::Own(upstream::connect(&gateway.upstream, &gateway.config).await?)
         };
@@ -637,11 +632,7 @@ impl Reader {
                     // Gone while nothing of this session was in flight (Redis restarted, or
                     // closed it as idle): take the pool's next one; nothing can be reordered.
                     if connection.is_closed() && self.completed.load(Ordering::Acquire) == sent {
-                        *connection = self
-                            .gateway
-                            .shared
-                            .get(&self.gateway.upstream, &self.gateway.config)
-                            .await?;
+                        *connection = self.gateway.shared_connection().await?;
                     }
                 }
                 up.send(&batch.upstream, batch.requests).await?;
