@@ -9,7 +9,6 @@
 //! the shared machine is.
 
 use std::fmt::Write as _;
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -18,7 +17,7 @@ use crate::cpu;
 use crate::load::median;
 use crate::machine;
 use crate::peer::{Pgbouncer, Twemproxy};
-use crate::postgres::{pgbench, pgbench_init, pgbench_path, Workload};
+use crate::postgres::{pgbench, pgbench_init, pgbench_path, Workload, WRITE_SCRIPT};
 use crate::redis::{redis_benchmark, set_load};
 use crate::report::{Section, Table};
 use crate::resp::Connection;
@@ -103,6 +102,8 @@ struct Rig {
     postgres_pid: [Option<u32>; 3],
     redis_server: u32,
     log: std::path::PathBuf,
+    /// pgbench's simple-update transaction (the postgres suite's write), plain on every path.
+    write_script: std::path::PathBuf,
 }
 
 impl Rig {
@@ -170,7 +171,7 @@ impl Rig {
                         clients,
                         seconds,
                         None,
-                        Path::new("-"),
+                        &self.write_script,
                         Some(self.log.as_path()),
                     )
                 })?;
@@ -220,7 +221,9 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
         postgres_pid: [None, Some(pgbouncer.pid()), Some(gateway)],
         redis_server: redis.pid(),
         log: dir.path().join("pgbench-log"),
+        write_script: dir.path().join("write.sql"),
     };
+    std::fs::write(&rig.write_script, WRITE_SCRIPT)?;
 
     let redis_case = |test, clients, pipeline| Load::Redis {
         test,
@@ -264,6 +267,16 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
         (
             pg_case(Workload::SelectOnly, 1),
             "`pgbench -S`, 1 client, tps",
+        ),
+        // What any hop adds to a durable write transaction of five statements: the floor under
+        // the postgres suite's fenced-write ratios, which add the guard on top.
+        (
+            pg_case(Workload::Write, 1),
+            "pgbench write transaction (durable, plain on every path), 1 client, tps",
+        ),
+        (
+            pg_case(Workload::Write, 8),
+            "pgbench write transaction (durable, plain on every path), 8 clients, tps",
         ),
     ];
     let cases: Vec<(Load, &str)> = match only {
@@ -435,7 +448,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
                 machine::git_head()
             ),
             "Paths: direct = the store itself; peer = twemproxy (one server pool, one server connection, the same redis-server) or PgBouncer (`pool_mode = session`, `auth_type = trust`, the same PostgreSQL); fencegate = one `fencegate serve` node whose Redis gateway protects only `bench:*` (the fenced SET rows; redis-benchmark's `key:*` is unprotected) and whose PostgreSQL gateway protects no database (`databases = []`), so all three paths do the same work but in the fenced rows, where fencegate runs each SET (or each client's pipeline of 16) as a call of the fence function while the other paths send plain SETs".into(),
-            format!("Same client, keys and store on every path: `redis-benchmark -t get|set` on key `key:__rand_int__` (3-byte value; requests sized to about {seconds} s from the previous run of the same path), `pgbench -n -T {seconds}` on `pgbench -i -s 1` tables, `-j` = min(clients, 2); redis-server without persistence, PostgreSQL with fsync on (reads only here)"),
+            format!("Same client, keys and store on every path: `redis-benchmark -t get|set` on key `key:__rand_int__` (3-byte value; requests sized to about {seconds} s from the previous run of the same path), `pgbench -n -T {seconds}` on `pgbench -i -s 1` tables, `-j` = min(clients, 2); redis-server without persistence, PostgreSQL with fsync and synchronous_commit on; the write transaction is the postgres suite's (pgbench's simple update as a `-f` script: `BEGIN`, `UPDATE`, `SELECT`, `INSERT`, `END`), plain on every path (the gateway protects no database here), so it measures what the hop adds to a durable transaction of five statements"),
             format!("{reps} repetitions after one warm-up run of each case on each path; in each repetition, every case runs on the three paths one after another, the order turning with each repetition; medians. Latency: redis-benchmark's p50/p99 (per pipeline of 16 with -P 16), pgbench's per-transaction log (`-l`)"),
             "Proxy CPU per request: utime + stime of the proxy process from `/proc/<pid>/stat` (clock ticks of 10 ms) before and after the run, divided by the requests (pgbench: transactions) of the run; for fencegate the whole node process (all its threads, authority and the idle gateways included). The last table measures redis-server's own CPU time the same way, on each path: what each proxy's way of talking to the store costs the store".into(),
         ],

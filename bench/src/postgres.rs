@@ -26,7 +26,7 @@ use crate::servers::{install_fence_sql, pg_bin, postgres_section, Node, Postgres
 
 pub const TOKEN: &str = "fg1~1~bench";
 
-const WRITE_SCRIPT: &str = "\\set aid random(1, 100000)
+pub const WRITE_SCRIPT: &str = "\\set aid random(1, 100000)
 \\set bid random(1, 1)
 \\set tid random(1, 10)
 \\set delta random(-5000, 5000)

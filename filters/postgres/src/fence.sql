@@ -234,6 +234,36 @@ BEGIN
 END
 $setpass$;
 
+-- The fence check and the pass, as the guards call them. The common case (the token's revision
+-- is the fence's, the row not locked by a raise) is one query: it takes the row FOR SHARE and
+-- computes the pass (the same string as set_pass). Anything else goes the long way, through
+-- check_fence and set_pass. Issue 18 measured the guard at 46 us per call with both nested
+-- calls on every path, 25-30 us with this one.
+CREATE OR REPLACE FUNCTION fencegate.take_fence(p_resource text, p_revision bigint)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $take$
+DECLARE
+    v_pass text;
+BEGIN
+    SELECT format('%s:%s', f.revision, f.resource) || ':' || encode(sha256(k.opad || sha256(k.ipad || convert_to(
+               format('pass2:%s:%s:%s:%s', pg_backend_pid(), pg_current_xact_id(), f.revision, f.resource),
+               'UTF8'))), 'hex')
+      INTO v_pass
+      FROM fencegate.fences f, fencegate.pass_key k
+     WHERE f.resource = p_resource AND f.revision = p_revision
+       FOR SHARE OF f SKIP LOCKED;
+    IF v_pass IS NULL THEN
+        PERFORM fencegate.check_fence(p_resource, p_revision);
+        PERFORM fencegate.set_pass(p_resource, p_revision);
+    ELSE
+        PERFORM set_config('fencegate.pass', v_pass, true);
+    END IF;
+END
+$take$;
+
 -- The guard, given the token as presented: `fg1~<revision>~<resource>[~<kid>.<signature>]`.
 CREATE OR REPLACE FUNCTION fencegate.guard(p_token text)
 RETURNS void
@@ -293,8 +323,7 @@ BEGIN
                 MESSAGE = format('fencegate: forged token for resource %s: the signature does not verify', m[3]);
         END IF;
     END IF;
-    PERFORM fencegate.check_fence(m[3], v_revision);
-    PERFORM fencegate.set_pass(m[3], v_revision);
+    PERFORM fencegate.take_fence(m[3], v_revision);
 END
 $guard$;
 
@@ -324,8 +353,7 @@ BEGIN
         END IF;
         RETURN;
     END IF;
-    PERFORM fencegate.check_fence(p_resource, p_revision);
-    PERFORM fencegate.set_pass(p_resource, p_revision);
+    PERFORM fencegate.take_fence(p_resource, p_revision);
 END
 $guard2$;
 
