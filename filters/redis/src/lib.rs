@@ -13,6 +13,7 @@
 
 #![deny(missing_docs)]
 
+mod attempt_draft;
 pub mod classify;
 pub mod command_table;
 pub mod config;
