@@ -306,6 +306,7 @@ async fn the_app_role_cannot_read_the_secrets_nor_forge_a_pass(enforce: Enforce)
         "SELECT * FROM fencegate.token_keys",
         "SELECT fencegate.set_pass('job', 99)",
         "SELECT fencegate.check_fence('job', 99)",
+        "SELECT fencegate.take_fence('job', 99)",
         "UPDATE fencegate.fences SET revision = 1",
         "DROP TRIGGER fencegate_enforce ON app.items",
         "ALTER TABLE app.items DISABLE TRIGGER fencegate_enforce",
