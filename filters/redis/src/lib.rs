@@ -13,7 +13,6 @@
 
 #![deny(missing_docs)]
 
-mod attempt_draft;
 pub mod classify;
 pub mod command_table;
 pub mod config;

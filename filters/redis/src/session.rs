@@ -37,12 +37,11 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
-use crate::attempt_draft::{AttemptDraft, Sender};
 use crate::classify::{classify, Class};
 use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
 use crate::fence_batch::{self, Run, Split};
-use crate::frame::{self, encode_command, Frame, Request};
+use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
 use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
@@ -165,7 +164,6 @@ pub(crate) async fn run(
     let writer = Writer {
         gateway,
         id,
-        peer,
         client: client_w,
         out: BytesMut::new(),
         upstream: source,
@@ -281,7 +279,7 @@ impl Slot {
     /// How many client requests this slot answers.
     fn requests(&self) -> usize {
         match self {
-            Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.drafts.len(),
+            Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.attempts.len(),
             Slot::Pin(..) => 0,
             _ => 1,
         }
@@ -311,9 +309,8 @@ enum Expect {
     /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
     /// script if it is missing.
     Fenced(Box<FenceContext>),
-    /// The `EXEC` of a fenced transaction, and the transaction's attempt to audit if the store
-    /// refuses it.
-    Exec(Box<Attempt>),
+    /// The `EXEC` of a fenced transaction.
+    Exec(Box<FenceContext>),
     /// A batch fence call for several pipelined writes: one reply per write, each handled as
     /// `Fenced` would handle it alone.
     FencedBatch(Box<BatchContext>),
@@ -321,9 +318,7 @@ enum Expect {
 
 struct BatchContext {
     /// The writes, in request order, to audit if the store refuses them.
-    drafts: Vec<AttemptDraft>,
-    /// The token every write of the batch ran under.
-    token: Token,
+    attempts: Vec<Attempt>,
     /// The rewritten call, to send again after a reload.
     call: Vec<Bytes>,
     /// Whether the client speaks RESP3 (how a null reply is written).
@@ -332,9 +327,7 @@ struct BatchContext {
 
 struct FenceContext {
     /// The write, to audit if the store refuses it.
-    draft: AttemptDraft,
-    /// The token it ran under.
-    token: Token,
+    attempt: Attempt,
     /// The rewritten call, to send again after a reload.
     call: Vec<Bytes>,
 }
@@ -434,10 +427,11 @@ struct Batch {
     run: Option<(ScriptMode, Run<RunWrite>)>,
 }
 
-/// A fenced write waiting in a run: the request and what its audit record would need.
+/// A fenced write waiting in a run.
 struct RunWrite {
     args: Vec<Bytes>,
-    draft: AttemptDraft,
+    keys: Vec<Bytes>,
+    attempt: Attempt,
 }
 
 impl Batch {
@@ -459,7 +453,7 @@ impl Batch {
     }
 
     fn send(&mut self, args: &[Bytes]) {
-        encode_command(args, &mut self.upstream);
+        Frame::command(args.iter().cloned()).encode(&mut self.upstream);
         self.requests += 1;
     }
 
@@ -472,7 +466,7 @@ impl Batch {
         write: RunWrite,
         bytes: usize,
     ) {
-        let size = write.args.len() + write.draft.keys().len();
+        let size = write.args.len() + write.keys.len();
         if self
             .run
             .as_ref()
@@ -487,14 +481,13 @@ impl Batch {
     }
 
     /// Sends one fenced write as the plain fence call, after anything before it.
-    fn fenced_alone(&mut self, mode: &ScriptMode, token: Token, write: RunWrite, resp3: bool) {
+    fn fenced_alone(&mut self, mode: &ScriptMode, token: &Token, write: RunWrite, resp3: bool) {
         self.close_run();
-        let call = rewrite(mode, &token, &write.args, write.draft.keys(), resp3);
+        let call = rewrite(mode, token, &write.args, &write.keys, resp3);
         self.send(&call);
         self.slots
             .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                draft: write.draft,
-                token,
+                attempt: write.attempt,
                 call,
             }))));
     }
@@ -507,22 +500,21 @@ impl Batch {
         let (token, resp3, mut writes) = run.into_parts();
         if writes.len() == 1 {
             let write = writes.pop().expect("one write");
-            self.fenced_alone(&mode, token, write, resp3);
+            self.fenced_alone(&mode, &token, write, resp3);
             return;
         }
         let batched: Vec<BatchedWrite> = writes
             .iter()
             .map(|w| BatchedWrite {
                 args: &w.args,
-                keys: w.draft.keys(),
+                keys: &w.keys,
             })
             .collect();
         let call = rewrite_batch(&mode, &token, &batched, resp3);
         self.send(&call);
         self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
             BatchContext {
-                drafts: writes.into_iter().map(|w| w.draft).collect(),
-                token,
+                attempts: writes.into_iter().map(|w| w.attempt).collect(),
                 call,
                 resp3,
             },
@@ -951,16 +943,17 @@ impl Reader {
                 // Read before `resp3`: the writer settles the protocol, then counts the reply.
                 let settled = self.hellos_pending.load(Ordering::Acquire) == 0;
                 let resp3 = self.resp3.load(Ordering::Relaxed);
-                let draft = AttemptDraft::new(&request.args, keys, request.wire_len, self.requests);
+                let attempt = self.attempt(&request, &keys, Some(&token));
                 let write = RunWrite {
                     args: request.args,
-                    draft,
+                    keys,
+                    attempt,
                 };
                 if self.multi.is_none() && self.batching && settled {
                     // Joins the batch's run of fenced writes (sent when the run closes).
                     batch.fenced(&self.info.mode, token, resp3, write, request.wire_len);
                 } else {
-                    batch.fenced_alone(&self.info.mode, token, write, resp3);
+                    batch.fenced_alone(&self.info.mode, &token, write, resp3);
                 }
             }
         }
@@ -1045,7 +1038,10 @@ impl Reader {
                     args: multi.commands.len(),
                     bytes: multi.bytes,
                 };
-                batch.push(Slot::Upstream(Expect::Exec(Box::new(attempt))));
+                batch.push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
+                    attempt,
+                    call: Vec::new(),
+                }))));
             }
         }
     }
@@ -1182,8 +1178,6 @@ struct Writer {
     /// Replies read from the session's own connection, not yet parsed.
     ubuf: BytesMut,
     upstream_w: Arc<Mutex<UpstreamWriter>>,
-    /// The client's address, for the audit records of the store's refusals.
-    peer: SocketAddr,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
     /// Upstream replies taken so far: equal to the requests sent when nothing is in flight
@@ -1420,21 +1414,20 @@ impl Writer {
             }
             Expect::Fenced(ctx) => {
                 let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
-                self.fenced_reply(&ctx.draft, &ctx.token, &frame, &raw)
-                    .await;
+                self.fenced_reply(&ctx.attempt, &frame, &raw).await;
             }
             Expect::FencedBatch(ctx) => {
                 let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
-                match fence_batch::split(&frame, &raw, ctx.drafts.len(), ctx.resp3) {
+                match fence_batch::split(&frame, &raw, ctx.attempts.len(), ctx.resp3) {
                     Ok(Split::Each(replies)) => {
-                        for (draft, (frame, raw)) in ctx.drafts.iter().zip(&replies) {
-                            self.fenced_reply(draft, &ctx.token, frame, raw).await;
+                        for (attempt, (frame, raw)) in ctx.attempts.iter().zip(&replies) {
+                            self.fenced_reply(attempt, frame, raw).await;
                         }
                     }
                     // A stale fence refuses every write of the batch, each audited.
                     Ok(Split::Whole) => {
-                        for draft in &ctx.drafts {
-                            self.fenced_reply(draft, &ctx.token, &frame, &raw).await;
+                        for attempt in &ctx.attempts {
+                            self.fenced_reply(attempt, &frame, &raw).await;
                         }
                     }
                     // Which writes applied is unknown: the client must not guess either.
@@ -1446,7 +1439,7 @@ impl Writer {
                 if let Frame::Array(items) = &frame {
                     let errors = items.iter().filter_map(Frame::as_error);
                     if let Some(fence) = errors.clone().find_map(stale_fence) {
-                        restated = self.audit_stale(&ctx, fence).await;
+                        restated = self.audit_stale(&ctx.attempt, fence).await;
                     } else if errors.clone().any(is_missing_script) {
                         // The transaction did not apply (every command in it runs under the
                         // fence); reload so the client's retry works.
@@ -1469,28 +1462,12 @@ impl Writer {
     /// Answers one fenced write with the store's reply: a `FENCED` refusal is audited (and
     /// restated when the fence is above every issued revision), anything else but a missing
     /// function counts as applied.
-    async fn fenced_reply(
-        &mut self,
-        draft: &AttemptDraft,
-        token: &Token,
-        frame: &Frame,
-        raw: &Bytes,
-    ) {
+    async fn fenced_reply(&mut self, attempt: &Attempt, frame: &Frame, raw: &Bytes) {
         let mut restated = None;
         match frame.as_error() {
             Some(e) if stale_fence(e).is_some() => {
                 let fence = stale_fence(e).expect("checked");
-                let attempt = draft.attempt(Sender {
-                    conn: self.id,
-                    peer: self.peer,
-                    identity: self
-                        .identity
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clone(),
-                    token,
-                });
-                restated = self.audit_stale(&attempt, fence).await;
+                restated = self.audit_stale(attempt, fence).await;
             }
             Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
             _ => self.gateway.sink.applied(STORE),
