@@ -35,6 +35,15 @@ pub enum Class {
     },
 }
 
+/// A command name, upper-cased when displayed.
+struct Upper<'a>(&'a [u8]);
+
+impl std::fmt::Display for Upper<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&String::from_utf8_lossy(self.0).to_ascii_uppercase())
+    }
+}
+
 fn refuse(detail: String) -> Class {
     Class::Refuse {
         reason: RejectReason::Unsupported,
@@ -55,13 +64,9 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
     if !info.arity_ok(args.len()) {
         return Class::Pass;
     }
-    // Built only on the paths that refuse or look further (not for a plain relayed command:
-    // one allocation per request saved, issue 18).
-    let name = || {
-        args.first()
-            .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
-            .unwrap_or_default()
-    };
+    // Formatted only into a refusal: a request that passes or fences does not build it (an
+    // allocation per request saved, issue 18).
+    let name = Upper(args.first().map_or(&[][..], |n| n.as_ref()));
     let script = matches!(info.name.as_str(), "eval" | "evalsha" | "fcall");
     let keys = info.keys(args);
     if let Ok(keys) = &keys {
@@ -71,8 +76,7 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
                 .any(|k| k.starts_with(FENCE_KEY_PREFIX.as_bytes()))
         {
             return refuse(format!(
-                "{} would write a fence key; fence keys are managed by fencegate",
-                name()
+                "{name} would write a fence key; fence keys are managed by fencegate"
             ));
         }
     }
@@ -82,20 +86,18 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
             .is_some_and(|f| f.len() >= 10 && f[..10].eq_ignore_ascii_case(b"fencegate_"))
     {
         return refuse(format!(
-            "{} of a fencegate_* function: the fence function is called only by the gateway",
-            name()
+            "{name} of a fencegate_* function: the fence function is called only by the gateway"
         ));
     }
     if !enforcing {
         return Class::Pass;
     }
-    let name = name();
     let protected = |keys: &[&Bytes]| {
         keys.iter()
             .any(|k| config.mode_for(k) == ProtectMode::Enforce)
     };
     if script {
-        return classify_script(config, &name, &info.name, args, keys);
+        return classify_script(config, &name.to_string(), &info.name, args, keys);
     }
     if let Some(class) = classify_database(&name, &info.name, args) {
         return class;
@@ -187,7 +189,7 @@ fn classify_script(
 /// Commands that cross logical databases while a rule enforces. Fence keys live in database
 /// 0 with the data they guard; a write in another database, then `MOVE`/`COPY ... DB`/`SWAPDB`
 /// into 0, would bring a stale value past the fence. So the gateway serves database 0 only.
-fn classify_database(name: &str, lower: &str, args: &[Bytes]) -> Option<Class> {
+fn classify_database(name: &Upper, lower: &str, args: &[Bytes]) -> Option<Class> {
     let refused = match lower {
         "select" => args.get(1).is_some_and(|db| db.as_ref() != b"0"),
         "move" | "swapdb" => true,

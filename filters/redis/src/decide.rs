@@ -29,12 +29,11 @@ pub enum Decision {
     Pass,
     /// Answer like Redis answers an unknown command (not a refused write: not audited).
     Unknown,
-    /// Run inside the fence script with this token, declaring these keys.
+    /// Run inside the fence script with the connection's token (`Inputs::token`, never
+    /// `None` then; not copied here: issue 18), declaring these keys.
     Fence {
         /// The command's keys.
         keys: Vec<Bytes>,
-        /// The connection's token.
-        token: Token,
     },
     /// Refuse (audited), answering [`refusal_text`].
     Refuse {
@@ -73,10 +72,7 @@ pub fn decide(inputs: &Inputs, args: &[Bytes]) -> Decision {
                     reason: RejectReason::OutOfScope,
                     detail,
                 },
-                Ok(()) => Decision::Fence {
-                    keys,
-                    token: token.clone(),
-                },
+                Ok(()) => Decision::Fence { keys },
             },
         },
     }
@@ -141,13 +137,13 @@ mod tests {
         match decide(&inputs, &args) {
             Decision::Pass => "pass".into(),
             Decision::Unknown => "unknown".into(),
-            Decision::Fence { keys, token } => format!(
+            Decision::Fence { keys } => format!(
                 "fence {} with {}",
                 keys.iter()
                     .map(|k| String::from_utf8_lossy(k).into_owned())
                     .collect::<Vec<_>>()
                     .join(","),
-                token.resource()
+                token.as_ref().expect("fenced under a token").resource()
             ),
             Decision::Refuse { reason, detail } => refusal_text(&reason, &detail),
         }

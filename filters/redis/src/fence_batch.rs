@@ -3,6 +3,8 @@
 //! split back into one reply per write, each exactly what the write would have got from its own
 //! fence call. Pure; the session does the I/O.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use fencegate_core::Token;
 
@@ -21,7 +23,8 @@ pub const MAX_ARGS: usize = MAX_FENCED_ARGS;
 /// Writes collected for one call, in request order. `W` is what the caller keeps per write.
 #[derive(Debug)]
 pub struct Run<W> {
-    token: Token,
+    /// Shared with the session (and each write's reply context), not copied per write.
+    token: Arc<Token>,
     resp3: bool,
     writes: Vec<W>,
     bytes: usize,
@@ -30,7 +33,7 @@ pub struct Run<W> {
 
 impl<W> Run<W> {
     /// An empty run for writes under `token`, whose client speaks RESP3 or not.
-    pub fn new(token: Token, resp3: bool) -> Self {
+    pub fn new(token: Arc<Token>, resp3: bool) -> Self {
         Self {
             token,
             resp3,
@@ -43,7 +46,7 @@ impl<W> Run<W> {
     /// Whether a write under `token` with `args` arguments plus keys and `bytes` request bytes
     /// may join: same token, same protocol, within the caps. An empty run admits any one write.
     pub fn admits(&self, token: &Token, resp3: bool, args: usize, bytes: usize) -> bool {
-        self.token == *token
+        *self.token == *token
             && self.resp3 == resp3
             && (self.writes.is_empty()
                 || (self.writes.len() < MAX_WRITES
@@ -59,7 +62,7 @@ impl<W> Run<W> {
     }
 
     /// The token, the protocol and the writes.
-    pub fn into_parts(self) -> (Token, bool, Vec<W>) {
+    pub fn into_parts(self) -> (Arc<Token>, bool, Vec<W>) {
         (self.token, self.resp3, self.writes)
     }
 }
@@ -262,7 +265,7 @@ mod tests {
 
     #[test]
     fn a_run_holds_one_token_one_protocol_and_stays_within_its_caps() {
-        let mut run: Run<u32> = Run::new(token(7), false);
+        let mut run: Run<u32> = Run::new(Arc::new(token(7)), false);
         assert!(run.admits(&token(7), false, 3, 30));
         assert!(!run.admits(&token(8), false, 3, 30), "another token");
         assert!(!run.admits(&token(7), true, 3, 30), "another protocol");
@@ -275,13 +278,13 @@ mod tests {
             run.push(i, 3, 30);
         }
         assert!(!run.admits(&token(7), false, 3, 30), "full");
-        let mut run: Run<u32> = Run::new(token(7), false);
+        let mut run: Run<u32> = Run::new(Arc::new(token(7)), false);
         run.push(0, 3, MAX_BYTES - 10);
         assert!(run.admits(&token(7), false, 3, 10));
         assert!(!run.admits(&token(7), false, 3, 11), "bytes");
         run.push(1, MAX_ARGS - 10, 0);
         assert!(!run.admits(&token(7), false, 8, 0), "arguments");
         let (t, resp3, writes) = run.into_parts();
-        assert_eq!((t, resp3, writes), (token(7), false, vec![0, 1]));
+        assert_eq!((t, resp3, writes), (Arc::new(token(7)), false, vec![0, 1]));
     }
 }

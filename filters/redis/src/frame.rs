@@ -361,16 +361,14 @@ impl Frame {
             // as a line it would end early and the rest be read as further replies (found by
             // fuzzing, issue 17). Only a RESP3 upstream sends such an error, so `!` is understood.
             Frame::Error(e) if e.windows(2).any(|w| w == b"\r\n") => {
-                line(out, b'!', e.len().to_string().as_bytes());
+                header(out, b'!', e.len());
                 out.put_slice(e);
                 out.put_slice(b"\r\n");
             }
             Frame::Error(e) => line(out, b'-', e),
             Frame::Integer(i) => line(out, b':', i.to_string().as_bytes()),
             Frame::Bulk(b) => {
-                line(out, b'$', b.len().to_string().as_bytes());
-                out.put_slice(b);
-                out.put_slice(b"\r\n");
+                bulk(out, b);
             }
             Frame::Null => out.put_slice(b"$-1\r\n"),
             Frame::Array(items) => aggregate(out, b'*', items),
@@ -379,14 +377,14 @@ impl Frame {
             Frame::Number(n) => line(out, b',', n),
             Frame::Boolean(b) => out.put_slice(if *b { b"#t\r\n" } else { b"#f\r\n" }),
             Frame::Map(pairs) => {
-                line(out, b'%', pairs.len().to_string().as_bytes());
+                header(out, b'%', pairs.len());
                 for (k, v) in pairs {
                     k.encode(out);
                     v.encode(out);
                 }
             }
             Frame::Attributed(pairs, inner) => {
-                line(out, b'|', pairs.len().to_string().as_bytes());
+                header(out, b'|', pairs.len());
                 for (k, v) in pairs {
                     k.encode(out);
                     v.encode(out);
@@ -410,8 +408,40 @@ fn line(out: &mut BytesMut, kind: u8, text: &[u8]) {
     out.put_slice(b"\r\n");
 }
 
+/// Appends `args` as a command (an array of bulk strings): what `Frame::command(args).encode`
+/// writes, without building the frames (no allocation per request, issue 18).
+pub fn encode_command(args: &[Bytes], out: &mut BytesMut) {
+    header(out, b'*', args.len());
+    for arg in args {
+        bulk(out, arg);
+    }
+}
+
+fn bulk(out: &mut BytesMut, b: &[u8]) {
+    header(out, b'$', b.len());
+    out.put_slice(b);
+    out.put_slice(b"\r\n");
+}
+
+/// A type byte and a length, formatted on the stack (a `to_string` per element was an
+/// allocation per argument of every request relayed or rewritten, issue 18).
+fn header(out: &mut BytesMut, kind: u8, n: usize) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    line(out, kind, &digits[at..]);
+}
+
 fn aggregate(out: &mut BytesMut, kind: u8, items: &[Frame]) {
-    line(out, kind, items.len().to_string().as_bytes());
+    header(out, kind, items.len());
     for item in items {
         item.encode(out);
     }

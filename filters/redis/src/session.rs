@@ -55,6 +55,8 @@ use crate::upstream::{self, UpstreamInfo};
 
 const STORE: &str = "redis";
 const SLOT_QUEUE: usize = 4096;
+/// Command names up to this long are upper-cased on the stack (every Redis command's is).
+const NAME_ON_STACK: usize = 32;
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
 
@@ -164,6 +166,7 @@ pub(crate) async fn run(
     let writer = Writer {
         gateway,
         id,
+        peer,
         client: client_w,
         out: BytesMut::new(),
         upstream: source,
@@ -279,7 +282,7 @@ impl Slot {
     /// How many client requests this slot answers.
     fn requests(&self) -> usize {
         match self {
-            Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.attempts.len(),
+            Slot::Upstream(Expect::FencedBatch(ctx)) => ctx.writes.len(),
             Slot::Pin(..) => 0,
             _ => 1,
         }
@@ -309,8 +312,8 @@ enum Expect {
     /// A fence script call: audit a `FENCED` refusal, count an applied write, reload the
     /// script if it is missing.
     Fenced(Box<FenceContext>),
-    /// The `EXEC` of a fenced transaction.
-    Exec(Box<FenceContext>),
+    /// The `EXEC` of a fenced transaction: audit a `FENCED` refusal of the transaction.
+    Exec(Box<Attempt>),
     /// A batch fence call for several pipelined writes: one reply per write, each handled as
     /// `Fenced` would handle it alone.
     FencedBatch(Box<BatchContext>),
@@ -318,7 +321,9 @@ enum Expect {
 
 struct BatchContext {
     /// The writes, in request order, to audit if the store refuses them.
-    attempts: Vec<Attempt>,
+    writes: Vec<FencedWrite>,
+    /// The token they ran under.
+    token: Arc<Token>,
     /// The rewritten call, to send again after a reload.
     call: Vec<Bytes>,
     /// Whether the client speaks RESP3 (how a null reply is written).
@@ -327,14 +332,29 @@ struct BatchContext {
 
 struct FenceContext {
     /// The write, to audit if the store refuses it.
-    attempt: Attempt,
+    write: FencedWrite,
+    /// The token it ran under.
+    token: Arc<Token>,
     /// The rewritten call, to send again after a reload.
     call: Vec<Bytes>,
 }
 
+/// What the audit record of a fenced write is built from, should the store refuse it: the
+/// request's own parts, moved rather than copied. The record itself ([`Attempt`]: addresses,
+/// names and ids formatted into strings) is built only for a refusal, not for every write: it
+/// was most of the fenced path's allocations (issue 18).
+struct FencedWrite {
+    /// The request's number on this connection (the audit record's request id).
+    request: u64,
+    args: Vec<Bytes>,
+    keys: Vec<Bytes>,
+    /// The request's size on the wire.
+    bytes: usize,
+}
+
 struct Multi {
     /// The token in force at `MULTI`: every queued command then runs under the fence.
-    token: Option<Token>,
+    token: Option<Arc<Token>>,
     /// A queued command was refused: `EXEC` becomes `DISCARD` and answers `EXECABORT`.
     dirty: bool,
     /// Commands queued, for the audit summary.
@@ -353,7 +373,8 @@ struct Reader {
     upstream: Arc<Mutex<UpstreamWriter>>,
     slots: Producer<Slot>,
     resp3: Arc<AtomicBool>,
-    token: Option<Token>,
+    /// The token `FENCE` set; shared (not copied) with each fenced write in flight.
+    token: Option<Arc<Token>>,
     multi: Option<Multi>,
     /// The user of the last successful `AUTH`/`HELLO ... AUTH` (set by the writer, which sees
     /// the reply).
@@ -424,14 +445,7 @@ struct Batch {
     upstream: BytesMut,
     requests: u64,
     slots: Vec<Slot>,
-    run: Option<(ScriptMode, Run<RunWrite>)>,
-}
-
-/// A fenced write waiting in a run.
-struct RunWrite {
-    args: Vec<Bytes>,
-    keys: Vec<Bytes>,
-    attempt: Attempt,
+    run: Option<(ScriptMode, Run<FencedWrite>)>,
 }
 
 impl Batch {
@@ -453,41 +467,42 @@ impl Batch {
     }
 
     fn send(&mut self, args: &[Bytes]) {
-        Frame::command(args.iter().cloned()).encode(&mut self.upstream);
+        frame::encode_command(args, &mut self.upstream);
         self.requests += 1;
     }
 
     /// Adds a fenced write to the run, closing the run first when the write cannot join it.
-    fn fenced(
-        &mut self,
-        mode: &ScriptMode,
-        token: Token,
-        resp3: bool,
-        write: RunWrite,
-        bytes: usize,
-    ) {
+    fn fenced(&mut self, mode: &ScriptMode, token: &Arc<Token>, resp3: bool, write: FencedWrite) {
         let size = write.args.len() + write.keys.len();
+        let bytes = write.bytes;
         if self
             .run
             .as_ref()
-            .is_some_and(|(_, run)| !run.admits(&token, resp3, size, bytes))
+            .is_some_and(|(_, run)| !run.admits(token, resp3, size, bytes))
         {
             self.close_run();
         }
         self.run
-            .get_or_insert_with(|| (mode.clone(), Run::new(token, resp3)))
+            .get_or_insert_with(|| (mode.clone(), Run::new(token.clone(), resp3)))
             .1
             .push(write, size, bytes);
     }
 
     /// Sends one fenced write as the plain fence call, after anything before it.
-    fn fenced_alone(&mut self, mode: &ScriptMode, token: &Token, write: RunWrite, resp3: bool) {
+    fn fenced_alone(
+        &mut self,
+        mode: &ScriptMode,
+        token: Arc<Token>,
+        write: FencedWrite,
+        resp3: bool,
+    ) {
         self.close_run();
-        let call = rewrite(mode, token, &write.args, &write.keys, resp3);
+        let call = rewrite(mode, &token, &write.args, &write.keys, resp3);
         self.send(&call);
         self.slots
             .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
-                attempt: write.attempt,
+                write,
+                token,
                 call,
             }))));
     }
@@ -500,7 +515,7 @@ impl Batch {
         let (token, resp3, mut writes) = run.into_parts();
         if writes.len() == 1 {
             let write = writes.pop().expect("one write");
-            self.fenced_alone(&mode, &token, write, resp3);
+            self.fenced_alone(&mode, token, write, resp3);
             return;
         }
         let batched: Vec<BatchedWrite> = writes
@@ -514,7 +529,8 @@ impl Batch {
         self.send(&call);
         self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
             BatchContext {
-                attempts: writes.into_iter().map(|w| w.attempt).collect(),
+                writes,
+                token,
                 call,
                 resp3,
             },
@@ -803,9 +819,10 @@ impl Reader {
             return;
         }
         self.requests += 1;
-        let name = request.name();
+        let mut name_buf = [0u8; NAME_ON_STACK];
+        let name = upper(&request.args[0], &mut name_buf);
         let args = &request.args;
-        match name.as_str() {
+        match &*name {
             "FENCE" => return self.fence(&request, batch),
             // Redis refuses it and stays outside a transaction; the gateway must not enter one.
             "MULTI" if args.len() > 1 => {
@@ -911,9 +928,9 @@ impl Reader {
             _ => {}
         }
         if let Some(multi) = &mut self.multi {
-            multi.commands.push(name.clone());
+            multi.commands.push(name.clone().into_owned());
             multi.bytes += request.wire_len;
-            if multi.token.is_some() && !matches!(name.as_str(), "MULTI" | "WATCH") {
+            if multi.token.is_some() && !matches!(&*name, "MULTI" | "WATCH") {
                 self.refresh_config();
                 let class = classify(&self.info.table, &self.config.1, args);
                 return self.queue_fenced(&request, class, batch);
@@ -927,7 +944,7 @@ impl Reader {
         let inputs = Inputs {
             table: &self.info.table,
             config: &self.config.1,
-            token: self.token.as_ref(),
+            token: self.token.as_deref(),
             fences_at_risk: risk.as_deref(),
         };
         match decide(&inputs, args) {
@@ -938,22 +955,26 @@ impl Reader {
             Decision::Pass => self.pass(args, batch),
             Decision::Unknown => self.unknown(&request, batch),
             Decision::Refuse { reason, detail } => self.refuse(&request, reason, &detail, batch),
-            Decision::Fence { keys, token } => {
+            Decision::Fence { keys } => {
                 self.accepted();
+                let token = self
+                    .token
+                    .as_ref()
+                    .expect("decide fences only under a token");
                 // Read before `resp3`: the writer settles the protocol, then counts the reply.
                 let settled = self.hellos_pending.load(Ordering::Acquire) == 0;
                 let resp3 = self.resp3.load(Ordering::Relaxed);
-                let attempt = self.attempt(&request, &keys, Some(&token));
-                let write = RunWrite {
+                let write = FencedWrite {
+                    request: self.requests,
                     args: request.args,
                     keys,
-                    attempt,
+                    bytes: request.wire_len,
                 };
                 if self.multi.is_none() && self.batching && settled {
                     // Joins the batch's run of fenced writes (sent when the run closes).
-                    batch.fenced(&self.info.mode, token, resp3, write, request.wire_len);
+                    batch.fenced(&self.info.mode, token, resp3, write);
                 } else {
-                    batch.fenced_alone(&self.info.mode, &token, write, resp3);
+                    batch.fenced_alone(&self.info.mode, token.clone(), write, resp3);
                 }
             }
         }
@@ -1038,10 +1059,7 @@ impl Reader {
                     args: multi.commands.len(),
                     bytes: multi.bytes,
                 };
-                batch.push(Slot::Upstream(Expect::Exec(Box::new(FenceContext {
-                    attempt,
-                    call: Vec::new(),
-                }))));
+                batch.push(Slot::Upstream(Expect::Exec(Box::new(attempt))));
             }
         }
     }
@@ -1060,7 +1078,7 @@ impl Reader {
             match self.gateway.policy.check(&text, None) {
                 Ok(token) => {
                     tracing::debug!(conn = self.id, resource = %token.resource(), revision = %token.revision(), "token set");
-                    self.token = Some(token);
+                    self.token = Some(Arc::new(token));
                     Frame::simple("OK")
                 }
                 Err(e) => {
@@ -1127,7 +1145,7 @@ impl Reader {
             .unwrap_or_default();
         let token = self.token.clone();
         let event = self
-            .attempt(request, &keys, token.as_ref())
+            .attempt(request, &keys, token.as_deref())
             .refused(&Rejection::new(reason, detail));
 
         if within {
@@ -1172,6 +1190,7 @@ impl Reader {
 struct Writer {
     gateway: Arc<Gateway>,
     id: u64,
+    peer: SocketAddr,
     client: WriteHalf,
     out: BytesMut,
     upstream: Source,
@@ -1207,14 +1226,21 @@ enum SubKind {
 }
 
 impl SubKind {
-    /// The kind a (un)subscribe command or confirmation name is about.
+    /// The kind a (un)subscribe command or confirmation name is about (any case; compared in
+    /// place: this runs for every request, issue 18).
     fn of(name: &str) -> Option<Self> {
-        Some(match name.to_ascii_lowercase().as_str() {
-            "subscribe" | "unsubscribe" => Self::Channel,
-            "psubscribe" | "punsubscribe" => Self::Pattern,
-            "ssubscribe" | "sunsubscribe" => Self::Shard,
-            _ => return None,
-        })
+        const KINDS: [(&str, SubKind); 6] = [
+            ("subscribe", SubKind::Channel),
+            ("unsubscribe", SubKind::Channel),
+            ("psubscribe", SubKind::Pattern),
+            ("punsubscribe", SubKind::Pattern),
+            ("ssubscribe", SubKind::Shard),
+            ("sunsubscribe", SubKind::Shard),
+        ];
+        KINDS
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, kind)| *kind)
     }
 }
 
@@ -1414,32 +1440,33 @@ impl Writer {
             }
             Expect::Fenced(ctx) => {
                 let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
-                self.fenced_reply(&ctx.attempt, &frame, &raw).await;
+                self.fenced_reply(&ctx.write, &ctx.token, &frame, &raw)
+                    .await;
             }
             Expect::FencedBatch(ctx) => {
                 let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
-                match fence_batch::split(&frame, &raw, ctx.attempts.len(), ctx.resp3) {
+                match fence_batch::split(&frame, &raw, ctx.writes.len(), ctx.resp3) {
                     Ok(Split::Each(replies)) => {
-                        for (attempt, (frame, raw)) in ctx.attempts.iter().zip(&replies) {
-                            self.fenced_reply(attempt, frame, raw).await;
+                        for (write, (frame, raw)) in ctx.writes.iter().zip(&replies) {
+                            self.fenced_reply(write, &ctx.token, frame, raw).await;
                         }
                     }
                     // A stale fence refuses every write of the batch, each audited.
                     Ok(Split::Whole) => {
-                        for attempt in &ctx.attempts {
-                            self.fenced_reply(attempt, &frame, &raw).await;
+                        for write in &ctx.writes {
+                            self.fenced_reply(write, &ctx.token, &frame, &raw).await;
                         }
                     }
                     // Which writes applied is unknown: the client must not guess either.
                     Err(why) => return Err(RedisError::Upstream(why)),
                 }
             }
-            Expect::Exec(ctx) => {
+            Expect::Exec(attempt) => {
                 let mut restated = None;
                 if let Frame::Array(items) = &frame {
                     let errors = items.iter().filter_map(Frame::as_error);
                     if let Some(fence) = errors.clone().find_map(stale_fence) {
-                        restated = self.audit_stale(&ctx.attempt, fence).await;
+                        restated = self.audit_stale(&attempt, fence).await;
                     } else if errors.clone().any(is_missing_script) {
                         // The transaction did not apply (every command in it runs under the
                         // fence); reload so the client's retry works.
@@ -1462,12 +1489,19 @@ impl Writer {
     /// Answers one fenced write with the store's reply: a `FENCED` refusal is audited (and
     /// restated when the fence is above every issued revision), anything else but a missing
     /// function counts as applied.
-    async fn fenced_reply(&mut self, attempt: &Attempt, frame: &Frame, raw: &Bytes) {
+    async fn fenced_reply(
+        &mut self,
+        write: &FencedWrite,
+        token: &Token,
+        frame: &Frame,
+        raw: &Bytes,
+    ) {
         let mut restated = None;
         match frame.as_error() {
             Some(e) if stale_fence(e).is_some() => {
                 let fence = stale_fence(e).expect("checked");
-                restated = self.audit_stale(attempt, fence).await;
+                let attempt = self.attempt(write, token);
+                restated = self.audit_stale(&attempt, fence).await;
             }
             Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
             _ => self.gateway.sink.applied(STORE),
@@ -1561,6 +1595,33 @@ impl Writer {
         tracing::info!(conn = self.id, resource = ?rejection.resource, revision = ?rejection.revision, fence, command = %attempt.operation.command, "stale write refused by the store");
         self.audit(attempt.refused(&rejection)).await;
         restated
+    }
+
+    /// The audit record of a fenced write, built once the store refused it. The identity is the
+    /// one in force when the reply came: replies come in request order, so that is the last
+    /// accepted `AUTH` before the write.
+    fn attempt(&self, write: &FencedWrite, token: &Token) -> Attempt {
+        Attempt {
+            store: Store::Redis,
+            client_addr: self.peer.to_string(),
+            client_identity: self
+                .identity
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            token: Some(token.clone()),
+            operation: OperationSummary {
+                command: write
+                    .args
+                    .first()
+                    .map(|a| String::from_utf8_lossy(a).to_ascii_uppercase())
+                    .unwrap_or_default(),
+                objects: write.keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
+                args: write.args.len(),
+                bytes: write.bytes,
+            },
+            request_id: format!("redis-{}-{}", self.id, write.request),
+        }
     }
 
     async fn audit(&mut self, event: AuditEvent) {
@@ -1696,6 +1757,20 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
 /// spelling (`+3`, `03`) is longer than its canonical form, so equal sizes mean equal bytes:
 /// relaying such a request as it came sends exactly what was decided on. Inline commands are
 /// re-encoded.
+/// A command name upper-cased: in `buf` when it is short ASCII, as every command name is (no
+/// allocation per request, issue 18); lossy and allocated otherwise.
+fn upper<'a>(name: &[u8], buf: &'a mut [u8; NAME_ON_STACK]) -> std::borrow::Cow<'a, str> {
+    if name.len() <= buf.len() && name.is_ascii() {
+        let out = &mut buf[..name.len()];
+        out.copy_from_slice(name);
+        out.make_ascii_uppercase();
+        if let Ok(text) = std::str::from_utf8(out) {
+            return std::borrow::Cow::Borrowed(text);
+        }
+    }
+    std::borrow::Cow::Owned(String::from_utf8_lossy(name).to_ascii_uppercase())
+}
+
 fn canonical(wire: &[u8], args: &[Bytes]) -> bool {
     fn digits(n: usize) -> usize {
         n.checked_ilog10().map_or(1, |d| d as usize + 1)
