@@ -366,7 +366,7 @@ impl Frame {
                 out.put_slice(b"\r\n");
             }
             Frame::Error(e) => line(out, b'-', e),
-            Frame::Integer(i) => line(out, b':', i.to_string().as_bytes()),
+            Frame::Integer(i) => line(out, b':', itoa::Buffer::new().format(*i).as_bytes()),
             Frame::Bulk(b) => {
                 bulk(out, b);
             }
@@ -423,21 +423,10 @@ fn bulk(out: &mut BytesMut, b: &[u8]) {
     out.put_slice(b"\r\n");
 }
 
-/// A type byte and a length, formatted on the stack (a `to_string` per element was an
+/// A type byte and a length, formatted on the stack by `itoa` (a `to_string` per element was an
 /// allocation per argument of every request relayed or rewritten, issue 18).
 fn header(out: &mut BytesMut, kind: u8, n: usize) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut n = n;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    line(out, kind, &digits[at..]);
+    line(out, kind, itoa::Buffer::new().format(n).as_bytes());
 }
 
 fn aggregate(out: &mut BytesMut, kind: u8, items: &[Frame]) {
@@ -574,6 +563,31 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn encode_command_is_the_command_frame_encoded(
+            args in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..20),
+        ) {
+            let args: Vec<Bytes> = args.into_iter().map(Bytes::from).collect();
+            let mut direct = BytesMut::new();
+            encode_command(&args, &mut direct);
+            prop_assert_eq!(&direct[..], &Frame::command(args.iter().cloned()).to_bytes()[..]);
+            let (frame, used) = parse(&direct, &limits()).expect("valid").expect("complete");
+            prop_assert_eq!(used, direct.len());
+            prop_assert_eq!(frame, Frame::command(args));
+        }
+
+        #[test]
+        fn integers_and_lengths_encode_as_decimal(i in any::<i64>(), n in 0usize..100_000) {
+            let mut out = BytesMut::new();
+            Frame::Integer(i).encode(&mut out);
+            let expected = format!(":{i}\r\n");
+            prop_assert_eq!(&out[..], expected.as_bytes());
+            let mut out = BytesMut::new();
+            Frame::Bulk(Bytes::from(vec![b'x'; n])).encode(&mut out);
+            let head = format!("${n}\r\n");
+            prop_assert!(out.starts_with(head.as_bytes()));
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = parse(&bytes, &limits());

@@ -66,6 +66,23 @@ pub fn fence_key(token: &Token) -> Bytes {
     Bytes::from(format!("{FENCE_KEY_PREFIX}{{{}}}", token.resource()))
 }
 
+/// A count as a decimal argument. The counts of a fence call are small (keys, commands, each
+/// command's arguments), so those below 64 come from a static table instead of an allocation
+/// each (a batch of 16 writes has 18 of them).
+fn count(n: usize) -> Bytes {
+    const SMALL: [&str; 64] = [
+        "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
+        "17", "18", "19", "20", "21", "22", "23", "24", "25", "26", "27", "28", "29", "30", "31",
+        "32", "33", "34", "35", "36", "37", "38", "39", "40", "41", "42", "43", "44", "45", "46",
+        "47", "48", "49", "50", "51", "52", "53", "54", "55", "56", "57", "58", "59", "60", "61",
+        "62", "63",
+    ];
+    match SMALL.get(n) {
+        Some(text) => Bytes::from_static(text.as_bytes()),
+        None => Bytes::from(n.to_string()),
+    }
+}
+
 /// Rewrites `args` (the original command) into the fence script call, declaring the fence key
 /// and `keys`. `resp3` selects the reply protocol inside the script.
 pub fn rewrite(
@@ -86,7 +103,7 @@ pub fn rewrite(
             out.push(Bytes::from(sha.clone()));
         }
     }
-    out.push(Bytes::from((keys.len() + 1).to_string()));
+    out.push(count(keys.len() + 1));
     out.push(fence_key(token));
     out.extend(keys.iter().cloned());
     out.push(Bytes::from(token.resource().to_string()));
@@ -126,7 +143,7 @@ pub fn rewrite_batch(
             out.push(Bytes::from(batch_sha.clone()));
         }
     }
-    out.push(Bytes::from((keys + 1).to_string()));
+    out.push(count(keys + 1));
     out.push(fence_key(token));
     for write in writes {
         out.extend(write.keys.iter().cloned());
@@ -134,9 +151,9 @@ pub fn rewrite_batch(
     out.push(Bytes::from(token.resource().to_string()));
     out.push(Bytes::from(token.revision().to_string()));
     out.push(Bytes::from_static(if resp3 { b"3" } else { b"2" }));
-    out.push(Bytes::from(writes.len().to_string()));
+    out.push(count(writes.len()));
     for write in writes {
-        out.push(Bytes::from(write.args.len().to_string()));
+        out.push(count(write.args.len()));
     }
     for write in writes {
         out.extend(write.args.iter().cloned());
@@ -168,6 +185,13 @@ mod tests {
         text.split(' ')
             .map(|a| Bytes::copy_from_slice(a.as_bytes()))
             .collect()
+    }
+
+    #[test]
+    fn counts_are_their_decimal_text() {
+        for n in [0, 1, 9, 10, 63, 64, 65, 1000] {
+            assert_eq!(count(n), Bytes::from(n.to_string()), "{n}");
+        }
     }
 
     #[test]
