@@ -424,6 +424,25 @@ fn upstream_fault(e: &RedisError) -> bool {
 
 type Identity = Arc<std::sync::Mutex<Option<String>>>;
 
+/// What every Redis audit record says of the client: its address, the identity Redis accepted
+/// for the connection, the token, and the request id (`redis-<conn>-<request>`).
+fn client_attempt(
+    peer: SocketAddr,
+    identity: &Identity,
+    conn: u64,
+    request: u64,
+    token: Option<&Token>,
+) -> Attempt {
+    Attempt {
+        store: Store::Redis,
+        client_addr: peer.to_string(),
+        client_identity: identity.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        token: token.cloned(),
+        operation: OperationSummary::default(),
+        request_id: format!("redis-{conn}-{request}"),
+    }
+}
+
 impl Drop for Reader {
     fn drop(&mut self) {
         self.gateway
@@ -1160,18 +1179,7 @@ impl Reader {
     }
 
     fn base_attempt(&self, token: Option<&Token>) -> Attempt {
-        Attempt {
-            store: Store::Redis,
-            client_addr: self.peer.to_string(),
-            client_identity: self
-                .identity
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-            token: token.cloned(),
-            operation: OperationSummary::default(),
-            request_id: format!("redis-{}-{}", self.id, self.requests),
-        }
+        client_attempt(self.peer, &self.identity, self.id, self.requests, token)
     }
 
     fn attempt(&self, request: &Request, keys: &[Bytes], token: Option<&Token>) -> Attempt {
@@ -1602,14 +1610,6 @@ impl Writer {
     /// accepted `AUTH` before the write.
     fn attempt(&self, write: &FencedWrite, token: &Token) -> Attempt {
         Attempt {
-            store: Store::Redis,
-            client_addr: self.peer.to_string(),
-            client_identity: self
-                .identity
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-            token: Some(token.clone()),
             operation: OperationSummary {
                 command: write
                     .args
@@ -1620,7 +1620,13 @@ impl Writer {
                 args: write.args.len(),
                 bytes: write.bytes,
             },
-            request_id: format!("redis-{}-{}", self.id, write.request),
+            ..client_attempt(
+                self.peer,
+                &self.identity,
+                self.id,
+                write.request,
+                Some(token),
+            )
         }
     }
 
