@@ -5,6 +5,8 @@
 //! Fail closed: a statement is a read only when the parser proves it; everything else (an
 //! unknown statement type, a function call not known to be read-only, a parse error) is a write.
 
+use std::sync::Arc;
+
 use pg_query::protobuf::{self, a_const, node::Node as N, Token as ScanTokenKind};
 use pg_query::NodeEnum;
 
@@ -39,8 +41,9 @@ pub struct Statement {
     pub end: usize,
     /// Read, write, ...
     pub kind: Kind,
-    /// The command word (`INSERT`, `UPDATE`, `WITH`, ...), for audit summaries.
-    pub command: String,
+    /// The command word (`INSERT`, `UPDATE`, `WITH`, ...), for audit summaries. Shared: a
+    /// classification reused from the cache hands it out for every query of the same shape.
+    pub command: Arc<str>,
     /// Tables the statement writes or alters (schema-qualified when written so).
     pub targets: Vec<String>,
     /// The token of a `/* fencing_token='...' */` comment in or right after the statement.
@@ -204,7 +207,7 @@ pub fn classify(sql: &str) -> Classified {
                     start: 0,
                     end: sql.len(),
                     kind: Kind::Write,
-                    command: first_word(sql),
+                    command: first_word(sql).into(),
                     targets: Vec::new(),
                     comment_token: comments(sql).into_iter().map(|(_, t)| t).next(),
                     may_end_transaction: true,
@@ -243,8 +246,8 @@ pub fn classify(sql: &str) -> Classified {
             end,
             kind,
             command: match node {
-                Some(NodeEnum::TransactionStmt(t)) => transaction_command(t, text),
-                _ => first_word(text),
+                Some(NodeEnum::TransactionStmt(t)) => transaction_command(t, text).into(),
+                _ => first_word(text).into(),
             },
             targets,
             comment_token,
@@ -644,7 +647,7 @@ mod tests {
         assert_eq!(c.statements[1].comment_token.as_deref(), Some("fg1~7~job"));
         assert_eq!(c.statements[0].comment_token, None);
         assert_eq!(c.statements[2].comment_token, None);
-        assert_eq!(c.statements[1].command, "INSERT");
+        assert_eq!(&*c.statements[1].command, "INSERT");
         assert_eq!(c.statements[1].targets, vec!["t".to_owned()]);
         assert!(sql[c.statements[1].start..]
             .trim_start()

@@ -136,17 +136,23 @@ pub fn parse_startup(buf: &mut BytesMut) -> Result<Option<Startup>, FrameError> 
 
 /// Reads a NUL-terminated UTF-8 string and advances past it.
 pub fn read_cstr(body: &mut &[u8]) -> Option<String> {
+    read_str(body).map(str::to_owned)
+}
+
+/// [`read_cstr`], borrowed from the message.
+fn read_str<'a>(body: &mut &'a [u8]) -> Option<&'a str> {
     let end = body.iter().position(|&b| b == 0)?;
-    let text = std::str::from_utf8(&body[..end]).ok()?.to_owned();
+    let text = std::str::from_utf8(&body[..end]).ok()?;
     *body = &body[end + 1..];
     Some(text)
 }
 
 /// A `Query` message's SQL text.
-pub fn query_text(frame: &Frame) -> Result<String, FrameError> {
+/// Borrowed from the frame: the text of every simple query is read here, and a copy of it was
+/// an allocation per query (issue 18).
+pub fn query_text(frame: &Frame) -> Result<&str, FrameError> {
     let mut body = frame.body();
-    let text = read_cstr(&mut body).ok_or(FrameError::BadBody("Query"))?;
-    Ok(text)
+    read_str(&mut body).ok_or(FrameError::BadBody("Query"))
 }
 
 /// A `Parse` message's statement name and SQL text.

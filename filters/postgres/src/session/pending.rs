@@ -292,7 +292,7 @@ pub(super) fn unknown_statement(name: &str) -> Classified {
             start: 0,
             end: 0,
             kind: Kind::Write,
-            command: "EXECUTE".to_owned(),
+            command: "EXECUTE".into(),
             targets: Vec::new(),
             comment_token: None,
             may_end_transaction: true,

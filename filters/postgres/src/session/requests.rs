@@ -211,7 +211,7 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
                 "fast-path function calls cannot be fenced",
             );
             let summary = OperationSummary {
-                command: "FUNCTION CALL".to_owned(),
+                command: "FUNCTION CALL".into(),
                 objects: Vec::new(),
                 args: 1,
                 bytes: frame.raw.len(),
@@ -240,7 +240,7 @@ fn classify_now(shared: &Shared, sql: &str) -> Classified {
                 start: 0,
                 end: sql.len(),
                 kind: Kind::Unfenceable(why),
-                command: String::new(),
+                command: "".into(),
                 targets: Vec::new(),
                 comment_token: None,
                 may_end_transaction: true,
@@ -268,7 +268,7 @@ fn summary_of(classified: &Classified, bytes: usize) -> OperationSummary {
         .find(|s| s.kind == Kind::Write)
         .or(classified.statements.first());
     OperationSummary {
-        command: first_write.map_or_else(String::new, |s| s.command.clone()),
+        command: first_write.map_or_else(String::new, |s| s.command.to_string()),
         objects: first_write
             .map(|s| s.targets.iter().take(4).map(|t| shorten(t)).collect())
             .unwrap_or_default(),
@@ -283,13 +283,13 @@ fn shorten(name: &str) -> String {
 
 async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
     let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = classify_now(shared, &sql);
+    let classified = classify_now(shared, sql);
     // Only refusals and guards quote the summary: a relayed read does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
     let plan = {
         let state = shared.lock();
         let ctx = context(shared, state.session_token.as_deref());
-        rewrite::plan_query(&sql, &classified, &ctx, state.covered())
+        rewrite::plan_query(sql, &classified, &ctx, state.covered())
     };
     if let QueryPlan::Refuse(rejection) = &plan {
         let session_token = shared.lock().session_token.clone();
@@ -517,5 +517,5 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
 
 /// Whether a transaction-control statement opens a transaction block.
 fn begins(statement: &crate::classify::Statement) -> bool {
-    matches!(statement.command.as_str(), "BEGIN" | "START")
+    matches!(&*statement.command, "BEGIN" | "START")
 }
