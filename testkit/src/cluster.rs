@@ -474,17 +474,29 @@ impl Cluster {
     }
 
     /// Acquires `resource` through node `id` and returns the grant's JSON.
+    /// A node that knows no leader answers 503 `no_leader` and asks to retry: on a loaded
+    /// machine an election can start mid-test (CI saw one), so that answer is retried for up
+    /// to 10 s, as a client following the API would. Anything else must be a grant.
     pub async fn acquire(&self, id: u64, resource: &str, ttl_ms: u64) -> Value {
-        let (status, body) = self
-            .call(
-                id,
-                reqwest::Method::POST,
-                &format!("/v1/locks/{resource}"),
-                Some(json!({ "ttl_ms": ttl_ms })),
-            )
-            .await;
-        assert_eq!(status, StatusCode::OK, "acquire {resource}: {body}");
-        body
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (status, body) = self
+                .call(
+                    id,
+                    reqwest::Method::POST,
+                    &format!("/v1/locks/{resource}"),
+                    Some(json!({ "ttl_ms": ttl_ms })),
+                )
+                .await;
+            let leaderless =
+                status == StatusCode::SERVICE_UNAVAILABLE && body["error"] == "no_leader";
+            if leaderless && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            assert_eq!(status, StatusCode::OK, "acquire {resource}: {body}");
+            return body;
+        }
     }
 
     pub async fn release(&self, id: u64, lease_id: &str) {
