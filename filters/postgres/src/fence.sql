@@ -218,7 +218,8 @@ $passmac$;
 -- key, hex) is over `pass2:pid:txid:revision:resource` (`pass2`: this definition's tag, so a pass
 -- made under an earlier one never verifies after a reinstall): the pass verifies only in the backend and
 -- transaction that made it, and only SECURITY DEFINER functions of this schema can read the pass
--- key, so no client can forge one. fencegate.enforce() computes the same MAC inline.
+-- key, so no client can forge one. fencegate.enforce() and take_fence's common case compute
+-- the same MAC inline: keep the three in step (a mismatch refuses every protected write).
 CREATE OR REPLACE FUNCTION fencegate.set_pass(p_resource text, p_revision bigint)
 RETURNS void
 LANGUAGE plpgsql

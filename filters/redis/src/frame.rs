@@ -77,11 +77,16 @@ pub struct Request {
 impl Request {
     /// The command name in upper case (lossy for non-UTF-8 names).
     pub fn name(&self) -> String {
-        self.args
-            .first()
-            .map(|a| String::from_utf8_lossy(a).to_ascii_uppercase())
-            .unwrap_or_default()
+        command_name(&self.args)
     }
+}
+
+/// The name of the command `args` (name first) in upper case, lossy for non-UTF-8 names; empty
+/// for no arguments.
+pub fn command_name(args: &[Bytes]) -> String {
+    args.first()
+        .map(|a| String::from_utf8_lossy(a).to_ascii_uppercase())
+        .unwrap_or_default()
 }
 
 /// Parses one frame from the front of `buf`. `Ok(None)`: incomplete, read more.

@@ -443,6 +443,17 @@ fn client_attempt(
     }
 }
 
+/// What an audit record says of a command (`args`, name first) of `bytes` wire bytes writing
+/// `keys`: its name, at most eight keys (each cut to 64 bytes), its size; never a value.
+fn operation(args: &[Bytes], keys: &[Bytes], bytes: usize) -> OperationSummary {
+    OperationSummary {
+        command: frame::command_name(args),
+        objects: keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
+        args: args.len(),
+        bytes,
+    }
+}
+
 impl Drop for Reader {
     fn drop(&mut self) {
         self.gateway
@@ -1184,12 +1195,7 @@ impl Reader {
 
     fn attempt(&self, request: &Request, keys: &[Bytes], token: Option<&Token>) -> Attempt {
         Attempt {
-            operation: OperationSummary {
-                command: request.name(),
-                objects: keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
-                args: request.args.len(),
-                bytes: request.wire_len,
-            },
+            operation: operation(&request.args, keys, request.wire_len),
             ..self.base_attempt(token)
         }
     }
@@ -1610,16 +1616,7 @@ impl Writer {
     /// accepted `AUTH` before the write.
     fn attempt(&self, write: &FencedWrite, token: &Token) -> Attempt {
         Attempt {
-            operation: OperationSummary {
-                command: write
-                    .args
-                    .first()
-                    .map(|a| String::from_utf8_lossy(a).to_ascii_uppercase())
-                    .unwrap_or_default(),
-                objects: write.keys.iter().take(8).map(|k| lossy(k, 64)).collect(),
-                args: write.args.len(),
-                bytes: write.bytes,
-            },
+            operation: operation(&write.args, &write.keys, write.bytes),
             ..client_attempt(
                 self.peer,
                 &self.identity,
@@ -1758,11 +1755,6 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     stream.read_buf(buf).await
 }
 
-/// Whether `wire`, a request the parser accepted with these `args`, is byte for byte the RESP
-/// array [`Frame::command`] encodes from them. Every length the parser accepted in another
-/// spelling (`+3`, `03`) is longer than its canonical form, so equal sizes mean equal bytes:
-/// relaying such a request as it came sends exactly what was decided on. Inline commands are
-/// re-encoded.
 /// A command name upper-cased: in `buf` when it is short ASCII, as every command name is (no
 /// allocation per request, issue 18); lossy and allocated otherwise.
 fn upper<'a>(name: &[u8], buf: &'a mut [u8; NAME_ON_STACK]) -> std::borrow::Cow<'a, str> {
@@ -1777,6 +1769,11 @@ fn upper<'a>(name: &[u8], buf: &'a mut [u8; NAME_ON_STACK]) -> std::borrow::Cow<
     std::borrow::Cow::Owned(String::from_utf8_lossy(name).to_ascii_uppercase())
 }
 
+/// Whether `wire`, a request the parser accepted with these `args`, is byte for byte the RESP
+/// array [`Frame::command`] encodes from them. Every length the parser accepted in another
+/// spelling (`+3`, `03`) is longer than its canonical form, so equal sizes mean equal bytes:
+/// relaying such a request as it came sends exactly what was decided on. Inline commands are
+/// re-encoded.
 fn canonical(wire: &[u8], args: &[Bytes]) -> bool {
     fn digits(n: usize) -> usize {
         n.checked_ilog10().map_or(1, |d| d as usize + 1)
