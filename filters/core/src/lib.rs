@@ -14,6 +14,7 @@ mod audit_record;
 mod audit_sink;
 mod error;
 mod fence_reset;
+mod idle_timer;
 mod issued_revision;
 mod key_ring;
 mod observer;
@@ -38,6 +39,7 @@ pub use audit_record::{
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
 pub use error::{ResourceError, TokenError, UnknownStore};
 pub use fence_reset::FenceReset;
+pub use idle_timer::IdleTimer;
 pub use issued_revision::IssuedRevision;
 pub use key_ring::{KeyRing, KeyState, SharedKeyRing};
 pub use observer::{Observer, OpenConnection, UpstreamFailure};

@@ -10,14 +10,16 @@ use tokio::io::AsyncWrite;
 /// least this long bypasses the buffer, as with a `BufWriter`.
 const CAPACITY: usize = 8 * 1024;
 
-/// The buffer's first allocation. Small enough for the allocator's per-thread cache: issue 18's
-/// callgrind profile of `pgbench -S` found an 8 KiB buffer taken and given back at every flush
-/// of both directions among the gateway's costliest allocations, for about 100 bytes each.
-/// A larger output grows the buffer up to `CAPACITY`.
+/// The buffer's first allocation, kept across flushes. Issue 18's callgrind profile of
+/// `pgbench -S` found an 8 KiB buffer taken and given back at every flush of both directions
+/// among the gateway's costliest allocations, for about 100 bytes each; then, with 512 bytes
+/// taken and given back, still two of the nine allocations of a transaction. A larger output
+/// grows the buffer up to `CAPACITY`, and a grown buffer is given back at the flush.
 const FIRST: usize = 512;
 
-/// A buffered writer that holds no buffer once flushed, so an idle connection holds none. From
-/// a first write to the next flush it buffers as a `BufWriter` of `CAPACITY` bytes would.
+/// A buffered writer that holds at most `FIRST` bytes once flushed (an idle connection holds
+/// no more), and none before its first write. From a first write to the next flush it buffers
+/// as a `BufWriter` of `CAPACITY` bytes would.
 pub(crate) struct LazyWriter<W> {
     inner: W,
     /// What is buffered (`written..` not yet written); no allocation while empty.
@@ -76,7 +78,9 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for LazyWriter<W> {
         let this = self.get_mut();
         ready!(this.poll_write_buffered(cx))?;
         ready!(Pin::new(&mut this.inner).poll_flush(cx))?;
-        this.buf = Vec::new();
+        if this.buf.capacity() > FIRST {
+            this.buf = Vec::new();
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -93,7 +97,7 @@ mod tests {
     use tokio::io::AsyncWriteExt;
 
     #[tokio::test]
-    async fn buffers_until_flushed_then_holds_no_buffer() {
+    async fn buffers_until_flushed_then_holds_at_most_the_first_buffer() {
         let mut writer = LazyWriter::new(Vec::new());
         assert_eq!(writer.buf.capacity(), 0);
         writer.write_all(b"hello ").await.unwrap();
@@ -101,7 +105,7 @@ mod tests {
         assert_eq!(writer.buf.capacity(), FIRST);
         assert!(writer.inner.is_empty(), "still buffered");
         writer.flush().await.unwrap();
-        assert_eq!(writer.buf.capacity(), 0);
+        assert_eq!(writer.buf.capacity(), FIRST, "a small buffer is kept");
         assert_eq!(writer.inner, b"hello world");
         // Small writes grow the buffer up to CAPACITY, then go out in CAPACITY-sized writes.
         for _ in 0..3 * CAPACITY / 100 {
@@ -110,6 +114,8 @@ mod tests {
         }
         writer.write_all(&[7; 3 * CAPACITY]).await.unwrap();
         writer.write_all(b"tail").await.unwrap();
+        writer.flush().await.unwrap();
+        assert_eq!(writer.buf.capacity(), 0, "a grown buffer is given back");
         writer.shutdown().await.unwrap();
         let mut expected = b"hello world".to_vec();
         expected.extend(std::iter::repeat_n(1, 3 * CAPACITY / 100 * 100));

@@ -8,6 +8,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use fallible_iterator::FallibleIterator;
+use fencegate_core::IdleTimer;
 use postgres_protocol::message::backend;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -163,11 +164,12 @@ pub fn parse_fields(frame: &Frame) -> Result<(String, String), FrameError> {
     Ok((name, query))
 }
 
-/// A `Bind` message's portal and statement names.
-pub fn bind_fields(frame: &Frame) -> Result<(String, String), FrameError> {
+/// A `Bind` message's portal and statement names, borrowed from the frame (a copy was an
+/// allocation per Bind, issue 18).
+pub fn bind_fields(frame: &Frame) -> Result<(&str, &str), FrameError> {
     let mut body = frame.body();
-    let portal = read_cstr(&mut body).ok_or(FrameError::BadBody("Bind"))?;
-    let statement = read_cstr(&mut body).ok_or(FrameError::BadBody("Bind"))?;
+    let portal = read_str(&mut body).ok_or(FrameError::BadBody("Bind"))?;
+    let statement = read_str(&mut body).ok_or(FrameError::BadBody("Bind"))?;
     Ok((portal, statement))
 }
 
@@ -280,6 +282,7 @@ pub struct FrameReader<R> {
     stream: R,
     buffer: BytesMut,
     max: usize,
+    idle: IdleTimer,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -289,6 +292,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer: BytesMut::new(),
             max,
+            idle: IdleTimer::new(KEEP_WHILE_WAITING),
         }
     }
 
@@ -362,13 +366,16 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// message usually follows within microseconds, so the buffer held is kept for
     /// `KEEP_WHILE_WAITING`; a connection quiet for longer gives it back, and the first byte to
     /// arrive is then read on its own (a stream offers no wait for readability) into a fresh
-    /// buffer of `BUFFER` bytes. The hot path thus costs one timer, not an allocation and an
-    /// extra read. Cancel safe: every byte read is in the buffer before the next wait.
+    /// buffer of `BUFFER` bytes. The hot path thus costs a clock read, not an allocation and an
+    /// extra read ([`IdleTimer`] moves its timer only when it fires, not per wait). Cancel safe:
+    /// every byte read is in the buffer before the next wait.
     async fn read_idle(&mut self) -> std::io::Result<usize> {
         if self.buffer.capacity() > 0 {
-            let read = self.stream.read_buf(&mut self.buffer);
-            if let Ok(result) = tokio::time::timeout(KEEP_WHILE_WAITING, read).await {
-                return result;
+            self.idle.start();
+            tokio::select! {
+                biased;
+                result = self.stream.read_buf(&mut self.buffer) => return result,
+                () = self.idle.expired() => {}
             }
         }
         self.buffer = BytesMut::new();
@@ -398,6 +405,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer,
             max,
+            idle: IdleTimer::new(KEEP_WHILE_WAITING),
         }
     }
 }

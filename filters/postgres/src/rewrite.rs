@@ -15,6 +15,7 @@ use bytes::{Bytes, BytesMut};
 use fencegate_core::{RejectReason, Rejection, Resource, Token, TokenPolicy, Verdict};
 use postgres_protocol::message::frontend;
 use postgres_protocol::IsNull;
+use smallvec::SmallVec;
 
 use crate::classify::{Classified, Kind, Statement};
 use crate::sqlstate;
@@ -167,7 +168,8 @@ pub fn plan_query(
             "SET fencegate.token must be sent as a query of its own",
         ));
     }
-    let mut decisions = Vec::with_capacity(statements.len());
+    // Inline for the usual one or two statements: a relayed query allocates nothing here.
+    let mut decisions: SmallVec<[Decision; 2]> = SmallVec::with_capacity(statements.len());
     for statement in statements {
         let decision = decide(statement, ctx);
         if let Decision::Refuse(rejection) = decision {

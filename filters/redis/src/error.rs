@@ -1,5 +1,7 @@
 //! The Redis filter's errors. Refusals are not errors: they are [`fencegate_core::Verdict`]s.
 
+use std::borrow::Cow;
+
 use thiserror::Error;
 
 /// Why a RESP frame could not be decoded.
@@ -26,7 +28,7 @@ pub enum RedisError {
     #[error("{context}: {source}")]
     Io {
         /// What was being done.
-        context: String,
+        context: Cow<'static, str>,
         /// The underlying error.
         source: std::io::Error,
     },
@@ -55,7 +57,9 @@ pub enum RedisError {
 }
 
 impl RedisError {
-    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+    /// A closure that wraps an I/O error with `context`, for `map_err`; a `&'static str` is
+    /// kept without an allocation (the closure is built for every read and write).
+    pub(crate) fn io(context: impl Into<Cow<'static, str>>) -> impl FnOnce(std::io::Error) -> Self {
         let context = context.into();
         move |source| RedisError::Io { context, source }
     }

@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{
-    Attempt, AuditEvent, OpenConnection, OperationSummary, RejectReason, Rejection, Store, Tarpit,
-    Token, UpstreamFailure,
+    Attempt, AuditEvent, IdleTimer, OpenConnection, OperationSummary, RejectReason, Rejection,
+    Store, Tarpit, Token, UpstreamFailure,
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -573,6 +573,8 @@ impl Reader {
         let config = &self.gateway.config;
         let partial = Duration::from_secs(config.partial_request_timeout_seconds);
         let idle = Duration::from_secs(config.idle_timeout_seconds);
+        // One timer per session, moved only when it fires (not a timer per request).
+        let mut idle_timer = (!idle.is_zero()).then(|| IdleTimer::new(idle));
         let mut started = tokio::time::Instant::now();
         // After a tarpit wait, requests already buffered are handled before reading more.
         let mut resume = false;
@@ -593,12 +595,16 @@ impl Reader {
                     let closable = self.multi.is_none();
                     let shutdown = self.shutdown.clone();
                     let next = async {
-                        if idle.is_zero() {
-                            Some(read(&mut self.client, &mut self.buf).await)
-                        } else {
-                            tokio::time::timeout(idle, read(&mut self.client, &mut self.buf))
-                                .await
-                                .ok()
+                        match idle_timer.as_mut() {
+                            None => Some(read(&mut self.client, &mut self.buf).await),
+                            Some(timer) => {
+                                timer.start();
+                                tokio::select! {
+                                    biased;
+                                    r = read(&mut self.client, &mut self.buf) => Some(r),
+                                    () = timer.expired() => None,
+                                }
+                            }
                         }
                     };
                     let next = tokio::select! {

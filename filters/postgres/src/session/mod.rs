@@ -76,8 +76,12 @@ struct Shared {
     pub(super) read_at: Mutex<std::collections::VecDeque<std::time::Instant>>,
     /// The node is draining: end the session at its next idle ReadyForQuery.
     pub(super) shutdown: CancellationToken,
-    /// Woken by the reply loop after each ReadyForQuery it relayed.
+    /// Woken by the reply loop after each ReadyForQuery it relayed, once [`Shared::draining`].
     pub(super) settled: Notify,
+    /// The request loop waits for `settled` (the node drains): set before it first checks
+    /// [`Shared::idle`], so no ReadyForQuery after that check goes unnoticed. Until then the
+    /// reply loop skips the notification (a lock per ReadyForQuery).
+    pub(super) draining: AtomicBool,
 }
 
 impl Shared {
@@ -145,6 +149,7 @@ impl Shared {
     /// Returns once the node drains and the session is [`Shared::idle`].
     async fn drained(&self) {
         self.shutdown.cancelled().await;
+        self.draining.store(true, Ordering::Release);
         loop {
             let settled = self.settled.notified();
             tokio::pin!(settled);
@@ -238,6 +243,7 @@ async fn session(
         read_at: Mutex::default(),
         shutdown,
         settled: Notify::new(),
+        draining: AtomicBool::new(false),
     });
 
     let (stream, buffered) = client_read.into_parts();

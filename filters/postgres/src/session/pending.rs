@@ -3,6 +3,7 @@
 //! refusal, confirm a prepared statement. No I/O here; the two relay loops share a [`State`].
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate_core::{OperationSummary, Token};
@@ -57,7 +58,7 @@ pub(super) struct Pass {
 pub(super) struct StatementChange {
     name: String,
     seq: u64,
-    parsed: Option<Classified>,
+    parsed: Option<Arc<Classified>>,
 }
 
 /// A sent, not yet confirmed [`StatementChange`].
@@ -66,7 +67,7 @@ pub(super) struct Inflight {
     seq: u64,
     /// The Sync segment it was sent in.
     segment: u64,
-    parsed: Option<Classified>,
+    parsed: Option<Arc<Classified>>,
 }
 
 /// What replies one forwarded (or locally answered) message gets.
@@ -125,8 +126,9 @@ pub(super) struct State {
     pub(super) startup_token: Option<String>,
     /// Settings that change how the server lexes SQL, as last reported.
     pub(super) lexing: Lexing,
-    /// Prepared statements the server confirmed, by name.
-    pub(super) statements: HashMap<String, Classified>,
+    /// Prepared statements the server confirmed, by name. Shared with the Parse that sent each
+    /// and with every Bind of it: a Bind takes a reference, not a copy.
+    pub(super) statements: HashMap<String, Arc<Classified>>,
     /// The latest unconfirmed Parse or Close per name.
     pub(super) inflight: HashMap<String, Inflight>,
     /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
@@ -166,6 +168,7 @@ impl State {
     ) -> Box<StatementChange> {
         self.next_seq += 1;
         let seq = self.next_seq;
+        let parsed = parsed.map(Arc::new);
         self.inflight.insert(
             name.clone(),
             Inflight {
@@ -209,7 +212,7 @@ impl State {
     /// this Sync segment either succeeds or makes the server skip this Bind too; one from an
     /// earlier segment may have been skipped, so the more dangerous of the two counts. A name
     /// the gateway never saw confirmed (a SQL `PREPARE`, a skipped Parse) is a write.
-    pub(super) fn bound(&self, name: &str) -> Classified {
+    pub(super) fn bound(&self, name: &str) -> Arc<Classified> {
         let confirmed = self.statements.get(name);
         let inflight = self
             .inflight
@@ -221,7 +224,7 @@ impl State {
                 parsed.clone()
             }
             (_, Some(old)) => old.clone(),
-            (None, None) => unknown_statement(name),
+            (None, None) => Arc::new(unknown_statement(name)),
         }
     }
 

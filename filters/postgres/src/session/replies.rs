@@ -89,7 +89,7 @@ pub(super) async fn relay_replies(
         if deliver_local(&shared, &mut client).await? {
             return Ok(());
         }
-        if frame.tag == b'Z' {
+        if frame.tag == b'Z' && shared.draining.load(std::sync::atomic::Ordering::Acquire) {
             // The request loop may be waiting for this to drain the session.
             shared.settled.notify_waiters();
         }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{OperationSummary, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
+use smallvec::{smallvec, SmallVec};
 use tokio::io::WriteHalf;
 use tokio::io::{AsyncWriteExt, ReadHalf};
 
@@ -22,9 +23,13 @@ use crate::sqlstate;
 use crate::tls::ClientStream;
 use crate::upstream::UpstreamStream;
 
-/// client -> upstream.
 /// The most messages that may wait for their answers in one session.
 const MAX_PENDING: usize = 262_144;
+
+/// What one client message sends upstream, in order: nothing (answered locally), the message
+/// (rewritten or not), or the gateway's guard or refusal and then the message. Inline, not a
+/// `Vec`: one allocation fewer per message.
+type Outgoing = SmallVec<[Bytes; 2]>;
 
 pub(super) async fn relay_requests(
     shared: Arc<Shared>,
@@ -146,7 +151,7 @@ fn fatal(shared: &Shared, code: &str, message: String) {
 }
 
 /// Decides about one client message; returns the bytes to send upstream, in order.
-async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+async fn handle_request(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
     let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
     match frame.tag {
         b'Q' => handle_query(shared, frame).await,
@@ -174,37 +179,37 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Pos
             state
                 .pending
                 .push_back(Expect::Parse(Role::Client, Some(change)));
-            Ok(vec![outgoing])
+            Ok(smallvec![outgoing])
         }
         b'B' => handle_bind(shared, frame).await,
         b'D' => {
             shared.lock().pending.push_back(Expect::Describe);
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
         b'E' => {
             shared
                 .lock()
                 .pending
                 .push_back(Expect::Execute(Role::Client));
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
         b'C' => {
             let (kind, name) = message::target_fields(&frame).map_err(bad)?;
             let mut state = shared.lock();
             let change = (kind == b'S').then(|| state.change_sent(name, None));
             state.pending.push_back(Expect::Close(Role::Client, change));
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
         b'S' => {
             shared.lock().sync_sent();
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
-        b'H' | b'd' | b'c' | b'f' | b'X' => Ok(vec![frame.raw]),
+        b'H' | b'd' | b'c' | b'f' | b'X' => Ok(smallvec![frame.raw]),
         b'F' => {
             // Fast-path function calls name no statement the parser could prove read-only.
             if !shared.protected {
                 shared.lock().query_sent(VecDeque::new());
-                return Ok(vec![frame.raw]);
+                return Ok(smallvec![frame.raw]);
             }
             let rejection = Rejection::new(
                 RejectReason::Unsupported,
@@ -281,7 +286,7 @@ fn shorten(name: &str) -> String {
     name.chars().take(64).collect()
 }
 
-async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+async fn handle_query(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
     let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let classified = classify_now(shared, sql);
     // Only refusals and guards quote the summary: a relayed read does not build it.
@@ -328,7 +333,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
         QueryPlan::Forward => {
             ends(&mut state);
             state.query_sent(VecDeque::new());
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
         QueryPlan::Rewrite { sql: out, parts } => {
             let summary = summary();
@@ -363,7 +368,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
             let mut buf = BytesMut::new();
             frontend::query(&out, &mut buf)
                 .map_err(|e| PostgresError::Protocol(format!("query text: {e}")))?;
-            Ok(vec![buf.freeze()])
+            Ok(smallvec![buf.freeze()])
         }
         QueryPlan::SetToken(value) => {
             let tag = if value.is_some() { "SET" } else { "RESET" };
@@ -377,7 +382,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postg
             });
             drop(state);
             shared.local_queued();
-            Ok(Vec::new())
+            Ok(Outgoing::new())
         }
         // Audited and answered above; refusing again here keeps this arm fail-closed.
         QueryPlan::Refuse(rejection) => {
@@ -398,7 +403,7 @@ fn statement_index(parts: &[Part], i: usize) -> usize {
 /// A simple-protocol refusal: answered locally when no transaction is open and nothing is in
 /// flight (nothing reaches the server), else raised through the server so that the open
 /// transaction is aborted as by any error.
-fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Vec<Bytes> {
+fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Outgoing {
     let mut state = shared.lock();
     if state.status == b'I' && state.pending.is_empty() {
         let mut bytes = BytesMut::from(
@@ -416,19 +421,18 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Vec<Bytes> {
         });
         drop(state);
         shared.local_queued();
-        return Vec::new();
+        return Outgoing::new();
     }
     state.query_sent(VecDeque::from([Role::Refusal]));
-    vec![rewrite::refusal_query(rejection)]
+    smallvec![rewrite::refusal_query(rejection)]
 }
 
-async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, PostgresError> {
+async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
     let (_portal, statement) =
         message::bind_fields(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let (decision, summary, token_hint) = {
+    let (decision, classified, token_hint) = {
         let mut state = shared.lock();
-        let classified = state.bound(&statement);
-        let summary = summary_of(&classified, frame.raw.len());
+        let classified = state.bound(statement);
         let mut decision = Decision::Pass;
         for s in &classified.statements {
             match &s.kind {
@@ -463,22 +467,27 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
         if classified.statements.iter().any(|s| s.may_end_transaction) {
             state.pass_ended();
         }
-        let hint = classified
-            .statements
-            .iter()
-            .find_map(|s| s.comment_token.clone())
-            .or_else(|| state.session_token.clone());
-        (decision, summary, hint)
+        // Only a refusal quotes the token presented (as the session had it when it was sent).
+        let hint = matches!(decision, Decision::Refuse(_)).then(|| {
+            classified
+                .statements
+                .iter()
+                .find_map(|s| s.comment_token.clone())
+                .or_else(|| state.session_token.clone())
+        });
+        (decision, classified, hint.flatten())
     };
+    // Only guards and refusals quote the summary: a relayed Bind does not build it.
+    let summary = || summary_of(&classified, frame.raw.len());
     match decision {
         Decision::Pass => {
             shared.lock().pending.push_back(Expect::Bind(Role::Client));
-            Ok(vec![frame.raw])
+            Ok(smallvec![frame.raw])
         }
         Decision::Guard(token) => {
             let info = GuardInfo {
                 token: token.clone(),
-                summary,
+                summary: summary(),
                 decides: false,
             };
             let swallow = || Role::Guard(Box::new(info.clone()));
@@ -494,11 +503,11 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
                 Expect::Execute(decides),
                 Expect::Bind(Role::Client),
             ]);
-            Ok(vec![rewrite::guard_messages(&token), frame.raw])
+            Ok(smallvec![rewrite::guard_messages(&token), frame.raw])
         }
         Decision::Refuse(rejection) => {
             let token = token_hint.and_then(|t| Token::parse(&t).ok());
-            shared.audit(&rejection, token.as_ref(), summary).await;
+            shared.audit(&rejection, token.as_ref(), summary()).await;
             let mut state = shared.lock();
             state.pending.extend([
                 Expect::Close(Role::Refusal, None),
@@ -510,7 +519,7 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Vec<Bytes>, Postgr
             ]);
             // The server raises the refusal and then skips everything up to the client's Sync,
             // the client's Bind included.
-            Ok(vec![rewrite::refusal_messages(&rejection), frame.raw])
+            Ok(smallvec![rewrite::refusal_messages(&rejection), frame.raw])
         }
     }
 }
