@@ -40,10 +40,10 @@ fn latency_histogram() -> Histogram {
 pub struct GatewayMetrics {
     connections: Family<StoreLabel, Gauge>,
     requests: Family<StoreLabel, Histogram, fn() -> Histogram>,
-    /// `requests`' series of each store (in [`Store::ALL`] order), looked up once: every
-    /// request of every gateway observes one, and the family's lookup (a hash of the label and
-    /// a read lock) cost as much as the observation.
-    request_series: [Histogram; 3],
+    /// `requests`' series of each store, looked up once: every request of every gateway
+    /// observes one, and the family's lookup (a hash of the label and a read lock) cost as much
+    /// as the observation.
+    request_series: [(Store, Histogram); 3],
     upstream_failures: Family<FailureLabels, Counter>,
     upstream_up: Family<StoreLabel, Gauge>,
     audit_queue: Gauge,
@@ -54,7 +54,8 @@ impl Default for GatewayMetrics {
     fn default() -> Self {
         let requests: Family<StoreLabel, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(latency_histogram);
-        let request_series = Store::ALL.map(|store| requests.get_or_create(&label(store)).clone());
+        let request_series =
+            Store::ALL.map(|store| (store, requests.get_or_create(&label(store)).clone()));
         Self {
             connections: Family::default(),
             requests,
@@ -125,12 +126,10 @@ impl GatewayMetrics {
     }
 
     pub fn request_done(&self, store: Store, elapsed: Duration) {
-        let series = match store {
-            Store::Redis => 0,
-            Store::Postgres => 1,
-            Store::S3 => 2,
-        };
-        self.request_series[series].observe(elapsed.as_secs_f64());
+        // Every store has its series (built from `Store::ALL`).
+        if let Some((_, series)) = self.request_series.iter().find(|(s, _)| *s == store) {
+            series.observe(elapsed.as_secs_f64());
+        }
     }
 
     pub fn upstream_failed(&self, store: Store, failure: UpstreamFailure) {
