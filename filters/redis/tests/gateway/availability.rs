@@ -160,3 +160,36 @@ async fn a_failed_auth_does_not_become_the_audit_identity() {
         .collect();
     assert_eq!(identities, [None, Some("default".to_owned())]);
 }
+
+/// `idle_timeout_seconds` counts each silence on its own: a client that keeps sending within
+/// the timeout is never closed however long it stays, and a silent one is closed once the
+/// timeout has passed, not before (the session moves one timer lazily instead of arming one
+/// per request, `fencegate_core::IdleTimer`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_timeout_closes_a_silent_client_and_spares_a_busy_one() {
+    let s = setup(|c| c.idle_timeout_seconds = 1).await;
+    let addr = s.addr;
+    let (replies, reply, silent) = tokio::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(addr).unwrap();
+        // 2.4 s of requests 400 ms apart: well past the timeout in all, never silent for it.
+        let mut replies = Vec::new();
+        for _ in 0..6 {
+            replies.push(request(&mut c, b"*1\r\n$4\r\nPING\r\n"));
+            std::thread::sleep(Duration::from_millis(400));
+        }
+        replies.push(request(&mut c, b"*1\r\n$4\r\nPING\r\n"));
+        let silent = Instant::now();
+        (replies, read_to_close(&mut c), silent.elapsed())
+    })
+    .await
+    .unwrap();
+    assert!(replies.iter().all(|r| r == "+PONG\r\n"), "{replies:?}");
+    assert!(
+        reply.starts_with("-ERR fencegate: no request for 1s; closing the connection"),
+        "{reply:?}"
+    );
+    assert!(
+        silent >= Duration::from_secs(1) && silent < Duration::from_secs(5),
+        "closed after {silent:?} of silence"
+    );
+}
