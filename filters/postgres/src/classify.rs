@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use pg_query::protobuf::{self, a_const, node::Node as N, Token as ScanTokenKind};
 use pg_query::NodeEnum;
+use smallvec::{smallvec, SmallVec};
 
 use crate::carrier;
 
@@ -55,11 +56,15 @@ pub struct Statement {
     pub may_end_transaction: bool,
 }
 
+/// A message's statements: one inline, the usual case, so a classification reused from the
+/// cache allocates no vector (issue 18's profile).
+pub type Statements = SmallVec<[Statement; 1]>;
+
 /// A classified query string.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Classified {
     /// Its statements in order (empty for an empty query).
-    pub statements: Vec<Statement>,
+    pub statements: Statements,
     /// The parser's message when the text does not parse (then `statements` holds one write
     /// spanning the whole text: fail closed).
     pub parse_error: Option<String>,
@@ -203,7 +208,7 @@ pub fn classify(sql: &str) -> Classified {
         Ok(parsed) => parsed,
         Err(e) => {
             return Classified {
-                statements: vec![Statement {
+                statements: smallvec![Statement {
                     start: 0,
                     end: sql.len(),
                     kind: Kind::Write,
@@ -218,7 +223,7 @@ pub fn classify(sql: &str) -> Classified {
     };
     let comments = comments(sql);
     let raw = &parsed.protobuf.stmts;
-    let mut statements = Vec::with_capacity(raw.len());
+    let mut statements = Statements::with_capacity(raw.len());
     for (i, stmt) in raw.iter().enumerate() {
         let start = usize::try_from(stmt.stmt_location)
             .unwrap_or(0)

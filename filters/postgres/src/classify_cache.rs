@@ -16,14 +16,21 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::classify::{classify, Classified, Kind, Statement};
+use smallvec::SmallVec;
+
+use crate::classify::{classify, Classified, Kind, Statement, Statements};
 
 /// Shapes longer than this are not cached (their parse is the cost of their size anyway).
 const MAX_KEY_BYTES: usize = 4096;
 
+/// Keys and literal lists up to these sizes live on the stack: a cache hit allocates nothing
+/// for its shape (issue 18's profile). Longer ones spill to the heap, still cached.
+const INLINE_KEY_BYTES: usize = 512;
+const INLINE_LITERALS: usize = 8;
+
 /// Marks in the key where a masked literal was; NUL never occurs in a query text.
-const NUMBER_MARK: &str = "\0n";
-const STRING_MARK: &str = "\0s";
+const NUMBER_MARK: &[u8] = b"\0n";
+const STRING_MARK: &[u8] = b"\0s";
 
 /// One masked literal: where it is in the text, and where its mark is in the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,10 +48,10 @@ impl Literal {
 }
 
 /// A query text's shape: the cache key and the literals masked in it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 struct Shape {
-    key: String,
-    literals: Vec<Literal>,
+    key: SmallVec<[u8; INLINE_KEY_BYTES]>,
+    literals: SmallVec<[Literal; INLINE_LITERALS]>,
 }
 
 fn is_ident_byte(b: u8) -> bool {
@@ -74,8 +81,13 @@ fn mentions_lexing(sql: &[u8]) -> bool {
     names && set
 }
 
-/// The shape of `sql`, or `None` where the lexer does not fully understand the text.
-fn shape(sql: &str) -> Option<Shape> {
+/// Fills `shape` (empty) with the shape of `sql`; false where the lexer does not fully
+/// understand the text (then `shape` holds garbage).
+fn shape_into(sql: &str, shape: &mut Shape) -> bool {
+    lex(sql, shape).is_some()
+}
+
+fn lex(sql: &str, shape: &mut Shape) -> Option<()> {
     // PostgreSQL ends a `--` comment at `\r` too, and `UESCAPE` changes how a `U&` identifier
     // or string ends: texts with either are not shaped (issue 12, bypass 5).
     // Settings that change lexing are judged on their value (a literal): never shaped.
@@ -84,8 +96,7 @@ fn shape(sql: &str) -> Option<Shape> {
     }
     let b = sql.as_bytes();
     let n = b.len();
-    let mut key = String::with_capacity(n.min(MAX_KEY_BYTES));
-    let mut literals = Vec::new();
+    let Shape { key, literals } = shape;
     let mut copied = 0;
     let mut i = 0;
     let at = |j: usize| b.get(j).copied();
@@ -185,13 +196,13 @@ fn shape(sql: &str) -> Option<Shape> {
             }
         };
         if let Some((end, mark)) = literal_end {
-            key.push_str(&sql[copied..i]);
+            key.extend_from_slice(&b[copied..i]);
             literals.push(Literal {
                 at: i,
                 len: end - i,
                 key_at: key.len(),
             });
-            key.push_str(mark);
+            key.extend_from_slice(mark);
             copied = end;
             i = end;
         }
@@ -199,8 +210,8 @@ fn shape(sql: &str) -> Option<Shape> {
             return None;
         }
     }
-    key.push_str(&sql[copied..]);
-    Some(Shape { key, literals })
+    key.extend_from_slice(&b[copied..]);
+    Some(())
 }
 
 impl Shape {
@@ -238,9 +249,12 @@ fn reusable(classified: &Classified) -> bool {
             .all(|s| !matches!(s.kind, Kind::SetToken(_)))
 }
 
+/// Statements by shape key, with offsets in the key.
+type Entries = HashMap<Box<[u8]>, Arc<[Statement]>>;
+
 /// Classifications by shape, shared by a gateway's sessions; bounded (cleared when full).
 pub struct ClassifyCache {
-    entries: Mutex<HashMap<String, Arc<[Statement]>>>,
+    entries: Mutex<Entries>,
     capacity: usize,
 }
 
@@ -258,14 +272,15 @@ impl ClassifyCache {
         if self.capacity == 0 {
             return classify(sql);
         }
-        let Some(shape) = shape(sql) else {
+        let mut shape = Shape::default();
+        if !shape_into(sql, &mut shape) {
             return classify(sql);
-        };
+        }
         let hit = self
             .entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&shape.key)
+            .get(shape.key.as_slice())
             .cloned();
         if let Some(statements) = hit {
             return Classified {
@@ -276,7 +291,7 @@ impl ClassifyCache {
                         end: shape.text_offset(s.end),
                         ..s.clone()
                     })
-                    .collect(),
+                    .collect::<Statements>(),
                 parse_error: None,
             };
         }
@@ -298,7 +313,7 @@ impl ClassifyCache {
                 if entries.len() >= self.capacity {
                     entries.clear();
                 }
-                entries.insert(shape.key, in_key.into());
+                entries.insert(shape.key.as_slice().into(), in_key.into());
             }
         }
         classified
@@ -310,6 +325,17 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// The shape of `sql`, or `None` where it is not shaped.
+    fn shape(sql: &str) -> Option<Shape> {
+        let mut shape = Shape::default();
+        shape_into(sql, &mut shape).then_some(shape)
+    }
+
+    /// The shape's key as text, for readable comparisons.
+    fn key(sql: &str) -> Option<String> {
+        shape(sql).map(|s| String::from_utf8(s.key.to_vec()).expect("a key of UTF-8 text"))
+    }
 
     /// Issue 12, bypass 5: a read and a DELETE must never share a shape.
     #[test]
@@ -365,22 +391,19 @@ mod tests {
 
     #[test]
     fn literals_are_masked_and_the_rest_kept() {
-        let s = shape("SELECT abalance FROM pgbench_accounts WHERE aid = 4711;").unwrap();
-        assert_eq!(
-            s.key,
-            "SELECT abalance FROM pgbench_accounts WHERE aid = \0n;"
-        );
-        let t = shape("SELECT abalance FROM pgbench_accounts WHERE aid = 1;").unwrap();
-        assert_eq!(s.key, t.key);
-        let s = shape("INSERT INTO t VALUES ('it''s', -1.5, $1) /* fencing_token='fg1~7~job' */")
+        let s = key("SELECT abalance FROM pgbench_accounts WHERE aid = 4711;").unwrap();
+        assert_eq!(s, "SELECT abalance FROM pgbench_accounts WHERE aid = \0n;");
+        let t = key("SELECT abalance FROM pgbench_accounts WHERE aid = 1;").unwrap();
+        assert_eq!(s, t);
+        let s = key("INSERT INTO t VALUES ('it''s', -1.5, $1) /* fencing_token='fg1~7~job' */")
             .unwrap();
         assert_eq!(
-            s.key,
+            s,
             "INSERT INTO t VALUES (\0s, -\0n, $1) /* fencing_token='fg1~7~job' */"
         );
-        let s = shape("SELECT \"a'b\", x1, t.c2 FROM t -- it's 42\nWHERE y = 3").unwrap();
+        let s = key("SELECT \"a'b\", x1, t.c2 FROM t -- it's 42\nWHERE y = 3").unwrap();
         assert_eq!(
-            s.key,
+            s,
             "SELECT \"a'b\", x1, t.c2 FROM t -- it's 42\nWHERE y = \0n"
         );
     }
@@ -461,6 +484,31 @@ mod tests {
         assert!(cache.entries.lock().unwrap().len() <= 4);
     }
 
+    /// A shape longer than the inline buffers spills to the heap and is still cached right.
+    #[test]
+    fn a_long_shape_is_cached_like_a_short_one() {
+        let fill = |base: usize| {
+            let values: Vec<String> = (0..3 * INLINE_LITERALS)
+                .map(|i| format!("({}, 'v{}')", base + i, base * i))
+                .collect();
+            let column = "c".repeat(INLINE_KEY_BYTES);
+            format!("INSERT INTO t ({column}, d) VALUES {}", values.join(", "))
+        };
+        let (first, second) = (fill(1), fill(1_000_000));
+        let shaped = shape(&first).expect("a plain INSERT is shaped");
+        assert!(shaped.key.len() > INLINE_KEY_BYTES && shaped.key.spilled());
+        assert!(shaped.literals.len() > INLINE_LITERALS && shaped.literals.spilled());
+        let cache = ClassifyCache::new(4);
+        assert_eq!(cache.classify(&first), classify(&first));
+        assert_eq!(cache.entries.lock().unwrap().len(), 1);
+        assert_eq!(cache.classify(&second), classify(&second));
+        assert_eq!(
+            cache.entries.lock().unwrap().len(),
+            1,
+            "the second is a hit"
+        );
+    }
+
     /// Two literals of the same class (so their texts have the same shape).
     fn literal() -> impl Strategy<Value = (String, String)> {
         let text = "[a-zA-Z0-9 ;/*$\"-]{0,12}";
@@ -498,9 +546,9 @@ mod tests {
             let warm = fill(&a.1, &b.1, &c.1);
             prop_assert_eq!(cache.classify(&warm), classify(&warm));
             let sql = fill(&a.0, &b.0, &c.0);
-            let key = shape(&sql).map(|s| s.key);
-            prop_assert!(key.is_some(), "{sql}");
-            prop_assert_eq!(key, shape(&warm).map(|s| s.key));
+            let shaped = key(&sql);
+            prop_assert!(shaped.is_some(), "{sql}");
+            prop_assert_eq!(shaped, key(&warm));
             prop_assert_eq!(cache.classify(&sql), classify(&sql));
         }
     }

@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use fencegate_core::{
-    Attempt, AuditEvent, IdleTimer, OpenConnection, OperationSummary, RejectReason, Rejection,
-    Store, Tarpit, Token, UpstreamFailure,
+    Attempt, AuditEvent, IdleTimer, OpenConnection, OperationSummary, PollOnWake, RejectReason,
+    Rejection, Store, Tarpit, Token, UpstreamFailure,
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -578,6 +578,9 @@ impl Reader {
         let mut started = tokio::time::Instant::now();
         // After a tarpit wait, requests already buffered are handled before reading more.
         let mut resume = false;
+        // One wait for the drain per session, polled only when the token woke it: not a token
+        // clone and a waiter registered per request.
+        let mut drained = PollOnWake::new(self.shutdown.clone().cancelled_owned());
         loop {
             if !std::mem::take(&mut resume) {
                 // A partial request must be complete `partial` after its first byte arrived (a
@@ -593,7 +596,6 @@ impl Reader {
                     // Between requests and outside a transaction, a draining session ends
                     // here: the writer delivers the replies in flight, then closes.
                     let closable = self.multi.is_none();
-                    let shutdown = self.shutdown.clone();
                     let next = async {
                         match idle_timer.as_mut() {
                             None => Some(read(&mut self.client, &mut self.buf).await),
@@ -609,7 +611,7 @@ impl Reader {
                     };
                     let next = tokio::select! {
                         biased;
-                        () = shutdown.cancelled(), if closable => None,
+                        () = &mut drained, if closable => None,
                         r = next => Some(r),
                     };
                     match next {

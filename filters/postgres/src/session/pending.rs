@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate_core::{OperationSummary, Token};
+use smallvec::smallvec;
 
 use crate::classify::{Classified, Kind};
 use crate::lexing::Lexing;
@@ -291,7 +292,7 @@ impl State {
 /// A statement the gateway cannot see: fail closed, as a write.
 pub(super) fn unknown_statement(name: &str) -> Classified {
     Classified {
-        statements: vec![crate::classify::Statement {
+        statements: smallvec![crate::classify::Statement {
             start: 0,
             end: 0,
             kind: Kind::Write,

@@ -55,7 +55,16 @@ pub(super) async fn relay_replies(
             let _ = client.shutdown().await;
             return Ok(());
         };
-        let mut outcome = on_reply(&mut shared.lock(), &frame);
+        // One lock for the reply and for whether a local answer is next, so the common reply
+        // does not take the lock again in `deliver_local`. A local answer queued after this is
+        // flagged by `local_queued` and sent on the next turn of the loop.
+        let mut outcome;
+        let local_next;
+        {
+            let mut state = shared.lock();
+            outcome = on_reply(&mut state, &frame);
+            local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
+        }
         if outcome.applied {
             shared.gateway.sink.applied("postgres");
         }
@@ -86,7 +95,7 @@ pub(super) async fn relay_replies(
                 .map_err(PostgresError::io("writing to the client"))?;
             shared.answered(bytes);
         }
-        if deliver_local(&shared, &mut client).await? {
+        if local_next && deliver_local(&shared, &mut client).await? {
             return Ok(());
         }
         if frame.tag == b'Z' && shared.draining.load(std::sync::atomic::Ordering::Acquire) {

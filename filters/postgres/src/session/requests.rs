@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use fencegate_core::{OperationSummary, RejectReason, Rejection, Token};
+use fencegate_core::{OperationSummary, PollOnWake, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
 use smallvec::{smallvec, SmallVec};
 use tokio::io::WriteHalf;
@@ -37,9 +37,8 @@ pub(super) async fn relay_requests(
     mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
 ) -> Result<(), PostgresError> {
     // One wait for the drain for the whole session, not a new one (and a new waiter in the
-    // token's list) per message.
-    let drained = shared.drained();
-    tokio::pin!(drained);
+    // token's list) per message; polled only when it was woken, not once per message.
+    let mut drained = PollOnWake::new(shared.drained());
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
@@ -241,7 +240,7 @@ fn classify_now(shared: &Shared, sql: &str) -> Classified {
     };
     match hazard {
         Some(why) if !lexing::is_way_back(sql) => Classified {
-            statements: vec![crate::classify::Statement {
+            statements: smallvec![crate::classify::Statement {
                 start: 0,
                 end: sql.len(),
                 kind: Kind::Unfenceable(why),
