@@ -270,7 +270,8 @@ pub fn error_code_and_detail(frame: &Frame) -> Option<(String, Option<String>)> 
 /// The capacity of a frame reader's buffer while in use.
 const BUFFER: usize = 8 * 1024;
 
-/// How long a reader waiting for more keeps its empty buffer before giving it back.
+/// How long a reader waiting for more keeps its empty buffer before giving it back (at most
+/// twice that: the timer is lax).
 const KEEP_WHILE_WAITING: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Reads frames from one side of a connection.
@@ -292,7 +293,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer: BytesMut::new(),
             max,
-            idle: IdleTimer::new(KEEP_WHILE_WAITING),
+            idle: IdleTimer::lax(KEEP_WHILE_WAITING),
         }
     }
 
@@ -366,9 +367,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// message usually follows within microseconds, so the buffer held is kept for
     /// `KEEP_WHILE_WAITING`; a connection quiet for longer gives it back, and the first byte to
     /// arrive is then read on its own (a stream offers no wait for readability) into a fresh
-    /// buffer of `BUFFER` bytes. The hot path thus costs a clock read, not an allocation and an
-    /// extra read ([`IdleTimer`] moves its timer only when it fires, not per wait). Cancel safe:
-    /// every byte read is in the buffer before the next wait.
+    /// buffer of `BUFFER` bytes. The hot path thus costs a flag, not an allocation and an extra
+    /// read, nor a clock read ([`IdleTimer`] ticks once a period on its own). Cancel safe: every
+    /// byte read is in the buffer before the next wait.
     async fn read_idle(&mut self) -> std::io::Result<usize> {
         if self.buffer.capacity() > 0 {
             self.idle.start();
@@ -405,7 +406,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer,
             max,
-            idle: IdleTimer::new(KEEP_WHILE_WAITING),
+            idle: IdleTimer::lax(KEEP_WHILE_WAITING),
         }
     }
 }
