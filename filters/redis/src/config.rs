@@ -84,7 +84,8 @@ pub struct RedisConfig {
     /// connection is closed (a client trickling bytes holds buffers and a task).
     #[serde(default = "default_partial_request_timeout")]
     pub partial_request_timeout_seconds: u64,
-    /// Close connections that send nothing for this many seconds; 0 (default) never does
+    /// Close connections that send nothing for this many seconds (checked eight times a
+    /// period: closed at most an eighth later); 0 (default) never does
     /// (pooled and pub/sub connections are idle by design).
     #[serde(default)]
     pub idle_timeout_seconds: u64,
