@@ -139,6 +139,12 @@ async fn deliver_local(
             .flush()
             .await
             .map_err(PostgresError::io("writing to the client"))?;
+        // A local answer can be what leaves a draining session idle (a pipelined SET of the
+        // token, a refusal answered without the server): the drain's wait is polled only when
+        // notified, so it is told here as for a ReadyForQuery from the server.
+        if shared.draining.load(std::sync::atomic::Ordering::Acquire) {
+            shared.settled.notify_waiters();
+        }
     }
     if close {
         let _ = client.shutdown().await;
