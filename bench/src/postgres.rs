@@ -281,12 +281,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     pg.psql("ALTER SYSTEM SET track_functions = 'all'")?;
     pg.psql("SELECT pg_reload_conf()")?;
     let listen = crate::process::free_port();
-    // A protecting gateway names its resource: the bench token's.
-    let section = postgres_section(listen, pg.port).replacen(
-        "databases = [\"*\"]\n",
-        "databases = [\"*\"]\nresource = \"bench\"\n",
-        1,
-    );
+    let section = postgres_section(listen, pg.port);
     let node = Node::start(&section, &[listen])?;
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
 

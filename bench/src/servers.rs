@@ -311,10 +311,13 @@ impl Node {
                 format!("{S3_ACCESS_KEY}:{S3_SECRET}"),
             );
         let server = Server::start("fencegate serve", &mut command, dir.path().join("node.log"))?;
+        let node = Self { server, _dir: dir };
         for port in ports.iter().chain([&api]) {
-            wait_port(*port, "fencegate serve")?;
+            // The node's own words say why it did not come up (a config error, a port taken).
+            wait_port(*port, "fencegate serve")
+                .map_err(|e| e.context(format!("the node's log:\n{}", node.log_text())))?;
         }
-        Ok(Self { server, _dir: dir })
+        Ok(node)
     }
 
     /// The node's stderr so far (for error messages).
@@ -367,10 +370,11 @@ pub fn postgres_passthrough_section(listen: u16, upstream: u16) -> String {
     )
 }
 
-/// `section` for a PostgreSQL gateway protecting every database.
+/// `section` for a PostgreSQL gateway protecting every database for resource `bench` (a
+/// protecting gateway must name its resource).
 pub fn postgres_section(listen: u16, upstream: u16) -> String {
     format!(
-        "[postgres]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\ndatabases = [\"*\"]\n\n"
+        "[postgres]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\ndatabases = [\"*\"]\nresource = \"bench\"\n\n"
     )
 }
 
