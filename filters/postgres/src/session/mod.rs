@@ -76,7 +76,8 @@ struct Shared {
     pub(super) read_at: Mutex<std::collections::VecDeque<std::time::Instant>>,
     /// The node is draining: end the session at its next idle ReadyForQuery.
     pub(super) shutdown: CancellationToken,
-    /// Woken by the reply loop after each ReadyForQuery it relayed, once [`Shared::draining`].
+    /// Woken by the reply loop after each ReadyForQuery it relayed or local answer it sent, once
+    /// [`Shared::draining`] ([`Shared::maybe_settled`]).
     pub(super) settled: Notify,
     /// The request loop waits for `settled` (the node drains): set before it first checks
     /// [`Shared::idle`], so no ReadyForQuery after that check goes unnoticed. Until then the
@@ -144,6 +145,14 @@ impl Shared {
     fn idle(&self) -> bool {
         let state = self.lock();
         state.status == b'I' && state.pending.is_empty()
+    }
+
+    /// Tells a draining request loop that the session may have become [`Shared::idle`]: its
+    /// wait is polled only when notified. Nothing to do before the node drains.
+    fn maybe_settled(&self) {
+        if self.draining.load(Ordering::Acquire) {
+            self.settled.notify_waiters();
+        }
     }
 
     /// Returns once the node drains and the session is [`Shared::idle`].

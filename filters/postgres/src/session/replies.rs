@@ -98,9 +98,8 @@ pub(super) async fn relay_replies(
         if local_next && deliver_local(&shared, &mut client).await? {
             return Ok(());
         }
-        if frame.tag == b'Z' && shared.draining.load(std::sync::atomic::Ordering::Acquire) {
-            // The request loop may be waiting for this to drain the session.
-            shared.settled.notify_waiters();
+        if frame.tag == b'Z' {
+            shared.maybe_settled();
         }
         if !upstream.has_complete_frame() {
             client
@@ -140,11 +139,8 @@ async fn deliver_local(
             .await
             .map_err(PostgresError::io("writing to the client"))?;
         // A local answer can be what leaves a draining session idle (a pipelined SET of the
-        // token, a refusal answered without the server): the drain's wait is polled only when
-        // notified, so it is told here as for a ReadyForQuery from the server.
-        if shared.draining.load(std::sync::atomic::Ordering::Acquire) {
-            shared.settled.notify_waiters();
-        }
+        // token, a refusal answered without the server), as a ReadyForQuery from it can.
+        shared.maybe_settled();
     }
     if close {
         let _ = client.shutdown().await;
