@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
 
-use crate::classify::{classify, Classified, Kind, Statement, Statements};
+use crate::classify::{classify, Classified, Kind, Statement};
 
 /// Shapes longer than this are not cached (their parse is the cost of their size anyway).
 const MAX_KEY_BYTES: usize = 4096;
@@ -81,13 +81,10 @@ fn mentions_lexing(sql: &[u8]) -> bool {
     names && set
 }
 
-/// Fills `shape` (empty) with the shape of `sql`; false where the lexer does not fully
-/// understand the text (then `shape` holds garbage).
-fn shape_into(sql: &str, shape: &mut Shape) -> bool {
-    lex(sql, shape).is_some()
-}
-
-fn lex(sql: &str, shape: &mut Shape) -> Option<()> {
+/// Fills `shape` (empty) with the shape of `sql`, in place (a returned shape is a copy of its
+/// inline buffers); `None` where the lexer does not fully understand the text (then `shape`
+/// holds garbage).
+fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
     // PostgreSQL ends a `--` comment at `\r` too, and `UESCAPE` changes how a `U&` identifier
     // or string ends: texts with either are not shaped (issue 12, bypass 5).
     // Settings that change lexing are judged on their value (a literal): never shaped.
@@ -273,7 +270,7 @@ impl ClassifyCache {
             return classify(sql);
         }
         let mut shape = Shape::default();
-        if !shape_into(sql, &mut shape) {
+        if shape_into(sql, &mut shape).is_none() {
             return classify(sql);
         }
         let hit = self
@@ -291,7 +288,7 @@ impl ClassifyCache {
                         end: shape.text_offset(s.end),
                         ..s.clone()
                     })
-                    .collect::<Statements>(),
+                    .collect(),
                 parse_error: None,
             };
         }
@@ -329,7 +326,7 @@ mod tests {
     /// The shape of `sql`, or `None` where it is not shaped.
     fn shape(sql: &str) -> Option<Shape> {
         let mut shape = Shape::default();
-        shape_into(sql, &mut shape).then_some(shape)
+        shape_into(sql, &mut shape).map(|()| shape)
     }
 
     /// The shape's key as text, for readable comparisons.
