@@ -270,14 +270,10 @@ pub fn error_code_and_detail(frame: &Frame) -> Option<(String, Option<String>)> 
 /// The capacity of a frame reader's buffer while in use.
 const BUFFER: usize = 8 * 1024;
 
-/// How long a reader waiting for more keeps its empty buffer before giving it back (at most
-/// twice that: the timer is lax).
-const KEEP_WHILE_WAITING: std::time::Duration = std::time::Duration::from_millis(100);
-
 /// Reads frames from one side of a connection.
 ///
 /// The buffer exists only while the connection is busy: an empty buffer is given back once the
-/// reader has waited `KEEP_WHILE_WAITING`, and taken again, at full capacity, when bytes
+/// reader has waited [`IdleTimer::KEEP_BUFFER`], and taken again, at full capacity, when bytes
 /// arrive. So an idle connection holds none.
 pub struct FrameReader<R> {
     stream: R,
@@ -293,7 +289,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer: BytesMut::new(),
             max,
-            idle: IdleTimer::lax(KEEP_WHILE_WAITING),
+            idle: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
         }
     }
 
@@ -365,7 +361,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// Reads into an empty buffer; `Ok(0)` only at end of stream. A busy connection's next
     /// message usually follows within microseconds, so the buffer held is kept for
-    /// `KEEP_WHILE_WAITING`; a connection quiet for longer gives it back, and the first byte to
+    /// [`IdleTimer::KEEP_BUFFER`]; a connection quiet for longer gives it back, and the first byte to
     /// arrive is then read on its own (a stream offers no wait for readability) into a fresh
     /// buffer of `BUFFER` bytes. The hot path thus costs a flag, not an allocation and an extra
     /// read, nor a clock read ([`IdleTimer`] ticks once a period on its own). Cancel safe: every
@@ -406,7 +402,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             stream,
             buffer,
             max,
-            idle: IdleTimer::lax(KEEP_WHILE_WAITING),
+            idle: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
         }
     }
 }

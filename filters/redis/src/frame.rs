@@ -422,10 +422,22 @@ pub fn encode_command(args: &[Bytes], out: &mut BytesMut) {
     }
 }
 
-fn bulk(out: &mut BytesMut, b: &[u8]) {
-    header(out, b'$', b.len());
-    out.put_slice(b);
+/// Appends the header of a command of `n` arguments; each follows as [`encode_argument`].
+pub fn encode_command_header(n: usize, out: &mut BytesMut) {
+    header(out, b'*', n);
+}
+
+/// Appends one argument of a command, given as the pieces it is made of, in order.
+pub fn encode_argument(pieces: &[&[u8]], out: &mut BytesMut) {
+    header(out, b'$', pieces.iter().map(|p| p.len()).sum());
+    for piece in pieces {
+        out.put_slice(piece);
+    }
     out.put_slice(b"\r\n");
+}
+
+fn bulk(out: &mut BytesMut, b: &[u8]) {
+    encode_argument(&[b], out);
 }
 
 /// A type byte and a length, formatted on the stack by `itoa` (a `to_string` per element was an

@@ -1,8 +1,10 @@
 //! The pure rewrite: a protected write plus a token becomes one call of the fence script, and a
 //! pipelined run of them one call of the batch fence script.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use fencegate_core::Token;
+
+use crate::frame;
 
 /// Prefix of every fence key; client writes to such keys are refused.
 pub const FENCE_KEY_PREFIX: &str = "fencegate:fence:";
@@ -61,25 +63,111 @@ pub fn batch_script_source() -> String {
     format!("{BATCH_LUA}\nreturn fencegate_fence_batch(KEYS, ARGV)\n")
 }
 
-/// The fence key of `token`'s resource: `fencegate:fence:{<resource>}`.
-pub fn fence_key(token: &Token) -> Bytes {
-    Bytes::from(format!("{FENCE_KEY_PREFIX}{{{}}}", token.resource()))
+/// A fence call, described rather than built: [`FenceCall::encode`] writes it upstream with no
+/// allocation (issue 18: the call's `Vec`, the fence key, resource and revision formatted into
+/// strings, and a clone of each argument were most of a fenced write's allocations);
+/// [`FenceCall::args`] builds it, to send it again after a reload and for the golden tests.
+/// Both come from [`FenceCall::each`], so they cannot differ.
+#[derive(Debug, Clone, Copy)]
+pub struct FenceCall<'a> {
+    mode: &'a ScriptMode,
+    token: &'a Token,
+    writes: &'a [BatchedWrite<'a>],
+    resp3: bool,
+    batch: bool,
 }
 
-/// A count as a decimal argument. The counts of a fence call are small (keys, commands, each
-/// command's arguments), so those below 64 come from a static table instead of an allocation
-/// each (a batch of 16 writes has 18 of them).
-fn count(n: usize) -> Bytes {
-    const SMALL: [&str; 64] = [
-        "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
-        "17", "18", "19", "20", "21", "22", "23", "24", "25", "26", "27", "28", "29", "30", "31",
-        "32", "33", "34", "35", "36", "37", "38", "39", "40", "41", "42", "43", "44", "45", "46",
-        "47", "48", "49", "50", "51", "52", "53", "54", "55", "56", "57", "58", "59", "60", "61",
-        "62", "63",
-    ];
-    match SMALL.get(n) {
-        Some(text) => Bytes::from_static(text.as_bytes()),
-        None => Bytes::from(n.to_string()),
+impl<'a> FenceCall<'a> {
+    /// One write as a call of the fence script, declaring the fence key and the write's keys.
+    /// `resp3` selects the reply protocol inside the script.
+    pub fn single(
+        mode: &'a ScriptMode,
+        token: &'a Token,
+        write: &'a BatchedWrite<'a>,
+        resp3: bool,
+    ) -> Self {
+        Self {
+            mode,
+            token,
+            writes: std::slice::from_ref(write),
+            resp3,
+            batch: false,
+        }
+    }
+
+    /// A run of writes under one `token` as one call of the batch fence script (see
+    /// `fence_batch.lua` for the argument layout). Every write's keys are declared.
+    pub fn batch(
+        mode: &'a ScriptMode,
+        token: &'a Token,
+        writes: &'a [BatchedWrite<'a>],
+        resp3: bool,
+    ) -> Self {
+        Self {
+            mode,
+            token,
+            writes,
+            resp3,
+            batch: true,
+        }
+    }
+
+    /// How many arguments the call has (its name included).
+    pub fn len(&self) -> usize {
+        let keys: usize = self.writes.iter().map(|w| w.keys.len()).sum();
+        let args: usize = self.writes.iter().map(|w| w.args.len()).sum();
+        let counts = if self.batch { 1 + self.writes.len() } else { 0 };
+        7 + keys + counts + args
+    }
+
+    /// Whether the call has no arguments (never: it names its script).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Hands each argument, in order, to `argument` as the pieces it is made of.
+    pub fn each(&self, mut argument: impl FnMut(&[&[u8]])) {
+        let (command, script): (&[u8], &[u8]) = match (self.mode, self.batch) {
+            (ScriptMode::Function, false) => (b"FCALL", FUNCTION_NAME.as_bytes()),
+            (ScriptMode::Function, true) => (b"FCALL", BATCH_FUNCTION_NAME.as_bytes()),
+            (ScriptMode::Script { sha, .. }, false) => (b"EVALSHA", sha.as_bytes()),
+            (ScriptMode::Script { batch_sha, .. }, true) => (b"EVALSHA", batch_sha.as_bytes()),
+        };
+        argument(&[command]);
+        argument(&[script]);
+        let mut number = itoa::Buffer::new();
+        let keys: usize = self.writes.iter().map(|w| w.keys.len()).sum();
+        argument(&[number.format(keys + 1).as_bytes()]);
+        let resource = self.token.resource().as_str().as_bytes();
+        argument(&[FENCE_KEY_PREFIX.as_bytes(), b"{", resource, b"}"]);
+        for key in self.writes.iter().flat_map(|w| w.keys) {
+            argument(&[key]);
+        }
+        argument(&[resource]);
+        argument(&[number.format(self.token.revision().get()).as_bytes()]);
+        argument(&[if self.resp3 { b"3" } else { b"2" }]);
+        if self.batch {
+            argument(&[number.format(self.writes.len()).as_bytes()]);
+            for write in self.writes {
+                argument(&[number.format(write.args.len()).as_bytes()]);
+            }
+        }
+        for arg in self.writes.iter().flat_map(|w| w.args) {
+            argument(&[arg]);
+        }
+    }
+
+    /// Appends the call to `out` as a RESP command.
+    pub fn encode(&self, out: &mut BytesMut) {
+        frame::encode_command_header(self.len(), out);
+        self.each(|pieces| frame::encode_argument(pieces, out));
+    }
+
+    /// The call's arguments.
+    pub fn args(&self) -> Vec<Bytes> {
+        let mut args = Vec::with_capacity(self.len());
+        self.each(|pieces| args.push(Bytes::from(pieces.concat())));
+        args
     }
 }
 
@@ -92,25 +180,7 @@ pub fn rewrite(
     keys: &[Bytes],
     resp3: bool,
 ) -> Vec<Bytes> {
-    let mut out = Vec::with_capacity(args.len() + keys.len() + 7);
-    match mode {
-        ScriptMode::Function => {
-            out.push(Bytes::from_static(b"FCALL"));
-            out.push(Bytes::from_static(FUNCTION_NAME.as_bytes()));
-        }
-        ScriptMode::Script { sha, .. } => {
-            out.push(Bytes::from_static(b"EVALSHA"));
-            out.push(Bytes::from(sha.clone()));
-        }
-    }
-    out.push(count(keys.len() + 1));
-    out.push(fence_key(token));
-    out.extend(keys.iter().cloned());
-    out.push(Bytes::from(token.resource().to_string()));
-    out.push(Bytes::from(token.revision().to_string()));
-    out.push(Bytes::from_static(if resp3 { b"3" } else { b"2" }));
-    out.extend(args.iter().cloned());
-    out
+    FenceCall::single(mode, token, &BatchedWrite { args, keys }, resp3).args()
 }
 
 /// One write of a batch: the original command and its keys.
@@ -130,35 +200,7 @@ pub fn rewrite_batch(
     writes: &[BatchedWrite],
     resp3: bool,
 ) -> Vec<Bytes> {
-    let keys: usize = writes.iter().map(|w| w.keys.len()).sum();
-    let args: usize = writes.iter().map(|w| w.args.len()).sum();
-    let mut out = Vec::with_capacity(8 + keys + writes.len() + args);
-    match mode {
-        ScriptMode::Function => {
-            out.push(Bytes::from_static(b"FCALL"));
-            out.push(Bytes::from_static(BATCH_FUNCTION_NAME.as_bytes()));
-        }
-        ScriptMode::Script { batch_sha, .. } => {
-            out.push(Bytes::from_static(b"EVALSHA"));
-            out.push(Bytes::from(batch_sha.clone()));
-        }
-    }
-    out.push(count(keys + 1));
-    out.push(fence_key(token));
-    for write in writes {
-        out.extend(write.keys.iter().cloned());
-    }
-    out.push(Bytes::from(token.resource().to_string()));
-    out.push(Bytes::from(token.revision().to_string()));
-    out.push(Bytes::from_static(if resp3 { b"3" } else { b"2" }));
-    out.push(count(writes.len()));
-    for write in writes {
-        out.push(count(write.args.len()));
-    }
-    for write in writes {
-        out.extend(write.args.iter().cloned());
-    }
-    out
+    FenceCall::batch(mode, token, writes, resp3).args()
 }
 
 #[cfg(test)]
@@ -187,10 +229,59 @@ mod tests {
             .collect()
     }
 
+    /// What [`FenceCall::encode`] writes is the command [`FenceCall::args`] builds.
+    fn encoded_is_built(call: FenceCall) {
+        let mut encoded = BytesMut::new();
+        call.encode(&mut encoded);
+        let mut built = BytesMut::new();
+        frame::encode_command(&call.args(), &mut built);
+        assert_eq!(encoded, built);
+        assert_eq!(call.args().len(), call.len());
+    }
+
     #[test]
-    fn counts_are_their_decimal_text() {
-        for n in [0, 1, 9, 10, 63, 64, 65, 1000] {
-            assert_eq!(count(n), Bytes::from(n.to_string()), "{n}");
+    fn encoding_writes_the_built_call() {
+        let script = ScriptMode::Script {
+            sha: "abc123".into(),
+            batch_sha: "def456".into(),
+        };
+        let (set, mset) = (b("SET k v"), b("MSET a 1 b 2"));
+        let (k, ab) = (b("k"), b("a b"));
+        let binary = vec![
+            Bytes::from_static(b"SET"),
+            Bytes::from_static(b"k\r\n"),
+            Bytes::from_static(&[0, 255, 10]),
+        ];
+        // Past every one-digit count: 70 writes of 12 arguments.
+        let long = b("MSET a 1 b 2 c 3 d 4 e 5 f");
+        let writes: Vec<BatchedWrite> = (0..70)
+            .map(|_| BatchedWrite {
+                args: &long,
+                keys: &ab,
+            })
+            .collect();
+        let one = BatchedWrite {
+            args: &set,
+            keys: &k,
+        };
+        let two = [
+            one,
+            BatchedWrite {
+                args: &mset,
+                keys: &ab,
+            },
+        ];
+        let bin = BatchedWrite {
+            args: &binary,
+            keys: &binary[1..2],
+        };
+        for mode in [ScriptMode::Function, script] {
+            for resp3 in [false, true] {
+                encoded_is_built(FenceCall::single(&mode, &token(), &one, resp3));
+                encoded_is_built(FenceCall::single(&mode, &token(), &bin, resp3));
+                encoded_is_built(FenceCall::batch(&mode, &token(), &two, resp3));
+                encoded_is_built(FenceCall::batch(&mode, &token(), &writes, resp3));
+            }
         }
     }
 

@@ -45,7 +45,7 @@ use crate::frame::{self, Frame, Request};
 use crate::gateway::Gateway;
 use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
-use crate::rewrite::{rewrite, rewrite_batch, BatchedWrite, ScriptMode};
+use crate::rewrite::{BatchedWrite, FenceCall, ScriptMode};
 use crate::scope;
 use crate::shared_upstream::{self, Inbox, Outbox, Reply, SharedConnection};
 use crate::sharing;
@@ -148,6 +148,8 @@ pub(crate) async fn run(
         identity: identity.clone(),
         requests: 0,
         parser: RequestParser::default(),
+        keep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
+        room: BytesMut::new(),
         held: 0,
         tarpit: Tarpit::new(
             Duration::from_millis(gateway.config.tarpit_initial_ms),
@@ -169,8 +171,10 @@ pub(crate) async fn run(
         peer,
         client: client_w,
         out: BytesMut::new(),
+        keep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
         upstream: source,
         ubuf: BytesMut::new(),
+        ukeep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
         upstream_w: up_w,
         stash: VecDeque::new(),
         completed: completed.clone(),
@@ -324,10 +328,18 @@ struct BatchContext {
     writes: Vec<FencedWrite>,
     /// The token they ran under.
     token: Arc<Token>,
-    /// The rewritten call, to send again after a reload.
-    call: Vec<Bytes>,
+    /// How the call was made, to make it again after a reload.
+    mode: ScriptMode,
     /// Whether the client speaks RESP3 (how a null reply is written).
     resp3: bool,
+}
+
+impl BatchContext {
+    /// The call sent, built again (for a resend after a reload).
+    fn call(&self) -> Vec<Bytes> {
+        let batched: Vec<BatchedWrite> = self.writes.iter().map(FencedWrite::batched).collect();
+        FenceCall::batch(&self.mode, &self.token, &batched, self.resp3).args()
+    }
 }
 
 struct FenceContext {
@@ -335,8 +347,16 @@ struct FenceContext {
     write: FencedWrite,
     /// The token it ran under.
     token: Arc<Token>,
-    /// The rewritten call, to send again after a reload.
-    call: Vec<Bytes>,
+    /// How the call was made, to make it again after a reload.
+    mode: ScriptMode,
+    resp3: bool,
+}
+
+impl FenceContext {
+    /// The call sent, built again (for a resend after a reload).
+    fn call(&self) -> Vec<Bytes> {
+        FenceCall::single(&self.mode, &self.token, &self.write.batched(), self.resp3).args()
+    }
 }
 
 /// What the audit record of a fenced write is built from, should the store refuse it: the
@@ -350,6 +370,15 @@ struct FencedWrite {
     keys: Vec<Bytes>,
     /// The request's size on the wire.
     bytes: usize,
+}
+
+impl FencedWrite {
+    fn batched(&self) -> BatchedWrite<'_> {
+        BatchedWrite {
+            args: &self.args,
+            keys: &self.keys,
+        }
+    }
 }
 
 struct Multi {
@@ -382,6 +411,10 @@ struct Reader {
     requests: u64,
     /// Parse state of the request at the front of `buf`, kept across reads.
     parser: RequestParser,
+    /// When an empty `buf` is given back (see [`read`]).
+    keep: IdleTimer,
+    /// The buffer the last batch was written into, emptied, for the next one.
+    room: BytesMut,
     /// Bytes this connection counts in the gateway's `buffered` total.
     held: usize,
     /// Refusals over the gateway's budget since this connection's last accepted write.
@@ -479,6 +512,17 @@ struct Batch {
 }
 
 impl Batch {
+    /// A batch for `input` bytes of requests, written into `room` (the last batch's buffer,
+    /// emptied). It is made large enough at once to hold the requests rewritten (a fence call
+    /// adds about a hundred bytes to its write), instead of grown write by write.
+    fn new(mut room: BytesMut, input: usize) -> Self {
+        room.reserve(input.saturating_mul(2).min(input + BUFFER) + 256);
+        Self {
+            upstream: room,
+            ..Self::default()
+        }
+    }
+
     fn forward(&mut self, args: &[Bytes]) {
         self.close_run();
         self.send(args);
@@ -498,6 +542,11 @@ impl Batch {
 
     fn send(&mut self, args: &[Bytes]) {
         frame::encode_command(args, &mut self.upstream);
+        self.requests += 1;
+    }
+
+    fn send_call(&mut self, call: &FenceCall) {
+        call.encode(&mut self.upstream);
         self.requests += 1;
     }
 
@@ -527,13 +576,13 @@ impl Batch {
         resp3: bool,
     ) {
         self.close_run();
-        let call = rewrite(mode, &token, &write.args, &write.keys, resp3);
-        self.send(&call);
+        self.send_call(&FenceCall::single(mode, &token, &write.batched(), resp3));
         self.slots
             .push(Slot::Upstream(Expect::Fenced(Box::new(FenceContext {
                 write,
                 token,
-                call,
+                mode: mode.clone(),
+                resp3,
             }))));
     }
 
@@ -548,20 +597,14 @@ impl Batch {
             self.fenced_alone(&mode, token, write, resp3);
             return;
         }
-        let batched: Vec<BatchedWrite> = writes
-            .iter()
-            .map(|w| BatchedWrite {
-                args: &w.args,
-                keys: &w.keys,
-            })
-            .collect();
-        let call = rewrite_batch(&mode, &token, &batched, resp3);
-        self.send(&call);
+        let batched: Vec<BatchedWrite> = writes.iter().map(FencedWrite::batched).collect();
+        self.send_call(&FenceCall::batch(&mode, &token, &batched, resp3));
+        drop(batched);
         self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
             BatchContext {
                 writes,
                 token,
-                call,
+                mode,
                 resp3,
             },
         ))));
@@ -588,7 +631,7 @@ impl Reader {
                 let read_result = if !self.buf.is_empty() {
                     tokio::time::timeout_at(
                         started + partial,
-                        read(&mut self.client, &mut self.buf),
+                        read(&mut self.client, &mut self.buf, &mut self.keep),
                     )
                     .await
                     .ok()
@@ -598,12 +641,20 @@ impl Reader {
                     let closable = self.multi.is_none();
                     let next = async {
                         match idle_timer.as_mut() {
-                            None => Some(read(&mut self.client, &mut self.buf).await),
+                            None => Some(
+                                read_giving_back(
+                                    &mut self.client,
+                                    &mut self.buf,
+                                    &mut self.keep,
+                                    || self.room = BytesMut::new(),
+                                )
+                                .await,
+                            ),
                             Some(timer) => {
                                 timer.start();
                                 tokio::select! {
                                     biased;
-                                    r = read(&mut self.client, &mut self.buf) => Some(r),
+                                    r = read_giving_back(&mut self.client, &mut self.buf, &mut self.keep, || self.room = BytesMut::new()) => Some(r),
                                     () = timer.expired() => None,
                                 }
                             }
@@ -646,7 +697,7 @@ impl Reader {
                     started = tokio::time::Instant::now();
                 }
             }
-            let mut batch = Batch::default();
+            let mut batch = Batch::new(std::mem::take(&mut self.room), self.buf.len());
             let read_at = std::time::Instant::now();
             let mut fatal = None;
             let mut pin = false;
@@ -690,6 +741,13 @@ impl Reader {
                     }
                 }
                 up.send(&batch.upstream, batch.requests).await?;
+            }
+            // Kept for the next batch (a buffer of a kilobyte or more taken per batch costs
+            // glibc a heap consolidation each time), unless a large batch grew it; given back
+            // with the read buffer once the connection is quiet.
+            if batch.upstream.capacity() <= BUFFER {
+                batch.upstream.clear();
+                self.room = std::mem::take(&mut batch.upstream);
             }
             for slot in batch.slots {
                 self.read_at
@@ -1067,14 +1125,10 @@ impl Reader {
             return self.refuse(request, RejectReason::Unsupported, &detail, batch);
         }
         self.accepted();
-        let call = rewrite(
-            &self.info.mode,
-            &token,
-            args,
-            &keys,
-            self.resp3.load(Ordering::Relaxed),
-        );
-        batch.forward(&call);
+        let write = BatchedWrite { args, keys: &keys };
+        let resp3 = self.resp3.load(Ordering::Relaxed);
+        batch.close_run();
+        batch.send_call(&FenceCall::single(&self.info.mode, &token, &write, resp3));
         batch.push(Slot::Upstream(Expect::Plain));
     }
 
@@ -1215,9 +1269,13 @@ struct Writer {
     peer: SocketAddr,
     client: WriteHalf,
     out: BytesMut,
+    /// When an empty `out` is given back (see [`keeping`]).
+    keep: IdleTimer,
     upstream: Source,
     /// Replies read from the session's own connection, not yet parsed.
     ubuf: BytesMut,
+    /// When an empty `ubuf` is given back (see [`read`]).
+    ukeep: IdleTimer,
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
@@ -1287,7 +1345,7 @@ impl Writer {
                             None => return Ok(()),
                         }
                     } else {
-                        match self.slots.recv().await {
+                        match keeping(&mut self.keep, &mut self.out, self.slots.recv()).await {
                             Some(slot) => slot,
                             None => return Ok(()),
                         }
@@ -1387,6 +1445,8 @@ impl Writer {
                 self.relay_or_stash(reply);
             }
             self.flush().await?;
+            // Subscribed or RESP3: the wait may last; the buffer is given back before it.
+            self.out = BytesMut::new();
             // A shared connection sends nothing unasked (a session that subscribes or speaks
             // RESP3 has its own).
             let Source::Own(upstream) = &mut self.upstream else {
@@ -1394,7 +1454,7 @@ impl Writer {
             };
             tokio::select! {
                 slot = self.slots.recv() => return Ok(slot),
-                n = read(upstream, &mut self.ubuf) => {
+                n = read(upstream, &mut self.ubuf, &mut self.ukeep) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
@@ -1461,12 +1521,12 @@ impl Writer {
                 self.out().extend_from_slice(&raw);
             }
             Expect::Fenced(ctx) => {
-                let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
+                let (frame, raw) = self.retried_if_missing(|| ctx.call(), (frame, raw)).await?;
                 self.fenced_reply(&ctx.write, &ctx.token, &frame, &raw)
                     .await;
             }
             Expect::FencedBatch(ctx) => {
-                let (frame, raw) = self.retried_if_missing(&ctx.call, (frame, raw)).await?;
+                let (frame, raw) = self.retried_if_missing(|| ctx.call(), (frame, raw)).await?;
                 match fence_batch::split(&frame, &raw, ctx.writes.len(), ctx.resp3) {
                     Ok(Split::Each(replies)) => {
                         for (write, (frame, raw)) in ctx.writes.iter().zip(&replies) {
@@ -1538,11 +1598,11 @@ impl Writer {
     /// call sent again after reloading it (see [`Writer::retry`]).
     async fn retried_if_missing(
         &mut self,
-        call: &[Bytes],
+        call: impl FnOnce() -> Vec<Bytes>,
         (frame, raw): (Frame, Bytes),
     ) -> Result<(Frame, Bytes), RedisError> {
         if frame.as_error().is_some_and(is_missing_script) {
-            self.retry(call).await
+            self.retry(&call()).await
         } else {
             Ok((frame, raw))
         }
@@ -1565,7 +1625,7 @@ impl Writer {
             };
             tokio::select! {
                 guard = upstream_w.lock() => break guard,
-                n = read(upstream, &mut self.ubuf) => {
+                n = read(upstream, &mut self.ubuf, &mut self.ukeep) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {
                         return Err(RedisError::Upstream("closed the connection".into()));
                     }
@@ -1686,9 +1746,12 @@ impl Writer {
             }
             self.flush().await?;
             match &mut self.upstream {
-                Source::Shared(inbox) => return shared_reply(inbox.recv().await),
+                Source::Shared(inbox) => {
+                    return shared_reply(keeping(&mut self.keep, &mut self.out, inbox.recv()).await)
+                }
                 Source::Own(half) => {
-                    let n = read(half, &mut self.ubuf)
+                    let read = read(half, &mut self.ubuf, &mut self.ukeep);
+                    let n = keeping(&mut self.keep, &mut self.out, read)
                         .await
                         .map_err(RedisError::io("reading from upstream"))?;
                     if n == 0 {
@@ -1719,7 +1782,9 @@ impl Writer {
         &mut self.out
     }
 
-    /// Writes the batch to the client and gives the output buffer back: the writer waits next.
+    /// Writes the batch to the client. The output buffer is kept for the next batch (the
+    /// writer's waits give it back when they last, see [`keeping`]), unless a large reply grew
+    /// it past its size.
     async fn flush(&mut self) -> Result<(), RedisError> {
         if !self.out.is_empty() {
             self.client
@@ -1727,20 +1792,40 @@ impl Writer {
                 .await
                 .map_err(RedisError::io("writing to client"))?;
         }
-        self.out = BytesMut::new();
+        if self.out.capacity() > BUFFER {
+            self.out = BytesMut::new();
+        } else {
+            self.out.clear();
+        }
         Ok(())
     }
 }
 
 /// Reads what `stream` has into `buf`, like `read_buf`; `Ok(0)` only at end of stream.
 ///
-/// A buffer holding part of a frame is read into as it is. An empty buffer is given back before
-/// waiting, and a fresh one of `BUFFER` bytes is taken once the socket is readable. Cancel
-/// safe: bytes are only read once the wait is over, and what the buffer holds is never dropped.
+/// A buffer holding part of a frame is read into as it is. An empty buffer is kept for
+/// [`IdleTimer::KEEP_BUFFER`] (`keep`, lax: at most twice that) while the socket is waited
+/// for: a busy connection's next message reuses it. A connection quiet for longer gives it
+/// back, and a fresh one of `BUFFER` bytes is taken once the socket is readable. Cancel safe:
+/// bytes are only read once a wait is over, and what the buffer holds is never dropped.
 ///
 /// A TLS stream has no readiness to wait for without reading (rustls buffers records itself),
 /// so it reads into a buffer of `BUFFER` bytes taken before the wait.
-async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
+async fn read(
+    stream: &mut ReadHalf,
+    buf: &mut BytesMut,
+    keep: &mut IdleTimer,
+) -> io::Result<usize> {
+    read_giving_back(stream, buf, keep, || {}).await
+}
+
+/// [`read`], calling `give_back` when the kept buffer is given back (for buffers kept with it).
+async fn read_giving_back(
+    stream: &mut ReadHalf,
+    buf: &mut BytesMut,
+    keep: &mut IdleTimer,
+    give_back: impl FnOnce(),
+) -> io::Result<usize> {
     let stream = match stream {
         ReadHalf::Plain(stream) => stream,
         ReadHalf::Tls(stream) => {
@@ -1753,7 +1838,21 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     if !buf.is_empty() {
         return stream.read_buf(buf).await;
     }
+    if buf.capacity() > 0 {
+        if buf.capacity() < BUFFER / 2 {
+            // The room consumed at the front is taken back: no allocation while nothing else
+            // holds part of the buffer (a reply split off and still queued).
+            buf.reserve(BUFFER);
+        }
+        keep.start();
+        tokio::select! {
+            biased;
+            n = stream.read_buf(buf) => return n,
+            () = keep.expired() => {}
+        }
+    }
     *buf = BytesMut::new();
+    give_back();
     stream.readable().await?;
     // Never read into no room: that would return 0 and look like end of stream.
     *buf = BytesMut::with_capacity(BUFFER);
@@ -1761,6 +1860,27 @@ async fn read(stream: &mut ReadHalf, buf: &mut BytesMut) -> io::Result<usize> {
     // socket is drained, so the next wait sleeps at once instead of first reading `EAGAIN`
     // (about one wasted `recvfrom` per request in issue 18's profile).
     stream.read_buf(buf).await
+}
+
+/// Awaits `wait` keeping the empty output buffer `out` for [`IdleTimer::KEEP_BUFFER`] (`keep`,
+/// lax: at most twice that); if the wait lasts longer, `out` is given back meanwhile. Only a
+/// buffer of `BUFFER` bytes or fewer is kept ([`Writer::flush`]).
+async fn keeping<F: std::future::Future>(
+    keep: &mut IdleTimer,
+    out: &mut BytesMut,
+    wait: F,
+) -> F::Output {
+    tokio::pin!(wait);
+    if out.capacity() > 0 {
+        keep.start();
+        tokio::select! {
+            biased;
+            done = &mut wait => return done,
+            () = keep.expired() => {}
+        }
+        *out = BytesMut::new();
+    }
+    wait.await
 }
 
 /// A command name upper-cased: in `buf` when it is short ASCII, as every command name is (no
@@ -1812,6 +1932,68 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// Longer than any keep (lax: at most twice [`IdleTimer::KEEP_BUFFER`]).
+    const QUIET: Duration = Duration::from_secs(1);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_read_keeps_its_buffer_only_while_busy() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let (mut half, _w) = stream::split(Connection::Plain(server));
+        let mut keep = IdleTimer::lax(IdleTimer::KEEP_BUFFER);
+        let mut buf = BytesMut::new();
+        let gave_back = std::cell::Cell::new(0);
+        macro_rules! read_next {
+            () => {
+                read_giving_back(&mut half, &mut buf, &mut keep, || {
+                    gave_back.set(gave_back.get() + 1)
+                })
+            };
+        }
+
+        client.write_all(b"one").await.unwrap();
+        assert_eq!(read_next!().await.unwrap(), 3);
+        let first = buf.as_ptr();
+        buf.advance(3);
+        // The next request comes at once: read into the same buffer, nothing given back.
+        client.write_all(b"two").await.unwrap();
+        assert_eq!(read_next!().await.unwrap(), 3);
+        assert_eq!(&buf[..], b"two");
+        assert_eq!(buf.as_ptr(), first.wrapping_add(3));
+        assert_eq!(gave_back.get(), 1, "only the first read took a buffer");
+        buf.advance(3);
+
+        // Quiet for longer than the keep: the buffer and the ones kept with it go back.
+        {
+            let wait = read_next!();
+            tokio::pin!(wait);
+            tokio::select! {
+                biased;
+                _ = &mut wait => panic!("nothing was sent"),
+                () = tokio::time::sleep(QUIET) => {}
+            }
+        }
+        assert_eq!(gave_back.get(), 2);
+        assert_eq!(buf.capacity(), 0, "a quiet connection holds no buffer");
+        client.write_all(b"three").await.unwrap();
+        assert_eq!(read_next!().await.unwrap(), 5);
+        assert_eq!(&buf[..], b"three");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_output_buffer_is_kept_only_while_busy() {
+        let mut keep = IdleTimer::lax(IdleTimer::KEEP_BUFFER);
+        let mut out = BytesMut::with_capacity(BUFFER);
+        assert_eq!(keeping(&mut keep, &mut out, async { 7 }).await, 7);
+        assert_eq!(out.capacity(), BUFFER, "kept across a short wait");
+        let late = tokio::time::sleep(QUIET);
+        keeping(&mut keep, &mut out, late).await;
+        assert_eq!(out.capacity(), 0, "given back during a long wait");
+    }
 
     #[test]
     fn only_the_canonical_spelling_is_relayed_as_it_came() {
