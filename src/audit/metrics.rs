@@ -4,6 +4,8 @@ use prometheus_client::encoding::EncodeLabelSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use fencegate_core::Store;
+
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -23,9 +25,12 @@ struct RefusedLabels {
 /// `fencegate_fenced_writes_applied_total{store}` and
 /// `fencegate_fenced_writes_refused_total{store,reason}`. A refusal is counted only once its
 /// audit record is on disk.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct FenceCounters {
     applied: Family<StoreLabel, Counter>,
+    /// `applied`'s series of each store, looked up once: every fenced write counts one, and
+    /// the family's lookup cost a label `String` and a hash per write.
+    applied_series: [(Store, Counter); 3],
     refused: Family<RefusedLabels, Counter>,
     /// The highest fence a store reported in a refusal on this node.
     highest_fence: Arc<AtomicU64>,
@@ -46,6 +51,32 @@ pub struct FenceCounters {
     /// Gateway traffic and the audit writer's queue and fsync time (they reach the node
     /// through the same sink).
     pub gateway: crate::gateway_metrics::GatewayMetrics,
+}
+
+impl Default for FenceCounters {
+    fn default() -> Self {
+        let applied: Family<StoreLabel, Counter> = Family::default();
+        let applied_series = Store::ALL.map(|store| {
+            let label = StoreLabel {
+                store: store.as_str().to_owned(),
+            };
+            (store, applied.get_or_create(&label).clone())
+        });
+        Self {
+            applied,
+            applied_series,
+            refused: Family::default(),
+            highest_fence: Arc::default(),
+            above_authority: Gauge::default(),
+            over_budget: Gauge::default(),
+            suppressed: Counter::default(),
+            write_failing: Gauge::default(),
+            write_failure: Arc::default(),
+            write_errors: Counter::default(),
+            unrecorded: Counter::default(),
+            gateway: crate::gateway_metrics::GatewayMetrics::default(),
+        }
+    }
 }
 
 impl FenceCounters {
@@ -162,11 +193,19 @@ impl FenceCounters {
 
     /// Counts one applied fenced write.
     pub fn applied(&self, store: &str) {
-        self.applied
-            .get_or_create(&StoreLabel {
-                store: store.to_owned(),
-            })
-            .inc();
+        let known = store.parse::<Store>().ok();
+        match self.applied_series.iter().find(|(s, _)| Some(*s) == known) {
+            Some((_, series)) => {
+                series.inc();
+            }
+            None => {
+                self.applied
+                    .get_or_create(&StoreLabel {
+                        store: store.to_owned(),
+                    })
+                    .inc();
+            }
+        }
     }
 
     /// Counts one logged refusal.

@@ -325,8 +325,32 @@ impl Cursor<'_> {
     }
 }
 
-fn parse_i64(text: &[u8]) -> Option<i64> {
-    std::str::from_utf8(text).ok()?.parse().ok()
+/// A decimal integer exactly as `str::parse::<i64>` reads it (an optional `+` or `-`, then at
+/// least one ASCII digit, no overflow), without the UTF-8 check and the generic parse per length
+/// header: requests and replies have one per element (issue 18).
+pub(crate) fn parse_i64(text: &[u8]) -> Option<i64> {
+    let (negative, digits) = match text {
+        [b'-', rest @ ..] => (true, rest),
+        [b'+', rest @ ..] => (false, rest),
+        _ => (false, text),
+    };
+    if digits.is_empty() {
+        return None;
+    }
+    let mut n: i64 = 0;
+    for &digit in digits {
+        if !digit.is_ascii_digit() {
+            return None;
+        }
+        let digit = i64::from(digit - b'0');
+        // Accumulated towards the sign, so that i64::MIN is read too.
+        n = if negative {
+            n.checked_mul(10)?.checked_sub(digit)?
+        } else {
+            n.checked_mul(10)?.checked_add(digit)?
+        };
+    }
+    Some(n)
 }
 
 impl Frame {
@@ -579,6 +603,35 @@ mod tests {
         assert_eq!(back, frame);
     }
 
+    #[test]
+    fn integer_edges_read_as_str_parse_reads_them() {
+        for text in [
+            "",
+            "+",
+            "-",
+            "0",
+            "-0",
+            "+0",
+            "007",
+            "9223372036854775807",
+            "9223372036854775808",
+            "-9223372036854775808",
+            "-9223372036854775809",
+            "+-1",
+            "--1",
+            "1-",
+            " 1",
+            "1 ",
+            "١",
+        ] {
+            assert_eq!(
+                parse_i64(text.as_bytes()),
+                text.parse::<i64>().ok(),
+                "{text:?}"
+            );
+        }
+    }
+
     proptest! {
         #[test]
         fn encode_command_is_the_command_frame_encoded(
@@ -603,6 +656,20 @@ mod tests {
             Frame::Bulk(Bytes::from(vec![b'x'; n])).encode(&mut out);
             let head = format!("${n}\r\n");
             prop_assert!(out.starts_with(head.as_bytes()));
+        }
+
+        #[test]
+        fn integers_are_read_as_str_parse_reads_them(
+            text in "[-+]{0,2}[0-9]{0,21}[ x]?",
+            i in any::<i64>(),
+            bytes in proptest::collection::vec(any::<u8>(), 0..24),
+        ) {
+            let std = |b: &[u8]| std::str::from_utf8(b).ok()?.parse::<i64>().ok();
+            prop_assert_eq!(parse_i64(text.as_bytes()), std(text.as_bytes()));
+            prop_assert_eq!(parse_i64(&bytes), std(&bytes));
+            let decimal = i.to_string();
+            prop_assert_eq!(parse_i64(decimal.as_bytes()), Some(i));
+            prop_assert_eq!(parse_i64(format!("+{decimal}").as_bytes()), std(format!("+{decimal}").as_bytes()));
         }
 
         #[test]

@@ -8,7 +8,7 @@
 use bytes::Bytes;
 
 use crate::error::FrameError;
-use crate::frame::{Limits, Request};
+use crate::frame::{parse_i64, Limits, Request};
 
 /// The longest header line (`*<n>` or `$<n>`, or an inline command up to 64 KiB).
 const MAX_LINE: usize = 64 * 1024;
@@ -163,10 +163,6 @@ impl RequestParser {
         let end = start + i;
         crate::frame::parse_request(&buf[..=end], limits)
     }
-}
-
-fn parse_i64(line: &[u8]) -> Option<i64> {
-    std::str::from_utf8(line).ok()?.parse().ok()
 }
 
 #[cfg(test)]

@@ -599,7 +599,6 @@ impl Batch {
         }
         let batched: Vec<BatchedWrite> = writes.iter().map(FencedWrite::batched).collect();
         self.send_call(&FenceCall::batch(&mode, &token, &batched, resp3));
-        drop(batched);
         self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
             BatchContext {
                 writes,
@@ -625,6 +624,8 @@ impl Reader {
         // clone and a waiter registered per request.
         let mut drained = PollOnWake::new(self.shutdown.clone().cancelled_owned());
         loop {
+            // The bytes left in `buf` after this turn began to arrive in it (see `started`).
+            let mut began = false;
             if !std::mem::take(&mut resume) {
                 // A partial request must be complete `partial` after its first byte arrived (a
                 // deadline, not a per-read timeout: a byte every few seconds must not keep it).
@@ -693,9 +694,7 @@ impl Reader {
                 if n == 0 {
                     return Ok(());
                 }
-                if was_empty {
-                    started = tokio::time::Instant::now();
-                }
+                began = was_empty;
             }
             let mut batch = Batch::new(std::mem::take(&mut self.room), self.buf.len());
             let read_at = std::time::Instant::now();
@@ -709,7 +708,7 @@ impl Reader {
                         break;
                     }
                     Ok(Some(request)) => {
-                        started = tokio::time::Instant::now();
+                        began = true;
                         let len = request.wire_len;
                         let raw = canonical(&self.buf[..len], &request.args);
                         // The request's bytes stay in `buf` until it is handled: a relayed
@@ -729,6 +728,12 @@ impl Reader {
                 }
             }
             batch.close_run();
+            if began && !self.buf.is_empty() {
+                // What is left (a partial request, or requests held back) began after the
+                // last request handled, or in this read into an empty buffer: its deadline
+                // counts from now. The clock is read only then, not per request.
+                started = tokio::time::Instant::now();
+            }
             if !batch.upstream.is_empty() {
                 let upstream = self.upstream.clone();
                 let mut up = upstream.lock().await;
@@ -1269,7 +1274,8 @@ struct Writer {
     peer: SocketAddr,
     client: WriteHalf,
     out: BytesMut,
-    /// When an empty `out` is given back (see [`keeping`]).
+    /// When an empty `out` (and `ubuf`, while waiting for a request) is given back (see
+    /// [`keeping`]).
     keep: IdleTimer,
     upstream: Source,
     /// Replies read from the session's own connection, not yet parsed.
@@ -1345,7 +1351,8 @@ impl Writer {
                             None => return Ok(()),
                         }
                     } else {
-                        match keeping(&mut self.keep, &mut self.out, self.slots.recv()).await {
+                        let idle = [&mut self.out, &mut self.ubuf];
+                        match keeping(&mut self.keep, idle, self.slots.recv()).await {
                             Some(slot) => slot,
                             None => return Ok(()),
                         }
@@ -1747,11 +1754,13 @@ impl Writer {
             self.flush().await?;
             match &mut self.upstream {
                 Source::Shared(inbox) => {
-                    return shared_reply(keeping(&mut self.keep, &mut self.out, inbox.recv()).await)
+                    return shared_reply(
+                        keeping(&mut self.keep, [&mut self.out], inbox.recv()).await,
+                    )
                 }
                 Source::Own(half) => {
                     let read = read(half, &mut self.ubuf, &mut self.ukeep);
-                    let n = keeping(&mut self.keep, &mut self.out, read)
+                    let n = keeping(&mut self.keep, [&mut self.out], read)
                         .await
                         .map_err(RedisError::io("reading from upstream"))?;
                     if n == 0 {
@@ -1862,23 +1871,27 @@ async fn read_giving_back(
     stream.read_buf(buf).await
 }
 
-/// Awaits `wait` keeping the empty output buffer `out` for [`IdleTimer::KEEP_BUFFER`] (`keep`,
-/// lax: at most twice that); if the wait lasts longer, `out` is given back meanwhile. Only a
-/// buffer of `BUFFER` bytes or fewer is kept ([`Writer::flush`]).
-async fn keeping<F: std::future::Future>(
+/// Awaits `wait` keeping the writer's buffers `held` for [`IdleTimer::KEEP_BUFFER`] (`keep`,
+/// lax: at most twice that); if the wait lasts longer, those that are empty are given back
+/// meanwhile. The output buffer is kept only at up to `BUFFER` bytes ([`Writer::flush`]).
+async fn keeping<F: std::future::Future, const N: usize>(
     keep: &mut IdleTimer,
-    out: &mut BytesMut,
+    held: [&mut BytesMut; N],
     wait: F,
 ) -> F::Output {
     tokio::pin!(wait);
-    if out.capacity() > 0 {
+    if held.iter().any(|buf| buf.capacity() > 0) {
         keep.start();
         tokio::select! {
             biased;
             done = &mut wait => return done,
             () = keep.expired() => {}
         }
-        *out = BytesMut::new();
+        for buf in held {
+            if buf.is_empty() {
+                *buf = BytesMut::new();
+            }
+        }
     }
     wait.await
 }
@@ -1988,11 +2001,14 @@ mod tests {
     async fn the_output_buffer_is_kept_only_while_busy() {
         let mut keep = IdleTimer::lax(IdleTimer::KEEP_BUFFER);
         let mut out = BytesMut::with_capacity(BUFFER);
-        assert_eq!(keeping(&mut keep, &mut out, async { 7 }).await, 7);
+        assert_eq!(keeping(&mut keep, [&mut out], async { 7 }).await, 7);
         assert_eq!(out.capacity(), BUFFER, "kept across a short wait");
+        // Of the buffers kept with it, only the empty ones are given back.
+        let mut partial = BytesMut::from(&b"+PON"[..]);
         let late = tokio::time::sleep(QUIET);
-        keeping(&mut keep, &mut out, late).await;
+        keeping(&mut keep, [&mut out, &mut partial], late).await;
         assert_eq!(out.capacity(), 0, "given back during a long wait");
+        assert_eq!(&partial[..], b"+PON");
     }
 
     #[test]

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use fencegate_core::PollOnWake;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
@@ -266,9 +267,12 @@ impl SharedConnection {
 async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: CancellationToken) {
     let _closes = CloseOnEnd(shared.clone());
     let mut spare = BytesMut::new();
+    // One wait for the stop, polled only when the token woke it: a `cancelled()` made per
+    // wake-up registered a waiter under the token's lock per request (issue 18).
+    let mut stopped = PollOnWake::new(stop.cancelled_owned());
     loop {
         tokio::select! {
-            () = stop.cancelled() => return shared.fail("the gateway stopped"),
+            () = &mut stopped => return shared.fail("the gateway stopped"),
             () = shared.queued.notified() => {}
         }
         // Let the other sessions the same wake-up made ready queue theirs first: one write
@@ -276,7 +280,7 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
         // event loop per write).
         tokio::task::yield_now().await;
         loop {
-            let mut bytes = {
+            let (mut bytes, full) = {
                 let mut queue = shared.lock();
                 if queue.closed.is_some() {
                     return;
@@ -284,9 +288,18 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
                 if queue.out.is_empty() {
                     break;
                 }
-                std::mem::replace(&mut queue.out, std::mem::take(&mut spare))
+                let full = queue.out.len() >= sharing::LARGEST_SHARED_QUEUE;
+                (
+                    std::mem::replace(&mut queue.out, std::mem::take(&mut spare)),
+                    full,
+                )
             };
-            shared.written.notify_waiters();
+            // A session waits for room only after seeing the queue full, and only this loop
+            // empties it: when it was not full, nobody waits (and `notify_waiters` takes a
+            // lock per write).
+            if full {
+                shared.written.notify_waiters();
+            }
             if let Err(e) = half.write_all(&bytes).await {
                 return shared.fail(&format!("writing to upstream: {e}"));
             }
@@ -311,12 +324,13 @@ async fn read_loop(shared: Arc<SharedConnection>, mut half: ReadHalf, stop: Canc
     let _closes = CloseOnEnd(shared.clone());
     let mut buf = BytesMut::new();
     let mut replies = Vec::new();
+    let mut stopped = PollOnWake::new(stop.cancelled_owned());
     loop {
         if buf.capacity() - buf.len() < READ_ROOM / 4 {
             buf.reserve(READ_ROOM);
         }
         let read = tokio::select! {
-            () = stop.cancelled() => return shared.fail("the gateway stopped"),
+            () = &mut stopped => return shared.fail("the gateway stopped"),
             read = half.read_buf(&mut buf) => read,
         };
         match read {
