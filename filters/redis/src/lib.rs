@@ -13,6 +13,7 @@
 
 #![deny(missing_docs)]
 
+mod buffer_keep;
 pub mod classify;
 pub mod command_table;
 pub mod config;

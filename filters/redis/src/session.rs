@@ -37,6 +37,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
+use crate::buffer_keep::BufferKeep;
 use crate::classify::{classify, Class};
 use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
@@ -148,7 +149,7 @@ pub(crate) async fn run(
         identity: identity.clone(),
         requests: 0,
         parser: RequestParser::default(),
-        keep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
+        keep: BufferKeep::new(),
         room: BytesMut::new(),
         held: 0,
         tarpit: Tarpit::new(
@@ -171,10 +172,10 @@ pub(crate) async fn run(
         peer,
         client: client_w,
         out: BytesMut::new(),
-        keep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
+        keep: BufferKeep::new(),
         upstream: source,
         ubuf: BytesMut::new(),
-        ukeep: IdleTimer::lax(IdleTimer::KEEP_BUFFER),
+        ukeep: BufferKeep::new(),
         upstream_w: up_w,
         stash: VecDeque::new(),
         completed: completed.clone(),
@@ -412,7 +413,7 @@ struct Reader {
     /// Parse state of the request at the front of `buf`, kept across reads.
     parser: RequestParser,
     /// When an empty `buf` is given back (see [`read`]).
-    keep: IdleTimer,
+    keep: BufferKeep,
     /// The buffer the last batch was written into, emptied, for the next one.
     room: BytesMut,
     /// Bytes this connection counts in the gateway's `buffered` total.
@@ -1276,12 +1277,12 @@ struct Writer {
     out: BytesMut,
     /// When an empty `out` (and `ubuf`, while waiting for a request) is given back (see
     /// [`keeping`]).
-    keep: IdleTimer,
+    keep: BufferKeep,
     upstream: Source,
     /// Replies read from the session's own connection, not yet parsed.
     ubuf: BytesMut,
     /// When an empty `ubuf` is given back (see [`read`]).
-    ukeep: IdleTimer,
+    ukeep: BufferKeep,
     upstream_w: Arc<Mutex<UpstreamWriter>>,
     /// Replies read ahead during a reload-and-retry, delivered before anything newer.
     stash: VecDeque<(Frame, Bytes)>,
@@ -1800,6 +1801,7 @@ impl Writer {
                 .write_all(&self.out)
                 .await
                 .map_err(RedisError::io("writing to client"))?;
+            self.keep.used();
         }
         if self.out.capacity() > BUFFER {
             self.out = BytesMut::new();
@@ -1812,10 +1814,10 @@ impl Writer {
 
 /// Reads what `stream` has into `buf`, like `read_buf`; `Ok(0)` only at end of stream.
 ///
-/// A buffer holding part of a frame is read into as it is. An empty buffer is kept for
-/// [`IdleTimer::KEEP_BUFFER`] (`keep`, lax: at most twice that) while the socket is waited
-/// for: a busy connection's next message reuses it. A connection quiet for longer gives it
-/// back, and a fresh one of `BUFFER` bytes is taken once the socket is readable. Cancel safe:
+/// A buffer holding part of a frame is read into as it is. An empty buffer is given back
+/// before waiting for the socket, and a fresh one of `BUFFER` bytes taken once it is readable;
+/// on a busy connection it is kept through the wait instead, until the wait has lasted the
+/// keep ([`BufferKeep`]): its next message usually follows within microseconds. Cancel safe:
 /// bytes are only read once a wait is over, and what the buffer holds is never dropped.
 ///
 /// A TLS stream has no readiness to wait for without reading (rustls buffers records itself),
@@ -1823,7 +1825,7 @@ impl Writer {
 async fn read(
     stream: &mut ReadHalf,
     buf: &mut BytesMut,
-    keep: &mut IdleTimer,
+    keep: &mut BufferKeep,
 ) -> io::Result<usize> {
     read_giving_back(stream, buf, keep, || {}).await
 }
@@ -1832,7 +1834,7 @@ async fn read(
 async fn read_giving_back(
     stream: &mut ReadHalf,
     buf: &mut BytesMut,
-    keep: &mut IdleTimer,
+    keep: &mut BufferKeep,
     give_back: impl FnOnce(),
 ) -> io::Result<usize> {
     let stream = match stream {
@@ -1847,16 +1849,18 @@ async fn read_giving_back(
     if !buf.is_empty() {
         return stream.read_buf(buf).await;
     }
-    if buf.capacity() > 0 {
+    if buf.capacity() > 0 && keep.begin() {
         if buf.capacity() < BUFFER / 2 {
             // The room consumed at the front is taken back: no allocation while nothing else
             // holds part of the buffer (a reply split off and still queued).
             buf.reserve(BUFFER);
         }
-        keep.start();
         tokio::select! {
             biased;
-            n = stream.read_buf(buf) => return n,
+            n = stream.read_buf(buf) => {
+                keep.used();
+                return n;
+            }
             () = keep.expired() => {}
         }
     }
@@ -1865,27 +1869,29 @@ async fn read_giving_back(
     stream.readable().await?;
     // Never read into no room: that would return 0 and look like end of stream.
     *buf = BytesMut::with_capacity(BUFFER);
+    keep.used();
     // `read_buf` (not `try_read_buf`): a read that does not fill the buffer tells tokio the
     // socket is drained, so the next wait sleeps at once instead of first reading `EAGAIN`
     // (about one wasted `recvfrom` per request in issue 18's profile).
     stream.read_buf(buf).await
 }
 
-/// Awaits `wait` keeping the writer's buffers `held` for [`IdleTimer::KEEP_BUFFER`] (`keep`,
-/// lax: at most twice that); if the wait lasts longer, those that are empty are given back
-/// meanwhile. The output buffer is kept only at up to `BUFFER` bytes ([`Writer::flush`]).
+/// Awaits `wait`, giving back those of the writer's buffers `held` that are empty: at once, or,
+/// on a busy connection, once the wait has lasted the keep ([`BufferKeep`]). The output buffer
+/// is kept only at up to `BUFFER` bytes ([`Writer::flush`]).
 async fn keeping<F: std::future::Future, const N: usize>(
-    keep: &mut IdleTimer,
+    keep: &mut BufferKeep,
     held: [&mut BytesMut; N],
     wait: F,
 ) -> F::Output {
     tokio::pin!(wait);
     if held.iter().any(|buf| buf.capacity() > 0) {
-        keep.start();
-        tokio::select! {
-            biased;
-            done = &mut wait => return done,
-            () = keep.expired() => {}
+        if keep.begin() {
+            tokio::select! {
+                biased;
+                done = &mut wait => return done,
+                () = keep.expired() => {}
+            }
         }
         for buf in held {
             if buf.is_empty() {
@@ -1957,7 +1963,7 @@ mod tests {
             .unwrap();
         let (server, _) = listener.accept().await.unwrap();
         let (mut half, _w) = stream::split(Connection::Plain(server));
-        let mut keep = IdleTimer::lax(IdleTimer::KEEP_BUFFER);
+        let mut keep = BufferKeep::new();
         let mut buf = BytesMut::new();
         let gave_back = std::cell::Cell::new(0);
         macro_rules! read_next {
@@ -1970,15 +1976,22 @@ mod tests {
 
         client.write_all(b"one").await.unwrap();
         assert_eq!(read_next!().await.unwrap(), 3);
-        let first = buf.as_ptr();
+        assert_eq!(gave_back.get(), 1, "the first read takes a buffer");
         buf.advance(3);
-        // The next request comes at once: read into the same buffer, nothing given back.
+        // After one request the buffer goes back before the wait (an idle connection holds
+        // none), and a fresh one is taken.
         client.write_all(b"two").await.unwrap();
         assert_eq!(read_next!().await.unwrap(), 3);
-        assert_eq!(&buf[..], b"two");
-        assert_eq!(buf.as_ptr(), first.wrapping_add(3));
-        assert_eq!(gave_back.get(), 1, "only the first read took a buffer");
+        assert_eq!(gave_back.get(), 2);
+        let second = buf.as_ptr();
         buf.advance(3);
+        // Busy from the second request: the next one is read into the same buffer.
+        client.write_all(b"three").await.unwrap();
+        assert_eq!(read_next!().await.unwrap(), 5);
+        assert_eq!(&buf[..], b"three");
+        assert_eq!(buf.as_ptr(), second.wrapping_add(3));
+        assert_eq!(gave_back.get(), 2, "kept: nothing given back");
+        buf.advance(5);
 
         // Quiet for longer than the keep: the buffer and the ones kept with it go back.
         {
@@ -1990,19 +2003,24 @@ mod tests {
                 () = tokio::time::sleep(QUIET) => {}
             }
         }
-        assert_eq!(gave_back.get(), 2);
+        assert_eq!(gave_back.get(), 3);
         assert_eq!(buf.capacity(), 0, "a quiet connection holds no buffer");
-        client.write_all(b"three").await.unwrap();
-        assert_eq!(read_next!().await.unwrap(), 5);
-        assert_eq!(&buf[..], b"three");
+        client.write_all(b"four").await.unwrap();
+        assert_eq!(read_next!().await.unwrap(), 4);
+        assert_eq!(&buf[..], b"four");
     }
 
     #[tokio::test(start_paused = true)]
     async fn the_output_buffer_is_kept_only_while_busy() {
-        let mut keep = IdleTimer::lax(IdleTimer::KEEP_BUFFER);
+        let mut keep = BufferKeep::new();
         let mut out = BytesMut::with_capacity(BUFFER);
+        keep.used();
         assert_eq!(keeping(&mut keep, [&mut out], async { 7 }).await, 7);
-        assert_eq!(out.capacity(), BUFFER, "kept across a short wait");
+        assert_eq!(out.capacity(), 0, "after one reply: given back at once");
+        keep.used();
+        out = BytesMut::with_capacity(BUFFER);
+        assert_eq!(keeping(&mut keep, [&mut out], async { 7 }).await, 7);
+        assert_eq!(out.capacity(), BUFFER, "busy: kept across a short wait");
         // Of the buffers kept with it, only the empty ones are given back.
         let mut partial = BytesMut::from(&b"+PON"[..]);
         let late = tokio::time::sleep(QUIET);
