@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use fencegate_core::PollOnWake;
+use fencegate_core::{PollOnWake, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
@@ -119,8 +119,8 @@ const READ_ROOM: usize = 16 * 1024;
 /// The sessions' side of one shared upstream connection.
 pub(crate) struct SharedConnection {
     queue: std::sync::Mutex<Queue>,
-    /// Wakes the writing task when bytes were queued.
-    queued: Notify,
+    /// Wakes the writing task when bytes were queued (its only waiter).
+    queued: Signal,
     /// Wakes the sessions waiting for room ([`SharedConnection::room`]) when the queue was
     /// taken to be written, or the connection failed.
     written: Notify,
@@ -150,7 +150,7 @@ impl SharedConnection {
                 routes: VecDeque::new(),
                 closed: None,
             }),
-            queued: Notify::new(),
+            queued: Signal::new(),
             written: Notify::new(),
         });
         let (read_half, write_half) = stream::split(connection);
@@ -191,7 +191,7 @@ impl SharedConnection {
                 }),
             }
         }
-        self.queued.notify_one();
+        self.queued.notify();
         Ok(())
     }
 
@@ -242,7 +242,7 @@ impl SharedConnection {
         for (to, why) in routes {
             let _ = to.tx.send(Err(why));
         }
-        self.queued.notify_one();
+        self.queued.notify();
         self.written.notify_waiters();
     }
 
@@ -273,7 +273,7 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
     loop {
         tokio::select! {
             () = &mut stopped => return shared.fail("the gateway stopped"),
-            () = shared.queued.notified() => {}
+            () = shared.queued.wait() => {}
         }
         // Let the other sessions the same wake-up made ready queue theirs first: one write
         // then carries them all (twemproxy's batching, by the same means: one turn of the
