@@ -192,19 +192,10 @@ impl FenceCounters {
     }
 
     /// Counts one applied fenced write.
-    pub fn applied(&self, store: &str) {
-        let known = store.parse::<Store>().ok();
-        match self.applied_series.iter().find(|(s, _)| Some(*s) == known) {
-            Some((_, series)) => {
-                series.inc();
-            }
-            None => {
-                self.applied
-                    .get_or_create(&StoreLabel {
-                        store: store.to_owned(),
-                    })
-                    .inc();
-            }
+    pub fn applied(&self, store: Store) {
+        // Every store has its series (built from `Store::ALL`).
+        if let Some((_, series)) = self.applied_series.iter().find(|(s, _)| *s == store) {
+            series.inc();
         }
     }
 

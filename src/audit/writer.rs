@@ -506,7 +506,7 @@ impl AuditSink for AuditHandle {
         })
     }
 
-    fn applied(&self, store: &str) {
+    fn applied(&self, store: fencegate_core::Store) {
         self.counters.applied(store);
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::{AuditEvent, Observer};
+use crate::{AuditEvent, Observer, Store};
 
 /// Why a refusal could not be logged. The refusal itself still stands: a filter answers the
 /// client with the refusal either way and logs this error.
@@ -30,7 +30,7 @@ pub trait AuditSink: Observer + Send + Sync + 'static {
     /// Logs one refused write; resolves when it is on disk.
     fn refused(&self, event: AuditEvent) -> SinkFuture<'_>;
     /// Counts one fenced write that the store applied.
-    fn applied(&self, store: &str);
+    fn applied(&self, store: Store);
 }
 
 /// An in-memory sink for tests: keeps every event and the applied count.
@@ -60,7 +60,7 @@ impl AuditSink for MemoryAuditSink {
         Box::pin(async { Ok(()) })
     }
 
-    fn applied(&self, _store: &str) {
+    fn applied(&self, _store: Store) {
         *self.applied.lock().expect("poisoned") += 1;
     }
 }

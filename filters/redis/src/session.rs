@@ -54,7 +54,6 @@ use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
 use crate::upstream::{self, UpstreamInfo};
 
-const STORE: &str = "redis";
 const SLOT_QUEUE: usize = 4096;
 /// Command names up to this long are upper-cased on the stack (every Redis command's is).
 const NAME_ON_STACK: usize = 32;
@@ -1564,7 +1563,7 @@ impl Writer {
                             tracing::error!(conn = self.id, error = %e, "reloading the fence script failed");
                         }
                     } else {
-                        self.gateway.sink.applied(STORE);
+                        self.gateway.sink.applied(Store::Redis);
                     }
                 }
                 match restated {
@@ -1594,7 +1593,7 @@ impl Writer {
                 restated = self.audit_stale(&attempt, fence).await;
             }
             Some(e) if e.starts_with(b"TRYAGAIN") || is_missing_script(e) => {}
-            _ => self.gateway.sink.applied(STORE),
+            _ => self.gateway.sink.applied(Store::Redis),
         }
         match restated {
             Some(frame) => frame.encode(self.out()),

@@ -3,7 +3,7 @@
 //! was checked.
 
 use bytes::Bytes;
-use fencegate_core::{RejectReason, Rejection, Token};
+use fencegate_core::{RejectReason, Rejection, Store, Token};
 
 use crate::body::{header, BodyReader, MAX_XML_BODY};
 use crate::error::S3Error;
@@ -51,7 +51,7 @@ impl WriteSession<'_> {
                         continue;
                     }
                     if (200..300).contains(&response.status) {
-                        self.shared.audit.applied("s3");
+                        self.shared.audit.applied(Store::S3);
                         return Ok(Ok(DeleteDone::Deleted));
                     }
                     return Err(S3Error::Upstream(format!(

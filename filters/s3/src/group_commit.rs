@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fencegate_core::{Rejection, Token};
+use fencegate_core::{Rejection, Store, Token};
 use tokio::sync::{oneshot, Notify};
 
 use crate::error::S3Error;
@@ -181,7 +181,7 @@ impl Shared {
                 Ok(Some(_)) => {
                     for done in &decided {
                         if matches!(done, CommitDone::Committed) {
-                            self.audit.applied("s3");
+                            self.audit.applied(Store::S3);
                         }
                     }
                     return answer_each(batch, decided);

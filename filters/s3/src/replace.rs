@@ -6,7 +6,7 @@
 //! (bounded), refusing as soon as the fence is above the token.
 
 use bytes::Bytes;
-use fencegate_core::{RejectReason, Rejection, Token};
+use fencegate_core::{RejectReason, Rejection, Store, Token};
 
 use crate::body::{header, BodyReader, Payload, MAX_XML_BODY};
 use crate::error::S3Error;
@@ -162,7 +162,7 @@ impl WriteSession<'_> {
                 continue;
             }
             if (200..300).contains(&response.status) {
-                self.shared.audit.applied("s3");
+                self.shared.audit.applied(Store::S3);
                 if let Some(upload_id) = &upload_id {
                     self.shared
                         .unstamp_upload(&(bucket.to_owned(), key.to_owned(), upload_id.clone()))

@@ -66,7 +66,7 @@ pub(super) async fn relay_replies(
             local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
         }
         if outcome.applied {
-            shared.gateway.sink.applied("postgres");
+            shared.gateway.sink.applied(Store::Postgres);
         }
         if let Some((info, fence)) = outcome.stale.take() {
             let fence = fence.unwrap_or(0);
