@@ -144,10 +144,10 @@ pub enum PostgresCommand {
         /// How long the guard waits for a fence row locked by an older holder, in milliseconds.
         #[arg(long, default_value_t = 5000)]
         lock_timeout_ms: u64,
-        /// The enforcement trigger function: plpgsql (portable; the first install's default) or
-        /// c (faster; needs a superuser and the fencegate_enforce library on the database
-        /// server, built with `make -C filters/postgres/ext install`). Without it, an install
-        /// keeps the one installed.
+        /// The guard and the enforcement trigger function: plpgsql (portable; the first
+        /// install's default) or c (faster; needs a superuser and the fencegate_enforce library
+        /// on the database server, built with `make -C filters/postgres/ext install`). Without
+        /// it, an install keeps the ones installed.
         #[arg(long, value_enum)]
         enforce: Option<EnforceArg>,
     },

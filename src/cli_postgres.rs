@@ -75,7 +75,7 @@ pub async fn run(command: PostgresCommand) -> anyhow::Result<ExitCode> {
                 eprintln!("warning: {warning}");
             }
             println!(
-                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms, enforce() in {}); \
+                "installed fencegate schema, fencegate.fences and fencegate.guard (owner {}, guard lock_timeout {lock_timeout_ms} ms, guard(text) and enforce() in {}); \
                  run `fencegate postgres protect` to make the store refuse unguarded writes",
                 report.owner, report.enforce
             );

@@ -40,6 +40,15 @@ fn enforce_language(pg: &PgServer) -> String {
     )
 }
 
+/// The language of the installed `fencegate.guard(text)`.
+fn guard_language(pg: &PgServer) -> String {
+    pg.psql_as(
+        "postgres",
+        "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
+         WHERE p.oid = 'fencegate.guard(text)'::regprocedure",
+    )
+}
+
 impl Store {
     async fn start(enforce: Enforce) -> Self {
         let pg = server_for(enforce);
@@ -54,6 +63,7 @@ impl Store {
         assert_eq!(c, 0, "install: {out}{err}");
         assert!(out.contains(&format!("enforce() in {enforce}")), "{out}");
         assert_eq!(enforce_language(&pg), enforce.to_string());
+        assert_eq!(guard_language(&pg), enforce.to_string());
         assert!(
             err.contains("warning: role postgres is a superuser"),
             "install must warn about its role: {err}"
@@ -552,9 +562,8 @@ async fn protect_without_an_installed_schema_names_the_install_command() {
 
 /// A raise behind an older holder's open transaction (or a prepared one) never waits forever:
 /// the guard's lock_timeout ends it with a retryable 55P03 that says what to do.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error() {
-    let pg = PgServer::start();
+async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error(enforce: Enforce) {
+    let pg = server_for(enforce);
     let (c, out, err) = cli(&[
         "postgres",
         "install",
@@ -562,9 +571,12 @@ async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error() {
         &pg.dsn("postgres"),
         "--lock-timeout-ms",
         "300",
+        "--enforce",
+        &enforce.to_string(),
     ]);
     assert_eq!(c, 0, "{out}{err}");
     assert!(out.contains("lock_timeout 300 ms"), "{out}");
+    assert_eq!(guard_language(&pg), enforce.to_string());
     let old = connect(&pg.dsn("postgres")).await;
     let new = connect(&pg.dsn("postgres")).await;
     old.batch_execute("BEGIN; SELECT fencegate.guard('fg1~5~job')")
@@ -988,6 +1000,16 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
             ),
             config
         );
+        // The guard follows enforce() and keeps the install's lock_timeout either way.
+        assert_eq!(guard_language(&pg), language);
+        let guard_config = pg.psql_as(
+            "postgres",
+            "SELECT proconfig FROM pg_proc WHERE oid = 'fencegate.guard(text)'::regprocedure",
+        );
+        assert!(
+            guard_config.contains("lock_timeout=5000ms"),
+            "{guard_config}"
+        );
     }
     // An install without --enforce keeps the C one (a node's install_on_start too) ...
     let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
@@ -1009,6 +1031,223 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
     ]);
     assert_eq!(c, 0, "{out}{err}");
     assert_eq!(enforce_language(&pg), "plpgsql");
+}
+
+/// What one guard call answered: the pass's `revision:resource` and whether a protected write
+/// then committed, or the refusal as the client sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum GuardAnswer {
+    Passed {
+        held: String,
+        write: Result<(), String>,
+    },
+    Refused {
+        code: String,
+        message: String,
+        detail: Option<String>,
+        hint: Option<String>,
+    },
+}
+
+/// Runs the guard for `token` in a transaction of the app role, tries a protected write, and
+/// rolls back (the fences stay as they were for the next token).
+async fn guard_answer(app: &mut Client, token: Option<&str>) -> GuardAnswer {
+    let tx = app.transaction().await.unwrap();
+    if let Err(e) = tx.execute("SELECT fencegate.guard($1)", &[&token]).await {
+        let db = e
+            .as_db_error()
+            .unwrap_or_else(|| panic!("{token:?}: {e:?}"));
+        return GuardAnswer::Refused {
+            code: db.code().code().to_owned(),
+            message: db.message().to_owned(),
+            detail: db.detail().map(str::to_owned),
+            hint: db.hint().map(str::to_owned),
+        };
+    }
+    let pass: String = tx
+        .query_one("SELECT current_setting('fencegate.pass')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let held = pass
+        .rsplit_once(':')
+        .map_or_else(|| pass.clone(), |(held, _mac)| held.to_owned());
+    let write = tx
+        .execute("INSERT INTO app.items VALUES (1000, 0)", &[])
+        .await
+        .map(drop)
+        .map_err(|e| code(&e));
+    tx.rollback().await.unwrap();
+    GuardAnswer::Passed { held, write }
+}
+
+/// Tokens for the differential test: the signed token at each edge of each field, and
+/// deterministic mutations of it (a fixed xorshift, so a failure names a token that repeats).
+fn guard_corpus(signed: &str, sig: &str) -> Vec<Option<String>> {
+    let mut corpus: Vec<Option<String>> = vec![None];
+    let fixed = [
+        signed.to_owned(),
+        format!("fg1~5~job~{KID:04}.{sig}"),
+        format!("fg1~5~job~{sig}"),
+        format!("fg1~5~job~{}.{sig}", KID + 1),
+        format!("fg1~5~job~{KID}.{sig}.x"),
+        format!("fg1~5~job~{KID}~{sig}"),
+        format!("fg1~5~job~.{sig}"),
+        format!("fg1~5~job~{KID}."),
+        format!("fg1~5~job~12345678901.{sig}"),
+        format!("fg1~5~job~1234567890.{sig}"),
+        format!("fg1~5~job~{KID}.{}", &sig[1..]),
+        format!("fg1~5~job~{KID}.{sig}A"),
+        format!("fg1~5~job~{KID}.{}+", &sig[1..]),
+        format!("fg1~5~job~{KID}.{}=", &sig[1..]),
+        format!("fg1~4~job~{KID}.{sig}"),
+        "fg1~5~job".into(),
+        "fg1~4~job".into(),
+        "fg1~6~job".into(),
+        "fg1~5~other".into(),
+        "fg1~9223372036854775807~job".into(),
+        "fg1~9223372036854775808~job".into(),
+        "fg1~99999999999999999999~job".into(),
+        "fg1~0~job".into(),
+        "fg1~05~job".into(),
+        "fg1~+5~job".into(),
+        "fg1~-5~job".into(),
+        "fg1~ 5~job".into(),
+        "fg1~5~".into(),
+        "fg1~5~job~".into(),
+        "fg1~~job".into(),
+        "fg1~5".into(),
+        "fg1".into(),
+        String::new(),
+        "~".into(),
+        "FG1~5~job".into(),
+        "fg2~5~job".into(),
+        "fg1~5~jo b".into(),
+        "fg1~5~jo\u{e9}".into(),
+        "fg1~5~!}|\"'".into(),
+        "fg1~5~jo\u{7f}".into(),
+        format!("fg1~5~{}", "r".repeat(256)),
+        format!("fg1~5~{}", "r".repeat(257)),
+        format!("fg1~5~\u{e9}{}", "r".repeat(255)),
+    ];
+    corpus.extend(fixed.into_iter().map(Some));
+    let alphabet: Vec<char> = "fg1~.0123456789jobAZaz_-+/= }!\u{e9}\u{7f}"
+        .chars()
+        .collect();
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |bound: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % bound as u64) as usize
+    };
+    for _ in 0..300 {
+        let mut chars: Vec<char> = signed.chars().collect();
+        for _ in 0..=next(2) {
+            let at = next(chars.len() + 1);
+            match next(3) {
+                0 if at < chars.len() => chars[at] = alphabet[next(alphabet.len())],
+                1 if at < chars.len() => {
+                    chars.remove(at);
+                }
+                _ => chars.insert(at, alphabet[next(alphabet.len())]),
+            }
+        }
+        corpus.push(Some(chars.into_iter().collect()));
+    }
+    corpus
+}
+
+/// The C guard and fence.sql's plpgsql guard give every token the same answer (SQLSTATE,
+/// message, detail and hint, or the same pass), with the cluster's keys installed and without:
+/// a differential test against the server itself, not a list of cases written for one of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
+    let store = Store::start(Enforce::C).await;
+    let t5 = store.token(5).await;
+    // The fence of `job` at 5, committed: lower tokens are stale, higher ones raise it.
+    store
+        .app()
+        .await
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap();
+    let sig = t5.rsplit_once('.').unwrap().1.to_owned();
+    let corpus = guard_corpus(&t5, &sig);
+    let mut answers = Vec::new();
+    for enforce in [Enforce::C, Enforce::Plpgsql] {
+        let (c, out, err) = cli(&[
+            "postgres",
+            "install",
+            "--dsn",
+            &store.pg.dsn("postgres"),
+            "--enforce",
+            &enforce.to_string(),
+        ]);
+        assert_eq!(c, 0, "{out}{err}");
+        assert_eq!(guard_language(&store.pg), enforce.to_string());
+        let mut admin = store_admin(&store).await;
+        let mut app = store.app().await;
+        let mut these = Vec::new();
+        for keys in [true, false] {
+            if keys {
+                fencegate_postgres::install_token_keys(
+                    &mut admin,
+                    &[(KID, SECRET.to_vec(), false)],
+                )
+                .await
+                .unwrap();
+            } else {
+                admin
+                    .batch_execute("DELETE FROM fencegate.token_keys")
+                    .await
+                    .unwrap();
+            }
+            for token in &corpus {
+                these.push((
+                    keys,
+                    token.clone(),
+                    guard_answer(&mut app, token.as_deref()).await,
+                ));
+            }
+        }
+        answers.push(these);
+    }
+    let (c, plpgsql) = (&answers[0], &answers[1]);
+    for (c, plpgsql) in c.iter().zip(plpgsql) {
+        assert_eq!(c, plpgsql, "C (left) and plpgsql (right) disagree");
+    }
+    // The corpus reaches every answer, so agreeing is not agreeing on one refusal.
+    let seen = |want: &str| {
+        c.iter().any(|(_, _, a)| match a {
+            GuardAnswer::Passed { write, .. } => want == "passed" && write.is_ok(),
+            GuardAnswer::Refused { code, .. } => code == want,
+        })
+    };
+    for want in ["passed", "FG001", "FG003", "FG004"] {
+        assert!(seen(want), "no token of the corpus got {want}");
+    }
+    let first = |keys: bool| {
+        c.iter()
+            .find(|(k, _, _)| *k == keys)
+            .map(|(_, _, a)| a.clone())
+    };
+    assert_eq!(
+        first(true).map(|a| matches!(a, GuardAnswer::Refused { ref code, .. } if code == "FG003")),
+        Some(true),
+        "a NULL token is malformed"
+    );
+    assert!(
+        c.iter().any(|(keys, token, a)| *keys
+            && token.as_deref() == Some(t5.as_str())
+            && *a
+                == GuardAnswer::Passed {
+                    held: "5:job".into(),
+                    write: Ok(())
+                }),
+        "the signed token passes and its write commits"
+    );
+    assert_eq!(store.items().await, INITIAL, "every write was rolled back");
 }
 
 /// Runs each case above as `plpgsql::<case>` and `c::<case>`.
@@ -1034,6 +1273,7 @@ macro_rules! with_each_enforce {
 }
 
 with_each_enforce!(
+    a_raise_behind_an_open_transaction_times_out_with_a_retryable_error,
     tokenless_writes_are_refused_by_the_store_whatever_their_path,
     a_current_signed_token_lets_writes_commit_and_the_guard_refuses_the_rest,
     the_app_role_cannot_read_the_secrets_nor_forge_a_pass,

@@ -18,9 +18,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use fencegate_testkit::enforce_library::enforce_library_conf;
 
 use crate::load::{median, quantile};
 use crate::machine;
+use crate::process::fencegate_binary;
 use crate::report::{Row, Section};
 use crate::servers::{install_fence_sql, pg_bin, postgres_section, Node, Postgres};
 
@@ -76,6 +78,21 @@ pub(crate) fn protect(pg: &Postgres) -> anyhow::Result<()> {
     if !out.status.success() {
         bail!(
             "fencegate postgres protect failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Installs the named implementation of `fencegate.guard(text)` and `fencegate.enforce()`
+/// (`plpgsql` or `c`), keeping the triggers as they are.
+pub(crate) fn install_enforce(pg: &Postgres, mode: &str) -> anyhow::Result<()> {
+    let out = Command::new(fencegate_binary()?)
+        .args(["postgres", "install", "--dsn", &pg.dsn(), "--enforce", mode])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "fencegate postgres install --enforce {mode} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
@@ -272,7 +289,8 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     std::fs::write(&guarded, GUARDED_SCRIPT)?;
     let pipelined = dir.path().join("pipelined.sql");
     std::fs::write(&pipelined, PIPELINED_SCRIPT)?;
-    let pg = Postgres::start(100)?;
+    // Loads the C guard and enforce() for the rows that install them.
+    let pg = Postgres::start_with_conf(100, &enforce_library_conf())?;
     pgbench_init(&pg)?;
     install_fence_sql(&pg)?;
     protect(&pg)?;
@@ -285,32 +303,51 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let node = Node::start(&section, &[listen])?;
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
 
-    // (workload, clients, with latency log, label, target, report tps or p50)
-    let cases: Vec<(Workload, usize, &str, &str)> = vec![
+    // (workload, clients, label, target, the guard and enforce() installed for the run through
+    // the gateway)
+    let cases: Vec<(Workload, usize, &str, &str, &str)> = vec![
         (
             Workload::SelectOnly,
             8,
             "`pgbench -S`, 8 clients, tps",
             ">= 0.85x",
+            "plpgsql",
         ),
         (
             Workload::Write,
             1,
             "write transaction, 1 client: plain direct vs fenced, tps",
             ">= 0.85x",
+            "plpgsql",
         ),
         (
             Workload::Write,
             8,
             "8 writers, same token, same resource: plain direct vs fenced, tps",
             ">= 0.75x",
+            "plpgsql",
         ),
-        (Workload::SelectOnly, 1, "`pgbench -S`, 1 client, tps", "-"),
+        (Workload::SelectOnly, 1, "`pgbench -S`, 1 client, tps", "-", "plpgsql"),
         (
             Workload::WriteExtended,
             8,
             "8 writers, pipelined write transaction (`-M extended`, `\\startpipeline`): plain direct vs fenced, tps",
             ">= 0.75x",
+            "plpgsql",
+        ),
+        (
+            Workload::Write,
+            1,
+            "write transaction, 1 client, guard and `enforce()` in C: plain direct vs fenced, tps",
+            ">= 0.85x",
+            "c",
+        ),
+        (
+            Workload::Write,
+            8,
+            "8 writers, same resource, guard and `enforce()` in C: plain direct vs fenced, tps",
+            ">= 0.75x",
+            "c",
         ),
     ];
     // Per write case: guard calls and transactions through the gateway.
@@ -321,8 +358,9 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     // For 1 and 8 clients: (triggers disabled, enabled), each (guard run directly, fenced
     // through the gateway).
     let mut triggers: [(TpsPair, TpsPair); 2] = Default::default();
+    let mut installed = "plpgsql";
     for rep in 0..reps {
-        for (c, (workload, clients, what, _)) in cases.iter().enumerate() {
+        for (c, (workload, clients, what, _, enforce)) in cases.iter().enumerate() {
             let log = (*clients == 1).then(|| dir.path().join("log"));
             let write = workload.writes();
             let script = match workload {
@@ -344,6 +382,10 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             )?;
             if write {
                 set_triggers(&pg, true)?;
+            }
+            if *enforce != installed {
+                install_enforce(&pg, enforce)?;
+                installed = enforce;
             }
             let token = write.then_some(TOKEN);
             let calls = if write { guard_calls(&pg)? } else { 0 };
@@ -369,6 +411,11 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             tps[c].1.push(gateway.tps);
             p50[c].0.push(direct.p50_us);
             p50[c].1.push(gateway.p50_us);
+        }
+        // The calibrations below are of fence.sql's plpgsql functions.
+        if installed != "plpgsql" {
+            install_enforce(&pg, "plpgsql")?;
+            installed = "plpgsql";
         }
         // Calibration, direct only: the guard run by the store itself, no gateway.
         for (i, clients) in [1usize, 8].into_iter().enumerate() {
@@ -464,9 +511,10 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             .iter()
             .zip(&guards)
             .filter(|((w, ..), _)| w.writes())
-            .map(|((workload, clients, ..), (calls, txs))| {
-                let kind = match workload {
-                    Workload::WriteExtended => "pipelined write",
+            .map(|((workload, clients, _, _, enforce), (calls, txs))| {
+                let kind = match (workload, *enforce) {
+                    (Workload::WriteExtended, _) => "pipelined write",
+                    (_, "c") => "write, guard in C",
                     _ => "write",
                 };
                 format!(
@@ -481,9 +529,13 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut rows: Vec<Row> = cases
         .iter()
         .zip(tps.iter_mut())
-        .map(|((_, _, what, target), (d, g))| Row::ratio(*what, median(d), median(g), target))
+        .map(|((_, _, what, target, _), (d, g))| Row::ratio(*what, median(d), median(g), target))
         .collect();
-    for (c, label) in [(1usize, "write transaction"), (3, "`pgbench -S`")] {
+    for (c, label) in [
+        (1usize, "write transaction"),
+        (5, "write transaction, guard and `enforce()` in C"),
+        (3, "`pgbench -S`"),
+    ] {
         let (d, g) = (median(&mut p50[c].0), median(&mut p50[c].1));
         rows.push(Row::added(
             format!("p50 latency, {label}, 1 client, µs"),
@@ -498,7 +550,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         setup: vec![
             format!("Machine: {}", machine::describe()),
             versions()?,
-            format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database, and the store's triggers protect the pgbench tables (`fencegate postgres protect --schema public --resource bench`; disabled only for the plain direct write baseline)", std::env::temp_dir().display()),
+            format!("PostgreSQL on loopback, data in {}, fsync=on, synchronous_commit=on (durable commits); `pgbench -i -s 1`; every pgbench run is `-n -M simple -T {seconds}` with `-j` = min(clients, 2); the gateway protects every database, and the store's triggers protect the pgbench tables (`fencegate postgres protect --schema public --resource bench`; disabled only for the plain direct write baseline); `fencegate.guard(text)` and `fencegate.enforce()` are fence.sql's plpgsql ones except in the rows that say C (`fencegate postgres install --enforce c`, the library of filters/postgres/ext, switched before the gateway's run of the row)", std::env::temp_dir().display()),
             format!("{reps} repetitions, direct and gateway interleaved; medians. Latency rows: median of pgbench's per-transaction log (`-l`), gateway cell = p50 (+ added µs)"),
             format!("Write transaction (pgbench's simple-update, as a `-f` script): `BEGIN; UPDATE pgbench_accounts ...; SELECT abalance ...; INSERT INTO pgbench_history ...; END;`. Direct: no token. Gateway: `PGOPTIONS=\"-c fencegate.token={TOKEN}\"` (session token; the guard runs before the UPDATE in the same Query message, the INSERT is covered by it). All writers share the token and resource `bench` (fence row taken `FOR SHARE`); fence after the run: {applied}"),
         ],

@@ -4,16 +4,15 @@
 //! library built from filters/postgres/ext by the testkit), interleaved. The instruction counts,
 //! which do not depend on the machine's load, come from bench/triggers-callgrind.sh.
 
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::bail;
 use fencegate_testkit::enforce_library::enforce_library_conf;
 
 use crate::load::median;
 use crate::machine;
-use crate::postgres::{pgbench, pgbench_init, protect, set_triggers, Workload, GUARDED_SCRIPT};
-use crate::process::fencegate_binary;
+use crate::postgres::{
+    install_enforce, pgbench, pgbench_init, protect, set_triggers, Workload, GUARDED_SCRIPT,
+};
 use crate::report::{Section, Table};
 use crate::servers::{install_fence_sql, Postgres};
 
@@ -25,15 +24,7 @@ fn set_mode(pg: &Postgres, mode: &str) -> anyhow::Result<()> {
     if mode == "off" {
         return set_triggers(pg, false);
     }
-    let out = Command::new(fencegate_binary()?)
-        .args(["postgres", "install", "--dsn", &pg.dsn(), "--enforce", mode])
-        .output()?;
-    if !out.status.success() {
-        bail!(
-            "fencegate postgres install --enforce {mode} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    install_enforce(pg, mode)?;
     set_triggers(pg, true)
 }
 

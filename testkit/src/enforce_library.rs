@@ -1,7 +1,8 @@
-//! The C `fencegate.enforce()` (filters/postgres/ext), built with PGXS for the tests that run the
-//! store's triggers in both implementations. Built once per source version into a directory the
-//! `postgres` OS user can read, shared by every test process; a [`PgServer`] started with
-//! [`PgServer::start_with_conf`] and [`enforce_library_conf`] loads it.
+//! The C `fencegate.enforce()` and `fencegate.guard(text)` (filters/postgres/ext), built with
+//! PGXS for the tests that run the store's triggers and guard in both implementations. Built once
+//! per source version into a directory the `postgres` OS user can read, shared by every test
+//! process; a [`PgServer`] started with [`PgServer::start_with_conf`] and
+//! [`enforce_library_conf`] loads it.
 //!
 //! [`PgServer`]: crate::postgres_server::PgServer
 //! [`PgServer::start_with_conf`]: crate::postgres_server::PgServer::start_with_conf
@@ -35,9 +36,20 @@ pub fn enforce_library_conf() -> String {
 fn build() -> PathBuf {
     let src = source_dir();
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    for file in ["fencegate_enforce.c", "Makefile"] {
-        std::fs::read(src.join(file))
-            .unwrap_or_else(|e| panic!("read {}: {e}", src.join(file).display()))
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&src)
+        .unwrap_or_else(|e| panic!("read {}: {e}", src.display()))
+        .map(|entry| entry.expect("read the sources' directory").path())
+        // Sources only: an in-tree build leaves objects beside them.
+        .filter(|path| {
+            path.file_name().is_some_and(|n| n == "Makefile")
+                || path.extension().is_some_and(|e| e == "c" || e == "h")
+        })
+        .collect();
+    files.sort();
+    for file in files {
+        file.file_name().hash(&mut hasher);
+        std::fs::read(&file)
+            .unwrap_or_else(|e| panic!("read {}: {e}", file.display()))
             .hash(&mut hasher);
     }
     let dir = std::env::temp_dir().join(format!("fencegate-enforce-{:016x}", hasher.finish()));

@@ -1,6 +1,7 @@
-//! Which `fencegate.enforce()` the install leaves: fence.sql's plpgsql (the portable default,
-//! runs on managed PostgreSQL) or the C library of `filters/postgres/ext` (a fraction of the
-//! per-transaction cost; needs a superuser and the library on the database server).
+//! Which `fencegate.enforce()` and `fencegate.guard(text)` the install leaves: fence.sql's plpgsql
+//! (the portable default, runs on managed PostgreSQL) or the C library of `filters/postgres/ext`
+//! (a fraction of the per-transaction cost; needs a superuser and the library on the database
+//! server).
 
 use std::fmt;
 
@@ -9,7 +10,7 @@ use tokio_postgres::Transaction;
 
 use crate::error::PostgresError;
 
-/// Replaces fence.sql's plpgsql `fencegate.enforce()` with the C one.
+/// Replaces fence.sql's plpgsql `fencegate.enforce()` and `fencegate.guard(text)` with the C ones.
 pub const ENFORCE_C_SQL: &str = include_str!("enforce_c.sql");
 
 /// The implementation of `fencegate.enforce()` (`install --enforce`).
@@ -31,9 +32,9 @@ impl fmt::Display for Enforce {
     }
 }
 
-/// Creates the C `fencegate.enforce()` in `tx` (after fence.sql); `kept`: not asked for, but
-/// installed before. Refuses, naming the fix, when the role is not a superuser or the server
-/// cannot load the library.
+/// Creates the C `fencegate.enforce()` and `fencegate.guard(text)` in `tx` (after fence.sql);
+/// `kept`: not asked for, but installed before. Refuses, naming the fix, when the role is not a
+/// superuser or the server cannot load the library.
 pub(crate) async fn install_c(tx: &Transaction<'_>, kept: bool) -> Result<(), PostgresError> {
     let row = tx
         .query_one(

@@ -285,12 +285,16 @@ DECLARE
 BEGIN
     -- String functions, not one regular expression: bounded repetitions made a regex cost
     -- about a millisecond per call. m = {fg1, revision, resource, kid, signature}.
+    -- Only the fourth field may hold a signature, and `<kid>.<signature>` has one dot: anything
+    -- else is malformed (m NULL), as in the C guard (filters/postgres/ext/fencegate_guard.c).
     m := string_to_array(p_token, '~');
     IF cardinality(m) = 4 THEN
         v_sig := CASE WHEN strpos(m[4], '.') > 0 THEN string_to_array(m[4], '.') ELSE ARRAY[NULL, m[4]] END;
-        m := ARRAY[m[1], m[2], m[3], v_sig[1], v_sig[2]];
+        m := CASE WHEN cardinality(v_sig) = 2 THEN ARRAY[m[1], m[2], m[3], v_sig[1], v_sig[2]] END;
+    ELSIF cardinality(m) <> 3 THEN
+        m := NULL;
     END IF;
-    IF p_token IS NULL OR cardinality(m) NOT IN (3, 5) OR m[1] <> 'fg1'
+    IF m IS NULL OR m[1] <> 'fg1'
        OR length(m[2]) NOT BETWEEN 1 AND 19 OR m[2] ~ '[^0-9]' OR left(m[2], 1) = '0'
        OR length(m[3]) NOT BETWEEN 1 AND 256 OR m[3] ~ '[^!-}]'
        OR (cardinality(m) = 5 AND (

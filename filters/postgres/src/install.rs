@@ -1,6 +1,6 @@
 //! Installs `fence.sql` (schema `fencegate`: the fences, the token and pass keys, the guard, the
 //! enforcement trigger function) with tokio-postgres, and with `--enforce c` the C trigger
-//! function over fence.sql's plpgsql one. Idempotent.
+//! function and guard over fence.sql's plpgsql ones. Idempotent.
 
 use std::time::Duration;
 
@@ -65,15 +65,16 @@ pub async fn install_with(
     let installed = installed_enforce(&tx).await?;
     let enforce = options.enforce.or(installed).unwrap_or_default();
     tx.batch_execute(FENCE_SQL).await?;
+    // Before the lock_timeout: the C guard's CREATE OR REPLACE drops the SET clauses.
+    if enforce == Enforce::C {
+        install_c(&tx, options.enforce.is_none()).await?;
+    }
     let millis = options.lock_timeout.as_millis().max(1);
     for signature in ["fencegate.guard(text)", "fencegate.guard(text, bigint)"] {
         tx.batch_execute(&format!(
             "ALTER FUNCTION {signature} SET lock_timeout = '{millis}ms'"
         ))
         .await?;
-    }
-    if enforce == Enforce::C {
-        install_c(&tx, options.enforce.is_none()).await?;
     }
     tx.commit().await?;
     let report = InstallReport {
