@@ -1,10 +1,13 @@
 //! Done-means 6: two sessions with tokens n and n+1 race 1,000 single-row inserts each through
 //! the gateway. No row written with n commits after n+1's first commit (commit timestamps from
-//! `track_commit_timestamp`).
+//! `track_commit_timestamp`). Once with fence.sql's plpgsql guard, once with the C one
+//! (`install --enforce c`), whose common case takes the fence row itself and leaves the raise to
+//! fence.sql.
 
 mod support;
 
-use support::postgres_server::PgGateway;
+use fencegate_testkit::enforce_library::enforce_library_conf;
+use support::postgres_server::{cli, PgGateway, PgServer};
 use tokio_postgres::NoTls;
 
 async fn writer(dsn: String, who: &'static str, n: usize) -> (usize, usize) {
@@ -29,7 +32,34 @@ async fn writer(dsn: String, who: &'static str, n: usize) -> (usize, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit() {
-    let gw = PgGateway::start("resource = \"race\"", &[]);
+    race(PgGateway::start("resource = \"race\"", &[])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit_with_the_c_guard() {
+    let pg = PgServer::start_with_conf(&enforce_library_conf());
+    let (code, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &pg.dsn("postgres"),
+        "--enforce",
+        "c",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let gw = PgGateway::start_on(pg, "resource = \"race\"", &[]);
+    assert_eq!(
+        gw.pg.psql_as(
+            "postgres",
+            "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
+             WHERE p.oid = 'fencegate.guard(text)'::regprocedure"
+        ),
+        "c"
+    );
+    race(gw).await;
+}
+
+async fn race(gw: PgGateway) {
     gw.pg.psql_as(
         "postgres",
         "CREATE TABLE race (id bigserial PRIMARY KEY, who text NOT NULL, i int NOT NULL)",
