@@ -29,6 +29,7 @@
 #include "executor/tuptable.h"
 #include "fmgr.h"
 #include "miscadmin.h"
+#include "tcop/utility.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/rel.h"
@@ -311,6 +312,8 @@ fencegate_guard(PG_FUNCTION_ARGS)
 	PushActiveSnapshot(GetTransactionSnapshot());
 	snap = GetActiveSnapshot();
 	check_signature(&t, snap);
+	/* As take_fence's SELECT ... FOR SHARE refuses to run in a read-only transaction. */
+	PreventCommandIfReadOnly("SELECT FOR SHARE");
 
 	locked = fencegate_lock_fence(resource, t.revision_value, snap, LockWaitSkip, &fence);
 	if (!locked)
