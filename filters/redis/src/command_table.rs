@@ -16,8 +16,11 @@ pub const READ_ONLY_BUT_WRITES: &[&str] = &["pfcount"];
 /// Every command the upstream knows, by lower-case name; subcommands as `container|sub`.
 #[derive(Debug, Clone, Default)]
 pub struct CommandTable {
-    commands: HashMap<String, CommandInfo>,
+    commands: Commands,
 }
+
+/// Looked up once per request: a fast hasher (a random seed per table; see Cargo.toml).
+type Commands = HashMap<String, CommandInfo, foldhash::fast::RandomState>;
 
 /// One command's arity, flags and key positions.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,7 +115,7 @@ impl CommandTable {
                 "COMMAND did not reply with an array".into(),
             ));
         };
-        let mut commands = HashMap::new();
+        let mut commands = Commands::default();
         for entry in entries {
             add_entry(&mut commands, entry)?;
         }
@@ -173,7 +176,7 @@ impl CommandTable {
     }
 }
 
-fn add_entry(commands: &mut HashMap<String, CommandInfo>, entry: &Frame) -> Result<(), RedisError> {
+fn add_entry(commands: &mut Commands, entry: &Frame) -> Result<(), RedisError> {
     let bad = |what: &str| RedisError::Upstream(format!("COMMAND entry is malformed: {what}"));
     let Frame::Array(fields) = entry else {
         return Err(bad("not an array"));
