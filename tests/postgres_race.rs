@@ -7,7 +7,7 @@
 mod support;
 
 use fencegate_testkit::enforce_library::enforce_library_conf;
-use support::postgres_server::{cli, PgGateway, PgServer};
+use support::postgres_server::{function_language, install_enforce, PgGateway, PgServer};
 use tokio_postgres::NoTls;
 
 async fn writer(dsn: String, who: &'static str, n: usize) -> (usize, usize) {
@@ -38,24 +38,10 @@ async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lower_token_never_commits_after_the_higher_tokens_first_commit_with_the_c_guard() {
     let pg = PgServer::start_with_conf(&enforce_library_conf());
-    let (code, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &pg.dsn("postgres"),
-        "--enforce",
-        "c",
-    ]);
+    let (code, out, err) = install_enforce(&pg.dsn("postgres"), "c");
     assert_eq!(code, 0, "{out}{err}");
     let gw = PgGateway::start_on(pg, "resource = \"race\"", &[]);
-    assert_eq!(
-        gw.pg.psql_as(
-            "postgres",
-            "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
-             WHERE p.oid = 'fencegate.guard(text)'::regprocedure"
-        ),
-        "c"
-    );
+    assert_eq!(function_language(&gw.pg, "fencegate.guard(text)"), "c");
     race(gw).await;
 }
 

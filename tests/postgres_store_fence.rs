@@ -9,7 +9,7 @@ mod support;
 
 use fencegate_postgres::Enforce;
 use fencegate_testkit::enforce_library::enforce_library_conf;
-use support::postgres_server::{cli, code, connect, PgServer};
+use support::postgres_server::{cli, code, connect, function_language, install_enforce, PgServer};
 use tokio_postgres::Client;
 
 const APP: &str = "app_user";
@@ -33,33 +33,18 @@ fn server_for(enforce: Enforce) -> PgServer {
 
 /// The language of the installed `fencegate.enforce()`.
 fn enforce_language(pg: &PgServer) -> String {
-    pg.psql_as(
-        "postgres",
-        "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
-         WHERE p.oid = 'fencegate.enforce()'::regprocedure",
-    )
+    function_language(pg, "fencegate.enforce()")
 }
 
 /// The language of the installed `fencegate.guard(text)`.
 fn guard_language(pg: &PgServer) -> String {
-    pg.psql_as(
-        "postgres",
-        "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
-         WHERE p.oid = 'fencegate.guard(text)'::regprocedure",
-    )
+    function_language(pg, "fencegate.guard(text)")
 }
 
 impl Store {
     async fn start(enforce: Enforce) -> Self {
         let pg = server_for(enforce);
-        let (c, out, err) = cli(&[
-            "postgres",
-            "install",
-            "--dsn",
-            &pg.dsn("postgres"),
-            "--enforce",
-            &enforce.to_string(),
-        ]);
+        let (c, out, err) = install_enforce(&pg.dsn("postgres"), &enforce.to_string());
         assert_eq!(c, 0, "install: {out}{err}");
         assert!(out.contains(&format!("enforce() in {enforce}")), "{out}");
         assert_eq!(enforce_language(&pg), enforce.to_string());
@@ -649,14 +634,7 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema(e
         .await
         .unwrap_err();
     assert!(format!("{e:?}").contains("token_keys_kid_check"), "{e:?}");
-    let (c, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &store.pg.dsn("postgres"),
-        "--enforce",
-        &enforce.to_string(),
-    ]);
+    let (c, out, err) = install_enforce(&store.pg.dsn("postgres"), &enforce.to_string());
     assert_eq!(c, 0, "reinstall: {out}{err}");
     fencegate_postgres::install_token_keys(&mut store.admin, &keys)
         .await
@@ -667,14 +645,7 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema(e
     );
     assert_eq!(stored, format!("0,{KID}"));
     // Installing again leaves the widened check as it is.
-    let (c, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &store.pg.dsn("postgres"),
-        "--enforce",
-        &enforce.to_string(),
-    ]);
+    let (c, out, err) = install_enforce(&store.pg.dsn("postgres"), &enforce.to_string());
     assert_eq!(c, 0, "third install: {out}{err}");
     assert_eq!(enforce_language(&store.pg), enforce.to_string());
 
@@ -932,14 +903,7 @@ async fn forged_passes_of_any_length_and_content_are_refused(enforce: Enforce) {
 #[tokio::test(flavor = "multi_thread")]
 async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
     let plain = PgServer::start();
-    let (c, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &plain.dsn("postgres"),
-        "--enforce",
-        "c",
-    ]);
+    let (c, out, err) = install_enforce(&plain.dsn("postgres"), "c");
     assert_ne!(c, 0, "{out}");
     assert!(err.contains("fencegate_enforce"), "{err}");
     assert!(
@@ -958,14 +922,7 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
         "postgres",
         "CREATE ROLE installer LOGIN; GRANT CREATE ON DATABASE postgres TO installer",
     );
-    let (c, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &pg.dsn("installer"),
-        "--enforce",
-        "c",
-    ]);
+    let (c, out, err) = install_enforce(&pg.dsn("installer"), "c");
     assert_ne!(c, 0, "{out}");
     assert!(err.contains("role installer is not a superuser"), "{err}");
     assert!(err.contains("as a superuser"), "{err}");
@@ -983,14 +940,7 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
         ("plpgsql", "plpgsql", "{plan_cache_mode=force_generic_plan}"),
         ("c", "c", ""),
     ] {
-        let (c, out, err) = cli(&[
-            "postgres",
-            "install",
-            "--dsn",
-            &pg.dsn("postgres"),
-            "--enforce",
-            flag,
-        ]);
+        let (c, out, err) = install_enforce(&pg.dsn("postgres"), flag);
         assert_eq!(c, 0, "{out}{err}");
         assert_eq!(enforce_language(&pg), language);
         assert_eq!(
@@ -1021,14 +971,7 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
     assert_ne!(c, 0, "{out}");
     assert!(err.contains("--enforce plpgsql"), "{err}");
     assert_eq!(enforce_language(&pg), "c");
-    let (c, out, err) = cli(&[
-        "postgres",
-        "install",
-        "--dsn",
-        &pg.dsn("installer"),
-        "--enforce",
-        "plpgsql",
-    ]);
+    let (c, out, err) = install_enforce(&pg.dsn("installer"), "plpgsql");
     assert_eq!(c, 0, "{out}{err}");
     assert_eq!(enforce_language(&pg), "plpgsql");
 }
@@ -1183,14 +1126,7 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
     let corpus = guard_corpus(&t5, &sig);
     let mut answers = Vec::new();
     for enforce in [Enforce::C, Enforce::Plpgsql] {
-        let (c, out, err) = cli(&[
-            "postgres",
-            "install",
-            "--dsn",
-            &store.pg.dsn("postgres"),
-            "--enforce",
-            &enforce.to_string(),
-        ]);
+        let (c, out, err) = install_enforce(&store.pg.dsn("postgres"), &enforce.to_string());
         assert_eq!(c, 0, "{out}{err}");
         assert_eq!(guard_language(&store.pg), enforce.to_string());
         let mut admin = store_admin(&store).await;

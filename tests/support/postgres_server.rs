@@ -104,6 +104,23 @@ pub fn cli(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `fencegate postgres install --dsn <dsn> --enforce <enforce>`; returns (exit code, stdout,
+/// stderr).
+pub fn install_enforce(dsn: &str, enforce: &str) -> (i32, String, String) {
+    cli(&["postgres", "install", "--dsn", dsn, "--enforce", enforce])
+}
+
+/// The language (`plpgsql`, `c`) of the function `signature` (`fencegate.guard(text)`).
+pub fn function_language(pg: &PgServer, signature: &str) -> String {
+    pg.psql_as(
+        "postgres",
+        &format!(
+            "SELECT l.lanname FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang \
+             WHERE p.oid = '{signature}'::regprocedure"
+        ),
+    )
+}
+
 /// A tokio-postgres client for `dsn`, its connection driven on a task; panics if it cannot
 /// connect.
 pub async fn connect(dsn: &str) -> tokio_postgres::Client {
