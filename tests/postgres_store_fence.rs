@@ -1148,13 +1148,13 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
             }
             for token in &corpus {
                 let answer = guard_answer(&mut app, token.as_deref(), false).await;
-                these.push((keys, token.clone(), answer));
+                these.push((keys, false, token.clone(), answer));
             }
             // A read-only transaction: refused where the token is, else where the fence row
             // would be locked (`SELECT ... FOR SHARE`), as PostgreSQL refuses it.
             for token in corpus.iter().take(FIXED_TOKENS) {
                 let answer = guard_answer(&mut app, token.as_deref(), true).await;
-                these.push((keys, token.clone(), answer));
+                these.push((keys, true, token.clone(), answer));
             }
         }
         answers.push(these);
@@ -1165,7 +1165,7 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
     }
     // The corpus reaches every answer, so agreeing is not agreeing on one refusal.
     let seen = |want: &str| {
-        c.iter().any(|(_, _, a)| match a {
+        c.iter().any(|(_, _, _, a)| match a {
             GuardAnswer::Passed { write, .. } => want == "passed" && write.is_ok(),
             GuardAnswer::Refused { code, .. } => code == want,
         })
@@ -1173,18 +1173,47 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
     for want in ["passed", "FG001", "FG003", "FG004", "25006"] {
         assert!(seen(want), "no token of the corpus got {want}");
     }
-    let first = |keys: bool| {
-        c.iter()
-            .find(|(k, _, _)| *k == keys)
-            .map(|(_, _, a)| a.clone())
-    };
+    let nulls: Vec<_> = c
+        .iter()
+        .filter(|(_, _, token, _)| token.is_none())
+        .collect();
     assert_eq!(
-        first(true).map(|a| matches!(a, GuardAnswer::Refused { ref code, .. } if code == "FG003")),
-        Some(true),
-        "a NULL token is malformed"
+        nulls.len(),
+        4,
+        "NULL, with and without keys, read-write and read-only"
+    );
+    for (_, _, _, answer) in nulls {
+        assert!(
+            matches!(answer, GuardAnswer::Refused { code, .. } if code == "FG003"),
+            "a NULL token is malformed: {answer:?}"
+        );
+    }
+    // The gateway and the store read a token alike: whatever the gateway's parser accepts, the
+    // store (without keys, so no signature decides) passes with the same revision and resource,
+    // or refuses as stale; never as malformed.
+    let mut accepted = 0;
+    for (_, _, token, answer) in c
+        .iter()
+        .filter(|(keys, read_only, _, _)| !keys && !read_only)
+    {
+        let Some(Ok(parsed)) = token.as_deref().map(fencegate_core::Token::parse) else {
+            continue;
+        };
+        accepted += 1;
+        let held = format!("{}:{}", parsed.revision(), parsed.resource());
+        match answer {
+            GuardAnswer::Passed { held: stored, .. } => {
+                assert_eq!(stored, &held, "{token:?}: the store read other fields")
+            }
+            GuardAnswer::Refused { code, .. } => assert_eq!(code, "FG001", "{token:?}: {answer:?}"),
+        }
+    }
+    assert!(
+        accepted >= 10,
+        "only {accepted} tokens of the corpus parse for the gateway"
     );
     assert!(
-        c.iter().any(|(keys, token, a)| *keys
+        c.iter().any(|(keys, _, token, a)| *keys
             && token.as_deref() == Some(t5.as_str())
             && *a
                 == GuardAnswer::Passed {
