@@ -1,8 +1,9 @@
 //! Done-means 6: two sessions with tokens n and n+1 race 1,000 single-row inserts each through
 //! the gateway. No row written with n commits after n+1's first commit (commit timestamps from
 //! `track_commit_timestamp`). Once with fence.sql's plpgsql guard, once with the C one
-//! (`install --enforce c`), whose common case takes the fence row itself and leaves the raise to
-//! fence.sql.
+//! (`install --enforce c`), whose common case holds the fence lock instead of the fence row and
+//! leaves the raise to fence.sql (its UPDATE waits for the lock through the C trigger
+//! `fence_write_lock`).
 
 mod support;
 

@@ -667,9 +667,10 @@ async fn the_operator_key_is_accepted_also_after_installing_over_an_old_schema(e
     assert_eq!(store.items().await, vec![(1, 1), (2, 2), (3, 3)]);
 }
 
-/// Rolling back to a savepoint releases the guard's row lock, and the client can put the pass
-/// string back with set_config: the trigger takes the fence row again on every protected
-/// statement, so a newer holder's raise (committed or not) refuses the stale write.
+/// Rolling back to a savepoint releases the guard's lock (the row's, or in C the fence lock), and
+/// the client can put the pass string back with set_config: the trigger takes the lock again on
+/// every protected statement, so a newer holder's raise (committed or not) refuses the stale
+/// write.
 async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder(
     enforce: Enforce,
 ) {
@@ -748,9 +749,10 @@ async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_ho
             .expect("the stale write did not finish")
             .unwrap();
         let e = result.expect_err(&format!("{isolation}: the stale write committed"));
-        // Repeatable read: the fence row changed after the snapshot (serialization failure).
-        // Read committed: after waiting, no fence row at revision 10 any more.
-        let want = if isolation == "REPEATABLE READ" {
+        // plpgsql, repeatable read: the fence row changed after the snapshot (serialization
+        // failure). Read committed, or C (the fence read under a snapshot taken after its lock):
+        // no fence at revision 10 any more.
+        let want = if isolation == "REPEATABLE READ" && enforce == Enforce::Plpgsql {
             "40001"
         } else {
             "FG001"
@@ -950,8 +952,11 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
             ),
             config
         );
-        // The guard follows enforce() and keeps the install's lock_timeout either way.
+        // The guard follows enforce() and keeps the install's lock_timeout either way; the C
+        // fence lock's trigger comes and goes with them.
         assert_eq!(guard_language(&pg), language);
+        let trigger = if language == "c" { "O+fn" } else { "" };
+        assert_eq!(write_lock_trigger(&pg), trigger);
         let guard_config = pg.psql_as(
             "postgres",
             "SELECT proconfig FROM pg_proc WHERE oid = 'fencegate.guard(text)'::regprocedure",
@@ -974,6 +979,133 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
     let (c, out, err) = install_enforce(&pg.dsn("installer"), "plpgsql");
     assert_eq!(c, 0, "{out}{err}");
     assert_eq!(enforce_language(&pg), "plpgsql");
+    assert_eq!(
+        write_lock_trigger(&pg),
+        "",
+        "the C fence lock's trigger went with it"
+    );
+}
+
+/// `tgenabled` of the C fence lock's trigger on `fencegate.fences`, "" when there is none.
+fn write_lock_trigger(pg: &PgServer) -> String {
+    pg.psql_as(
+        "postgres",
+        "SELECT coalesce((SELECT tgenabled::text FROM pg_trigger \
+          WHERE tgrelid = 'fencegate.fences'::regclass AND tgname = 'fence_write_lock'), '') \
+             || CASE WHEN to_regprocedure('fencegate.fence_write_lock()') IS NULL THEN '' ELSE '+fn' END",
+    )
+}
+
+/// The C guard holds a resource's fence lock, not its row (filters/postgres/ext/fence_lock.c):
+/// nothing is written to the fence row, and every writer of the row, a raise or an owner's
+/// hand-written UPDATE or DELETE alike, waits for the guarded transaction through the trigger
+/// `fence_write_lock`. Without that trigger the C guard refuses rather than pass on a lock no
+/// writer takes, and an install puts it back.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_writer_of_a_fence_row_waits_for_the_c_guards_holders() {
+    let store = Store::start(Enforce::C).await;
+    assert_eq!(write_lock_trigger(&store.pg), "O+fn");
+    let (c, out, err) = cli(&[
+        "postgres",
+        "install",
+        "--dsn",
+        &store.pg.dsn("postgres"),
+        "--lock-timeout-ms",
+        "200",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let t5 = store.token(5).await;
+    let t6 = store.token(6).await;
+    let holder = store.app().await;
+    holder
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{t5}'); INSERT INTO app.items VALUES (5, 5)"
+        ))
+        .await
+        .unwrap();
+    let pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let locks: Vec<(String, String, bool)> = store
+        .admin
+        .query(
+            "SELECT locktype, mode, granted FROM pg_locks WHERE pid = $1 \
+               AND (locktype = 'tuple' OR locktype = 'object' AND classid = 'fencegate.fences'::regclass)",
+            &[&pid],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(locks, [("object".into(), "ShareLock".into(), true)]);
+    let xmax: String = store
+        .admin
+        .query_one(
+            "SELECT xmax::text FROM fencegate.fences WHERE resource = 'job'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(xmax, "0", "the guard wrote no row lock");
+    for sql in [
+        "UPDATE fencegate.fences SET revision = 6 WHERE resource = 'job'",
+        "DELETE FROM fencegate.fences WHERE resource = 'job'",
+    ] {
+        let e = store
+            .admin
+            .batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = '200ms'; {sql}"))
+            .await
+            .unwrap_err();
+        assert_eq!(code(&e), "55P03", "{sql}: {e:?}");
+        store.admin.batch_execute("ROLLBACK").await.unwrap();
+    }
+    // A newer holder's raise, under the guard's lock_timeout.
+    let e = store
+        .app()
+        .await
+        .batch_execute(&format!("SELECT fencegate.guard('{t6}')"))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "55P03", "{e:?}");
+    holder.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(store.items().await, vec![(1, 1), (2, 2), (5, 5)]);
+
+    store
+        .admin
+        .batch_execute("ALTER TABLE fencegate.fences DISABLE TRIGGER fence_write_lock")
+        .await
+        .unwrap();
+    let e = holder
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "55000", "{e:?}");
+    let db = e.as_db_error().unwrap();
+    assert!(db.message().contains("fence_write_lock"), "{db:?}");
+    assert!(
+        db.hint()
+            .unwrap_or("")
+            .contains("fencegate postgres install"),
+        "{db:?}"
+    );
+    let (c, out, err) = install_enforce(&store.pg.dsn("postgres"), "c");
+    assert_eq!(c, 0, "{out}{err}");
+    assert_eq!(write_lock_trigger(&store.pg), "O+fn");
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT fencegate.guard('{t5}'); INSERT INTO app.items VALUES (6, 5); COMMIT"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(store.items().await, vec![(1, 1), (2, 2), (5, 5), (6, 5)]);
 }
 
 /// What one guard call answered: the pass's `revision:resource` and whether a protected write

@@ -8,9 +8,6 @@
  */
 #include "postgres.h"
 
-#include "access/genam.h"
-#include "access/skey.h"
-#include "access/stratnum.h"
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
@@ -19,7 +16,6 @@
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "utils/builtins.h"
-#include "utils/fmgroids.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
@@ -177,108 +173,4 @@ fencegate_pass_mac(const char *held, size_t held_len, FullTransactionId fxid, Sn
 
 	fencegate_hmac(&pass_pads, ipad, opad, (const uint8 *) prefix, prefix_len,
 				   (const uint8 *) held_utf8, held_len, out);
-}
-
-bool
-fencegate_lock_fence(const char *resource, int64 revision, Snapshot snap, LockWaitPolicy wait,
-					 char **fence)
-{
-	Relation	rel;
-	Relation	idx;
-	Oid			pkey;
-	AttrNumber	resource_att;
-	AttrNumber	revision_att;
-	TupleTableSlot *slot;
-	IndexScanDesc scan;
-	ScanKeyData key;
-	ItemPointerData tid;
-	TM_FailureData tmfd;
-	TM_Result	result;
-	bool		seen;
-	bool		locked = false;
-	bool		skipped = false;
-	bool		isnull;
-	Datum		value;
-
-	*fence = "";
-	rel = table_open(fencegate_relid("fences"), RowShareLock);
-	resource_att = fencegate_column(rel, "resource");
-	revision_att = fencegate_column(rel, "revision");
-	pkey = RelationGetPrimaryKeyIndex(rel);
-	if (!OidIsValid(pkey))
-		elog(ERROR, "fencegate: fencegate.fences has no primary key; run `fencegate postgres install` again");
-	idx = index_open(pkey, RowShareLock);
-	if (idx->rd_index->indnatts != 1 || idx->rd_index->indkey.values[0] != resource_att)
-		elog(ERROR, "fencegate: the primary key of fencegate.fences is not (resource); run `fencegate postgres install` again");
-
-	/* resource = $1 with the index's own collation, so the search follows the index's order. */
-	ScanKeyEntryInitialize(&key, 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   idx->rd_indcollation[0], F_TEXTEQ, CStringGetTextDatum(resource));
-	slot = table_slot_create(rel, NULL);
-	scan = index_beginscan(rel, idx, snap, 1, 0);
-	index_rescan(scan, &key, 1, NULL, 0);
-	seen = index_getnext_slot(scan, ForwardScanDirection, slot);
-	if (seen)
-		tid = slot->tts_tid;
-	index_endscan(scan);
-
-	if (seen)
-	{
-		value = slot_getattr(slot, revision_att, &isnull);
-		if (!isnull && DatumGetInt64(value) == revision)
-		{
-			/* As SELECT ... FOR SHARE [SKIP LOCKED] does (nodeLockRows.c). */
-			result = table_tuple_lock(rel, &tid, snap, slot, GetCurrentCommandId(true),
-									  LockTupleShare, wait,
-									  TUPLE_LOCK_FLAG_LOCK_UPDATE_IN_PROGRESS |
-									  (IsolationUsesXactSnapshot() ? 0 : TUPLE_LOCK_FLAG_FIND_LAST_VERSION),
-									  &tmfd);
-			switch (result)
-			{
-				case TM_Ok:
-					/* Followed to a newer version (READ COMMITTED): check it again. */
-					locked = true;
-					if (tmfd.traversed)
-					{
-						text	   *now = DatumGetTextPP(slot_getattr(slot, resource_att, &isnull));
-
-						value = slot_getattr(slot, revision_att, &isnull);
-						locked = !isnull && DatumGetInt64(value) == revision
-							&& strcmp(text_to_cstring(now), resource) == 0;
-					}
-					break;
-				case TM_WouldBlock:
-					/* LockWaitSkip: another transaction holds it (a raise under way). */
-					skipped = true;
-					break;
-				case TM_SelfModified:
-					/* Changed by this transaction's own later command: not a match. */
-					break;
-				case TM_Updated:
-				case TM_Deleted:
-					if (IsolationUsesXactSnapshot())
-						ereport(ERROR,
-								(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-								 errmsg("could not serialize access due to concurrent update")));
-					/* READ COMMITTED: deleted (an update was followed). */
-					if (result == TM_Updated)
-						elog(ERROR, "fencegate: unexpected table_tuple_lock status %d", (int) result);
-					break;
-				case TM_Invisible:
-					elog(ERROR, "fencegate: attempted to lock invisible tuple");
-					break;
-				default:
-					elog(ERROR, "fencegate: unexpected table_tuple_lock status %d", (int) result);
-					break;
-			}
-			if (!locked && !skipped && !TTS_EMPTY(slot))
-				value = slot_getattr(slot, revision_att, &isnull);
-		}
-		if (!locked && !skipped && !TTS_EMPTY(slot) && !isnull)
-			*fence = psprintf(INT64_FORMAT, DatumGetInt64(value));
-	}
-	ExecDropSingleTupleTableSlot(slot);
-	index_close(idx, NoLock);
-	table_close(rel, NoLock);
-	return locked;
 }

@@ -1,7 +1,6 @@
 /*
  * What fencegate.enforce() and fencegate.guard(text) in C share: the schema's relations looked up
- * by schema and name, HMAC-SHA256 from stored pads, the pass's MAC, and the fence row taken
- * FOR SHARE as SELECT ... FOR SHARE's executor node takes it.
+ * by schema and name, HMAC-SHA256 from stored pads, the pass's MAC, and the fence lock.
  */
 #ifndef FENCE_STORE_H
 #define FENCE_STORE_H
@@ -56,11 +55,13 @@ extern void fencegate_pass_mac(const char *held, size_t held_len, FullTransactio
 							   Snapshot snap, uint8 *out);
 
 /*
- * Takes the fence row of `resource` FOR SHARE if it stands at `revision`: true if locked. Else
- * false, with the fence's revision (as text, "" without a row or when skipped) in *fence.
- * `wait`: LockWaitBlock waits for a concurrent raise, LockWaitSkip gives up at once.
+ * The fence lock (fence_lock.c): takes `resource`'s fence lock in ShareLock and reads the fence
+ * under a snapshot taken after it. True if the fence stands at `revision` (the lock is kept to
+ * the end of the transaction). Else false, with the fence's revision in *fence ("" without a row
+ * or when skipped). `wait`: LockWaitBlock waits for a writer of the fence row, LockWaitSkip
+ * gives up at once.
  */
-extern bool fencegate_lock_fence(const char *resource, int64 revision, Snapshot snap,
-								 LockWaitPolicy wait, char **fence);
+extern bool fencegate_share_fence(const char *resource, int64 revision, LockWaitPolicy wait,
+								  char **fence);
 
 #endif							/* FENCE_STORE_H */

@@ -9,22 +9,22 @@
  *   table bound to another resource            -> FG005
  *   no fence row at the pass's revision        -> FG001 (with DETAIL)
  * The pass is `revision:resource:mac`, mac = hex HMAC-SHA256 with the pass key's stored pads
- * over `pass2:pid:txid:revision:resource` (see fencegate.set_pass). The fence row is taken
- * FOR SHARE on every statement: a savepoint rolled back releases the guard's lock while the
- * client can put the pass string back.
+ * over `pass2:pid:txid:revision:resource` (see fencegate.set_pass). The fence lock is taken
+ * (fence_lock.c) and the fence read again on every statement: a savepoint rolled back releases
+ * the guard's lock while the client can put the pass string back.
  *
- * It reads the pass key and takes the fence row through the table and index access methods, not
- * SPI: an SPI query costs about 33k instructions per call in executor set-up alone, the whole
- * budget of the 5 % target (docs/BENCHMARKS.md). The lock is taken as SELECT ... FOR SHARE's
- * executor node takes it: same snapshot (a new one per statement in READ COMMITTED, as SPI takes),
- * same wait, the update chain followed to the latest version in READ COMMITTED and a
- * serialization failure in REPEATABLE READ and SERIALIZABLE.
+ * It reads the pass key and the fence through the table and index access methods, not SPI: an
+ * SPI query costs about 33k instructions per call in executor set-up alone, the whole budget of
+ * the 5 % target (docs/BENCHMARKS.md). The fence lock waits for a writer of the fence row in
+ * progress; the fence is then read under a snapshot taken after the wait, in every isolation
+ * level, so a raise that committed meanwhile refuses the write (FG001).
  *
  * It runs SECURITY DEFINER as the schema's owner inside the server: it looks up its relations by
  * schema and name (`fencegate`), never through the caller's search_path or pg_temp, and calls no
  * operator or function the caller could define; the client-set pass is only read within its
  * length; the MAC is compared in constant time. It checks no table privileges: it only reads
- * and share-locks rows of its owner's own tables, and a check could only make it refuse more.
+ * rows of its owner's own tables and takes the fence lock, and a check could only make it
+ * refuse more.
  */
 #include "postgres.h"
 
@@ -142,17 +142,21 @@ fencegate_enforce(PG_FUNCTION_ARGS)
 
 	/* pg_current_xact_id(), as the plpgsql version: assigns the transaction id if none yet. */
 	fxid = GetTopFullTransactionId();
-	/* The snapshot an SPI query of a VOLATILE function takes (new per call in READ COMMITTED). */
-	PushActiveSnapshot(GetTransactionSnapshot());
-	snap = GetActiveSnapshot();
 
 	if (!(verified_pass != NULL
 		  && FullTransactionIdEquals(verified_fxid, fxid)
 		  && verified_len == len
 		  && memcmp(verified_pass, pass, len) == 0))
 	{
-		if (len < PASS_TAIL_LEN || pass[len - PASS_TAIL_LEN] != ':'
-			|| !mac_verifies(pass, len, fxid, snap))
+		bool		verifies;
+
+		/* The snapshot an SPI query of a VOLATILE function takes (new per call in READ COMMITTED). */
+		PushActiveSnapshot(GetTransactionSnapshot());
+		snap = GetActiveSnapshot();
+		verifies = len >= PASS_TAIL_LEN && pass[len - PASS_TAIL_LEN] == ':'
+			&& mac_verifies(pass, len, fxid, snap);
+		PopActiveSnapshot();
+		if (!verifies)
 			ereport(ERROR,
 					(errcode(ERRCODE_FG_NO_PASS),
 					 errmsg("fencegate: %s on %s.%s refused: fencegate.pass was not made by fencegate.guard in this transaction",
@@ -189,9 +193,7 @@ fencegate_enforce(PG_FUNCTION_ARGS)
 				 errmsg("fencegate: %s on %s.%s refused: the table belongs to resource %s, the token names %s",
 						trigger_op(trigdata), REL_SCHEMA(rel), REL_NAME(rel), bound, resource)));
 
-	locked = fencegate_lock_fence(resource, pg_strtoint64(revision_text), snap, LockWaitBlock,
-								  &fence);
-	PopActiveSnapshot();
+	locked = fencegate_share_fence(resource, pg_strtoint64(revision_text), LockWaitBlock, &fence);
 	if (!locked)
 		/* The fence moved past the pass's revision (or its row is gone). */
 		ereport(ERROR,

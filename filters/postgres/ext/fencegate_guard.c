@@ -10,11 +10,12 @@
  *   malformed token                              -> FG003
  *   keys installed: no key id, unknown or retired key, signature that does not verify -> FG004
  *   then the fence and the pass: fencegate.take_fence(resource, revision)
- * The common case of take_fence (the fence stands at the token's revision and no raise holds
- * its row) is done here: the row taken FOR SHARE (skipping it if locked, as take_fence's
- * SKIP LOCKED) and the pass set as fencegate.set_pass sets it. Anything else (first token of a
- * resource, a raise, a stale token, a locked row) calls fencegate.take_fence itself through SPI,
- * so the rare paths and their messages stay in one place, fence.sql.
+ * The common case of take_fence (the fence stands at the token's revision and no raise is in
+ * progress) is done here: the fence lock taken in share mode without waiting (fence_lock.c, the
+ * C install's lighter stand-in for take_fence's FOR SHARE SKIP LOCKED) and the pass set as
+ * fencegate.set_pass sets it. Anything else (first token of a resource, a raise, a stale token,
+ * a writer in progress) calls fencegate.take_fence itself through SPI, so the rare paths and
+ * their messages stay in one place, fence.sql.
  *
  * Runs SECURITY DEFINER as the schema's owner; the token is the only input and is read within
  * its length; the signature is compared in constant time.
@@ -315,7 +316,7 @@ fencegate_guard(PG_FUNCTION_ARGS)
 	/* As take_fence's SELECT ... FOR SHARE refuses to run in a read-only transaction. */
 	PreventCommandIfReadOnly("SELECT FOR SHARE");
 
-	locked = fencegate_lock_fence(resource, t.revision_value, snap, LockWaitSkip, &fence);
+	locked = fencegate_share_fence(resource, t.revision_value, LockWaitSkip, &fence);
 	if (!locked)
 	{
 		PopActiveSnapshot();

@@ -73,3 +73,28 @@ pub(crate) async fn install_c(tx: &Transaction<'_>, kept: bool) -> Result<(), Po
         result => Ok(result?),
     }
 }
+
+/// `--enforce plpgsql` over a C install: drops the fence lock's trigger and its C function
+/// (enforce_c.sql), which fence.sql's plpgsql guard does not need. DROP TRIGGER waits for every
+/// transaction that has `fencegate.fences` open, those that passed the C guard included, so
+/// none of them outlives the trigger; a C guard still running afterwards finds the trigger
+/// gone and refuses (fence_lock.c). Nothing is locked when there is nothing to drop.
+pub(crate) async fn drop_c_write_lock(tx: &Transaction<'_>) -> Result<(), PostgresError> {
+    let present = tx
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t \
+              WHERE t.tgrelid = 'fencegate.fences'::pg_catalog.regclass AND t.tgname = 'fence_write_lock'), \
+                    pg_catalog.to_regprocedure('fencegate.fence_write_lock()') IS NOT NULL",
+            &[],
+        )
+        .await?;
+    if present.get::<_, bool>(0) {
+        tx.batch_execute("DROP TRIGGER fence_write_lock ON fencegate.fences")
+            .await?;
+    }
+    if present.get::<_, bool>(1) {
+        tx.batch_execute("DROP FUNCTION fencegate.fence_write_lock()")
+            .await?;
+    }
+    Ok(())
+}

@@ -18,7 +18,9 @@
 -- The fence itself, checked by the guard:
 --   no row yet          -> insert the fence at the token's revision
 --   token above fence   -> raise it (UPDATE: waits for the current holder's open transactions,
---                          which hold the row FOR SHARE, up to the guard's lock_timeout)
+--                          which hold the row FOR SHARE, up to the guard's lock_timeout; with
+--                          the C install they hold the fence lock instead, and the trigger
+--                          fence_write_lock makes the UPDATE wait for it: enforce_c.sql)
 --   token equal         -> take the row FOR SHARE (the holder's concurrent writers do not
 --                          serialize on one row lock, and a raise still waits for them)
 --   token below fence   -> SQLSTATE FG001, which aborts the transaction
@@ -188,7 +190,8 @@ BEGIN
                 ERRCODE = '55P03',
                 MESSAGE = format('fencegate: the fence for %s is locked by another transaction (lock_timeout %s); retry',
                                  p_resource, current_setting('lock_timeout')),
-                HINT = 'A previous holder''s open or prepared (2PC) transaction holds the fence row. '
+                HINT = 'A previous holder''s open or prepared (2PC) transaction holds the fence row '
+                       '(with the C guard: its fence lock, pg_locks locktype object on fencegate.fences). '
                        'Retry; set idle_in_transaction_session_timeout so abandoned sessions end, '
                        'and check pg_prepared_xacts.';
         END;

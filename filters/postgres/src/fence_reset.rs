@@ -1,6 +1,7 @@
 //! An operator's reset of one resource's fence (`fencegate fence reset`): a compare-and-set on
 //! `fencegate.fences` in one transaction. The row lock waits for guarded transactions of the
-//! resource in flight (they hold it `FOR SHARE`), so none of them straddles the reset.
+//! resource in flight (they hold it `FOR SHARE`; with the C guard, the fence lock, which the
+//! trigger `fence_write_lock` takes before the row changes), so none of them straddles the reset.
 
 use fencegate_core::{FenceReset, Resource};
 use tokio_postgres::Client;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_postgres::{Client, Transaction};
 
 use crate::connect::connect;
-use crate::enforce::{install_c, Enforce};
+use crate::enforce::{drop_c_write_lock, install_c, Enforce};
 use crate::error::PostgresError;
 
 /// The store-side artifact, shipped in the crate as a real file.
@@ -66,8 +66,9 @@ pub async fn install_with(
     let enforce = options.enforce.or(installed).unwrap_or_default();
     tx.batch_execute(FENCE_SQL).await?;
     // Before the lock_timeout: the C guard's CREATE OR REPLACE drops the SET clauses.
-    if enforce == Enforce::C {
-        install_c(&tx, options.enforce.is_none()).await?;
+    match enforce {
+        Enforce::C => install_c(&tx, options.enforce.is_none()).await?,
+        Enforce::Plpgsql => drop_c_write_lock(&tx).await?,
     }
     let millis = options.lock_timeout.as_millis().max(1);
     for signature in ["fencegate.guard(text)", "fencegate.guard(text, bigint)"] {
