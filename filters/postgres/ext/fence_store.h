@@ -55,6 +55,12 @@ extern void fencegate_pass_mac(const char *held, size_t held_len, FullTransactio
 							   Snapshot snap, uint8 *out);
 
 /*
+ * Records `pass` as verified in top transaction `fxid` (fencegate_enforce.c): enforce() then skips
+ * the pass key read and the MAC for it. Only for a pass whose MAC was computed or checked here.
+ */
+extern void fencegate_remember_pass(const char *pass, FullTransactionId fxid);
+
+/*
  * The fence lock (fence_lock.c): takes `resource`'s fence lock in ShareLock and reads the fence
  * under a snapshot taken after it. True if the fence stands at `revision` (the lock is kept to
  * the end of the transaction). Else false, with the fence's revision in *fence ("" without a row

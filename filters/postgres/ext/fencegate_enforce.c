@@ -51,7 +51,9 @@ PG_FUNCTION_INFO_V1(fencegate_enforce);
 /*
  * The last pass whose MAC verified, and the top transaction it verified in: later statements of
  * the same transaction with the same pass text skip the key read and the MAC (the MAC binds the
- * pass to this backend and transaction, so the result cannot differ). Never the fence lock.
+ * pass to this backend and transaction, so the result cannot differ). Never the fence lock. The
+ * C guard enters the pass it made (it computed that MAC itself), so even the first statement
+ * skips them.
  * A pass verified once stays verified until its transaction ends, even if the pass key is
  * replaced meanwhile (only `fencegate postgres install` writes it); the plpgsql version would
  * refuse it at the next statement.
@@ -59,6 +61,19 @@ PG_FUNCTION_INFO_V1(fencegate_enforce);
 static FullTransactionId verified_fxid;
 static char *verified_pass = NULL;	/* in TopMemoryContext */
 static size_t verified_len = 0;
+
+void
+fencegate_remember_pass(const char *pass, FullTransactionId fxid)
+{
+	/* Copy first: if the copy fails, the cache still holds its old, valid entry. */
+	char	   *copy = MemoryContextStrdup(TopMemoryContext, pass);
+
+	if (verified_pass != NULL)
+		pfree(verified_pass);
+	verified_pass = copy;
+	verified_len = strlen(copy);
+	verified_fxid = fxid;
+}
 
 /*
  * Whether the last MAC_HEX_LEN bytes of the pass are the MAC of `held` (the pass without its
@@ -162,16 +177,7 @@ fencegate_enforce(PG_FUNCTION_ARGS)
 					 errmsg("fencegate: %s on %s.%s refused: fencegate.pass was not made by fencegate.guard in this transaction",
 							trigger_op(trigdata), REL_SCHEMA(rel), REL_NAME(rel)),
 					 errhint(PASS_HINT)));
-		{
-			/* Copy first: if the copy fails, the cache still holds its old, valid entry. */
-			char	   *copy = MemoryContextStrdup(TopMemoryContext, pass);
-
-			if (verified_pass != NULL)
-				pfree(verified_pass);
-			verified_pass = copy;
-			verified_len = len;
-			verified_fxid = fxid;
-		}
+		fencegate_remember_pass(pass, fxid);
 	}
 
 	/* The MAC verified: `held` is `revision:resource` as the guard wrote it. */
