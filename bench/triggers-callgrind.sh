@@ -17,9 +17,11 @@
 # Usage: bench/triggers-callgrind.sh [SHORT LONG]   (default 200 600; as root or as postgres)
 # Environment:
 #   GUARD  pair (default): `SELECT fencegate.guard('bench', 1)`, the unsigned legacy guard, plpgsql
-#          in every mode; text: `SELECT fencegate.guard('<token>')`, the guard the gateway sends;
-#          none: no guard (with MODES=off: the plain transaction)
-#   KEYS=1 install a token key (id 1) and sign the GUARD=text token with it, as a cluster does
+#          in every mode; call: `CALL fencegate.guard_proc('<token>')`, the guard the gateway
+#          sends; text: `SELECT fencegate.guard('<token>')`, the same check as a function (what
+#          the gateway sent before 2026-12-04); none: no guard (with MODES=off: the plain
+#          transaction)
+#   KEYS=1 install a token key (id 1) and sign the GUARD=call or text token with it, as a cluster does
 #   MODES  the modes to run (default "off plpgsql c")
 # Needs valgrind, the PostgreSQL server binaries, postgresql-server-dev (pg_config, headers) and,
 # with KEYS=1, openssl.
@@ -69,9 +71,10 @@ if [ -n "${KEYS:-}" ]; then
 fi
 case $guard in
   pair) guard_sql="SELECT fencegate.guard('bench', 1);" ;;
+  call) guard_sql="CALL fencegate.guard_proc('$token');" ;;
   text) guard_sql="SELECT fencegate.guard('$token');" ;;
   none) guard_sql="" ;;
-  *) echo "GUARD must be pair, text or none" >&2; exit 2 ;;
+  *) echo "GUARD must be pair, call, text or none" >&2; exit 2 ;;
 esac
 as_pg "$bin/pg_ctl" -D "$data" -w stop >/dev/null
 as_pg cp -a "$data" "$work/pristine"
@@ -89,9 +92,9 @@ set_mode() {
       sed -n '/^CREATE OR REPLACE FUNCTION fencegate.enforce()/,/^\$enforce\$;/p' \
         "$repo/filters/postgres/src/fence.sql" >"$work/enforce.sql" ;;
     c)
-      # As `install --enforce c`: enforce_c.sql, then the guard's lock_timeout.
+      # As `install --enforce c`: enforce_c.sql, then the lock_timeout (on take_fence).
       { cat "$repo/filters/postgres/src/enforce_c.sql"
-        echo "ALTER FUNCTION fencegate.guard(text) SET lock_timeout = '5000ms';"; } >"$work/enforce.sql" ;;
+        echo "ALTER FUNCTION fencegate.take_fence(text, bigint) SET lock_timeout = '5000ms';"; } >"$work/enforce.sql" ;;
   esac
   [ "$1" = off ] && echo "SELECT 1;" >"$work/enforce.sql"
   echo "ALTER TABLE pgbench_accounts $how TRIGGER fencegate_enforce; ALTER TABLE pgbench_history $how TRIGGER fencegate_enforce;" >>"$work/enforce.sql"

@@ -791,7 +791,7 @@ async fn a_transaction_is_guarded_once_before_its_first_write() {
     loop {
         let log = gw.pg.log_text();
         if log.contains("DELETE FROM items WHERE v = 2") {
-            let guards = log.matches("fencegate.guard(E'fg1~3~job')").count();
+            let guards = log.matches("fencegate.guard_proc(E'fg1~3~job')").count();
             assert_eq!(guards, 2, "one guard per transaction:\n{log}");
             break;
         }

@@ -136,7 +136,7 @@ fn guards(gw: &PgGateway, marker: &str) -> usize {
         if log.contains(marker) {
             return log
                 .lines()
-                .filter(|l| l.contains("LOG:") && l.contains("fencegate.guard("))
+                .filter(|l| l.contains("LOG:") && l.contains("fencegate.guard_proc("))
                 .count();
         }
         assert!(Instant::now() < deadline, "no {marker} in the log:\n{log}");

@@ -952,19 +952,51 @@ async fn enforce_c_install_names_the_fix_and_an_install_keeps_it() {
             ),
             config
         );
-        // The guard follows enforce() and keeps the install's lock_timeout either way; the C
-        // fence lock's trigger comes and goes with them.
+        // The guard follows enforce(); the install's lock_timeout is where the guard waits (the
+        // C guard waits only in the take_fence it calls); the C fence lock's trigger comes and
+        // goes with them.
         assert_eq!(guard_language(&pg), language);
         let trigger = if language == "c" { "O+fn" } else { "" };
         assert_eq!(write_lock_trigger(&pg), trigger);
-        let guard_config = pg.psql_as(
-            "postgres",
-            "SELECT proconfig FROM pg_proc WHERE oid = 'fencegate.guard(text)'::regprocedure",
+        let config = |signature: &str| {
+            pg.psql_as(
+                "postgres",
+                &format!(
+                    "SELECT coalesce(proconfig::text, '') FROM pg_proc WHERE oid = '{signature}'::regprocedure"
+                ),
+            )
+        };
+        let (waits, plain) = if language == "c" {
+            (
+                "fencegate.take_fence(text,bigint)",
+                "fencegate.guard_proc(text)",
+            )
+        } else {
+            (
+                "fencegate.guard_proc(text)",
+                "fencegate.take_fence(text,bigint)",
+            )
+        };
+        assert!(
+            config(waits).contains("lock_timeout=5000ms"),
+            "{waits}: {}",
+            config(waits)
         );
         assert!(
-            guard_config.contains("lock_timeout=5000ms"),
-            "{guard_config}"
+            !config(plain).contains("lock_timeout"),
+            "{plain}: {}",
+            config(plain)
         );
+        assert_eq!(
+            config("fencegate.guard(text)"),
+            "",
+            "it calls guard_proc or is C"
+        );
+        assert_eq!(
+            function_language(&pg, "fencegate.guard_proc(text)"),
+            language
+        );
+        assert!(config("fencegate.guard(text,bigint)").contains("lock_timeout=5000ms"));
     }
     // An install without --enforce keeps the C one (a node's install_on_start too) ...
     let (c, out, err) = cli(&["postgres", "install", "--dsn", &pg.dsn("postgres")]);
@@ -1124,14 +1156,26 @@ enum GuardAnswer {
     },
 }
 
-/// Runs the guard for `token` in a transaction of the app role (read-only if `read_only`), tries
-/// a protected write, and rolls back (the fences stay as they were for the next token).
-async fn guard_answer(app: &mut Client, token: Option<&str>, read_only: bool) -> GuardAnswer {
+/// The two ways to run the guard: the function, or the procedure the gateway calls.
+const GUARD_CALLS: [&str; 2] = [
+    "SELECT fencegate.guard($1)",
+    "CALL fencegate.guard_proc($1)",
+];
+
+/// Runs the guard for `token` with `call` (one of [`GUARD_CALLS`]) in a transaction of the app
+/// role (read-only if `read_only`), tries a protected write, and rolls back (the fences stay as
+/// they were for the next token).
+async fn guard_answer(
+    app: &mut Client,
+    call: &str,
+    token: Option<&str>,
+    read_only: bool,
+) -> GuardAnswer {
     let tx = app.transaction().await.unwrap();
     if read_only {
         tx.batch_execute("SET TRANSACTION READ ONLY").await.unwrap();
     }
-    if let Err(e) = tx.execute("SELECT fencegate.guard($1)", &[&token]).await {
+    if let Err(e) = tx.execute(call, &[&token]).await {
         let db = e
             .as_db_error()
             .unwrap_or_else(|| panic!("{token:?}: {e:?}"));
@@ -1263,7 +1307,7 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
         assert_eq!(guard_language(&store.pg), enforce.to_string());
         let mut admin = store_admin(&store).await;
         let mut app = store.app().await;
-        let mut these = Vec::new();
+        let mut these = [Vec::new(), Vec::new()];
         for keys in [true, false] {
             if keys {
                 fencegate_postgres::install_token_keys(
@@ -1279,21 +1323,36 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
                     .unwrap();
             }
             for token in &corpus {
-                let answer = guard_answer(&mut app, token.as_deref(), false).await;
-                these.push((keys, false, token.clone(), answer));
+                let answer = guard_answer(&mut app, GUARD_CALLS[0], token.as_deref(), false).await;
+                these[0].push((keys, false, token.clone(), answer));
+                let answer = guard_answer(&mut app, GUARD_CALLS[1], token.as_deref(), false).await;
+                these[1].push((keys, false, token.clone(), answer));
             }
             // A read-only transaction: refused where the token is, else where the fence row
             // would be locked (`SELECT ... FOR SHARE`), as PostgreSQL refuses it.
             for token in corpus.iter().take(FIXED_TOKENS) {
-                let answer = guard_answer(&mut app, token.as_deref(), true).await;
-                these.push((keys, true, token.clone(), answer));
+                for (call, these) in GUARD_CALLS.iter().zip(these.iter_mut()) {
+                    let answer = guard_answer(&mut app, call, token.as_deref(), true).await;
+                    these.push((keys, true, token.clone(), answer));
+                }
             }
         }
-        answers.push(these);
+        answers.extend(these);
     }
-    let (c, plpgsql) = (&answers[0], &answers[1]);
-    for (c, plpgsql) in c.iter().zip(plpgsql) {
-        assert_eq!(c, plpgsql, "C (left) and plpgsql (right) disagree");
+    // C function, C procedure, plpgsql function, plpgsql procedure: one answer each time.
+    let c = &answers[0];
+    for (other, name) in answers[1..].iter().zip([
+        "the C procedure",
+        "the plpgsql function",
+        "the plpgsql procedure",
+    ]) {
+        for (c, other) in c.iter().zip(other) {
+            assert_eq!(
+                c, other,
+                "the C function (left) and {name} (right) disagree"
+            );
+        }
+        assert_eq!(c.len(), other.len());
     }
     // The corpus reaches every answer, so agreeing is not agreeing on one refusal.
     let seen = |want: &str| {

@@ -130,9 +130,9 @@ impl Workload {
     }
 }
 
-/// How many times the server ran `fencegate.guard` (both signatures) so far, once every other
-/// session ended (a backend reports its function counts when it exits; `track_functions` is
-/// `all`).
+/// How many times the server ran the guard (`fencegate.guard_proc`, which the gateway calls, and
+/// `fencegate.guard`, both signatures) so far, once every other session ended (a backend
+/// reports its function counts when it exits; `track_functions` is `all`).
 fn guard_calls(pg: &Postgres) -> anyhow::Result<u64> {
     let others = "SELECT count(*) FROM pg_stat_activity \
                   WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
@@ -144,7 +144,7 @@ fn guard_calls(pg: &Postgres) -> anyhow::Result<u64> {
     }
     let calls = pg.psql(
         "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions \
-         WHERE schemaname = 'fencegate' AND funcname = 'guard'",
+         WHERE schemaname = 'fencegate' AND funcname IN ('guard', 'guard_proc')",
     )?;
     calls
         .parse()
@@ -506,7 +506,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         )
     };
     let guard_note = format!(
-        "Guards per fenced transaction through the gateway (`fencegate.guard` calls counted by the server, `track_functions = all`, over transactions completed): {}.",
+        "Guards per fenced transaction through the gateway (`fencegate.guard_proc` and `fencegate.guard` calls counted by the server, `track_functions = all`, over transactions completed): {}.",
         cases
             .iter()
             .zip(&guards)

@@ -1,12 +1,12 @@
--- fencegate.enforce() and fencegate.guard(text) in C (filters/postgres/ext), the optional
--- accelerators of fence.sql's plpgsql versions: the same contract at a fraction of their cost
--- per transaction (docs/BENCHMARKS.md). Installed by `fencegate postgres install --enforce c`
+-- fencegate.enforce(), fencegate.guard(text) and fencegate.guard_proc(text) in C
+-- (filters/postgres/ext), the optional accelerators of fence.sql's plpgsql versions: the same
+-- contract at a fraction of their cost per transaction (docs/BENCHMARKS.md). Installed by `fencegate postgres install --enforce c`
 -- after fence.sql, in the same transaction; needs a superuser (LANGUAGE C) and the library
 -- `fencegate_enforce` in the server's dynamic_library_path ($libdir: `make -C
 -- filters/postgres/ext install`). CREATE OR REPLACE keeps each function's owner, its grants and
--- the triggers that call it; it drops the guard's SET clauses, so the install sets its
--- lock_timeout afterwards (the C guard needs no search_path: it names every relation and
--- function by schema).
+-- the triggers that call it; it drops the guard's SET clauses (the C guard needs no
+-- search_path: it names every relation and function by schema; the install puts the
+-- lock_timeout on fencegate.take_fence, where the C guard's waits happen).
 CREATE OR REPLACE FUNCTION fencegate.enforce()
 RETURNS trigger
 LANGUAGE C
@@ -18,6 +18,12 @@ CREATE OR REPLACE FUNCTION fencegate.guard(p_token text)
 RETURNS void
 LANGUAGE C
 VOLATILE
+SECURITY DEFINER
+AS 'fencegate_enforce', 'fencegate_guard';
+
+-- The same C guard as the procedure the gateway CALLs.
+CREATE OR REPLACE PROCEDURE fencegate.guard_proc(p_token text)
+LANGUAGE C
 SECURITY DEFINER
 AS 'fencegate_enforce', 'fencegate_guard';
 

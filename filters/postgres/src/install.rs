@@ -65,15 +65,30 @@ pub async fn install_with(
     let installed = installed_enforce(&tx).await?;
     let enforce = options.enforce.or(installed).unwrap_or_default();
     tx.batch_execute(FENCE_SQL).await?;
-    // Before the lock_timeout: the C guard's CREATE OR REPLACE drops the SET clauses.
+    // Before the lock_timeout: the C functions' CREATE OR REPLACE drops SET clauses.
     match enforce {
         Enforce::C => install_c(&tx, options.enforce.is_none()).await?,
         Enforce::Plpgsql => drop_c_write_lock(&tx).await?,
     }
     let millis = options.lock_timeout.as_millis().max(1);
-    for signature in ["fencegate.guard(text)", "fencegate.guard(text, bigint)"] {
+    // On the routines that wait for a fence row or lock: fence.sql's guard_proc (its guard(text)
+    // calls it), or with C, take_fence. The C guard never waits itself (its common case skips a
+    // fence being written) and hands everything else to take_fence, so its common case skips a
+    // SET clause's save and restore of the settings (about 8k instructions per transaction).
+    // fence.sql's CREATE OR REPLACE clears take_fence's clause again on every install.
+    let waiting: [&str; 2] = match enforce {
+        Enforce::Plpgsql => [
+            "fencegate.guard_proc(text)",
+            "fencegate.guard(text, bigint)",
+        ],
+        Enforce::C => [
+            "fencegate.take_fence(text, bigint)",
+            "fencegate.guard(text, bigint)",
+        ],
+    };
+    for signature in waiting {
         tx.batch_execute(&format!(
-            "ALTER FUNCTION {signature} SET lock_timeout = '{millis}ms'"
+            "ALTER ROUTINE {signature} SET lock_timeout = '{millis}ms'"
         ))
         .await?;
     }

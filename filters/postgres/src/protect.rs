@@ -94,19 +94,21 @@ async fn event_trigger(client: &Client) -> Result<Result<(), String>, PostgresEr
     Ok(Ok(()))
 }
 
-/// FG007's text: the fence schema is not installed in this database.
+/// FG007's text: the fence schema is not installed in this database (or predates the guard the
+/// gateway calls).
 pub fn missing_schema_message(database: &str) -> String {
     format!(
-        "fencegate: the fence schema is not installed in database {database}: run \
-         `fencegate postgres install --dsn ...` against it"
+        "fencegate: the fence schema is not installed in database {database}, or is older than \
+         this gateway (no fencegate.guard_proc): run `fencegate postgres install --dsn ...` against it"
     )
 }
 
-/// Errors with FG007's message when `fencegate.guard(text)` is missing.
+/// Errors with FG007's message when `fencegate.guard_proc(text)` (what the gateway calls) is
+/// missing.
 pub(crate) async fn require_schema(client: &Client) -> Result<(), PostgresError> {
     let row = client
         .query_one(
-            "SELECT to_regprocedure('fencegate.guard(text)') IS NOT NULL, current_database()::text",
+            "SELECT to_regprocedure('fencegate.guard_proc(text)') IS NOT NULL, current_database()::text",
             &[],
         )
         .await?;

@@ -1,9 +1,10 @@
 //! PURE: a classified statement plus the session's token state in, the messages to send out.
 //!
-//! - Simple protocol: the guard `SELECT fencegate.guard('<resource>', <revision>);` is spliced
-//!   into the client's Query text right before each write, so guard and write run in one
-//!   Query message (one implicit transaction, or inside the client's explicit one). Reads are
-//!   relayed byte-for-byte.
+//! - Simple protocol: the guard `CALL fencegate.guard_proc('<token>');` is spliced into the
+//!   client's Query text right before each write, so guard and write run in one Query message
+//!   (one implicit transaction, or inside the client's explicit one). Reads are relayed
+//!   byte-for-byte. A `CALL` of the procedure, not a `SELECT` of `fencegate.guard(text)`: the
+//!   server skips planning and starting an executor for it.
 //! - Extended protocol: before the client's `Bind` of a write, the gateway sends the guard as
 //!   `Parse`/`Bind`/`Execute`/`Close` in the same pipeline, before the client's `Sync`.
 //! - Gateway-side refusals (missing, malformed, forged token) either never reach the server
@@ -210,23 +211,24 @@ pub fn plan_query(
 /// (signature, resource, fence), so it gets the token as issued, signature included.
 pub fn guard_sql(token: &Token) -> String {
     format!(
-        "SELECT fencegate.guard({});",
+        "CALL fencegate.guard_proc({});",
         quote_literal(&token.to_string())
     )
 }
 
-/// The guard as extended-protocol messages (the token as issued, as in [`guard_sql`]): Close portal, Close statement, Parse, Bind,
-/// Execute. The server answers CloseComplete, CloseComplete, ParseComplete, BindComplete,
-/// DataRow, CommandComplete.
+/// The guard as extended-protocol messages (the token as issued, as in [`guard_sql`]): Close
+/// portal, Close statement, Parse, Bind, Execute. The server answers CloseComplete,
+/// CloseComplete, ParseComplete, BindComplete, CommandComplete.
 pub fn guard_messages(token: &Token) -> Bytes {
     call_messages(
         GUARD_NAME,
-        "SELECT fencegate.guard($1::text)",
+        "CALL fencegate.guard_proc($1::text)",
         &[&token.to_string()],
     )
 }
 
-/// A refusal raised through the server in the extended protocol (same five messages).
+/// A refusal raised through the server in the extended protocol (the same five messages; a
+/// `SELECT`, so its Execute is answered with a DataRow before CommandComplete).
 pub fn refusal_messages(rejection: &Rejection) -> Bytes {
     call_messages(
         REFUSE_NAME,
@@ -354,7 +356,7 @@ mod tests {
         assert_eq!(
             plan,
             QueryPlan::Rewrite {
-                sql: "SELECT fencegate.guard(E'fg1~7~job');INSERT INTO t VALUES (1)".into(),
+                sql: "CALL fencegate.guard_proc(E'fg1~7~job');INSERT INTO t VALUES (1)".into(),
                 parts: vec![Part::Guard(token(7)), Part::Client],
             }
         );
@@ -375,7 +377,7 @@ mod tests {
         };
         assert_eq!(
             out,
-            "BEGIN;SELECT fencegate.guard(E'fg1~9~job'); INSERT INTO t VALUES (1) /* fencing_token='fg1~9~job' */;SELECT fencegate.guard(E'fg1~7~job'); INSERT INTO t VALUES (2); COMMIT;SELECT fencegate.guard(E'fg1~7~job'); DELETE FROM t"
+            "BEGIN;CALL fencegate.guard_proc(E'fg1~9~job'); INSERT INTO t VALUES (1) /* fencing_token='fg1~9~job' */;CALL fencegate.guard_proc(E'fg1~7~job'); INSERT INTO t VALUES (2); COMMIT;CALL fencegate.guard_proc(E'fg1~7~job'); DELETE FROM t"
         );
         assert_eq!(
             parts,
