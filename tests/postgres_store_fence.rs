@@ -586,6 +586,44 @@ async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error(enf
         .unwrap();
 }
 
+/// A schema installed by an older fencegate (no `fencegate.guard_proc`, which this gateway
+/// calls) answers FG007 naming the install command, and nothing is written; after `install`
+/// the same write goes through.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_older_fence_schema_is_fg007_until_installed_again() {
+    let pg = PgServer::start();
+    let (c, out, err) = install_enforce(&pg.dsn("postgres"), "plpgsql");
+    assert_eq!(c, 0, "{out}{err}");
+    pg.psql_as(
+        "postgres",
+        "CREATE TABLE t (a int); DROP PROCEDURE fencegate.guard_proc(text)",
+    );
+    let gw = support::postgres_server::PgGateway::start_on(pg, "", &[]);
+    let dsn = format!(
+        "{} options='-c fencegate.token=fg1~5~job'",
+        gw.dsn("postgres")
+    );
+    let c = connect(&dsn).await;
+    let e = c
+        .simple_query("INSERT INTO t VALUES (1)")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    let text = format!("{e:?}");
+    assert!(text.contains("older than this gateway"), "{text}");
+    assert!(text.contains("fencegate postgres install"), "{text}");
+    let e = c
+        .execute("INSERT INTO t VALUES (2)", &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG007", "{e:?}");
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM t"), "0");
+    let (code_, out, err) = install_enforce(&gw.pg.dsn("postgres"), "plpgsql");
+    assert_eq!(code_, 0, "{out}{err}");
+    c.simple_query("INSERT INTO t VALUES (3)").await.unwrap();
+    assert_eq!(gw.pg.psql_as("postgres", "SELECT a FROM t"), "3");
+}
+
 /// A database without the fence schema answers FG007 naming the install command.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
