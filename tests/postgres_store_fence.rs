@@ -9,7 +9,9 @@ mod support;
 
 use fencegate_postgres::Enforce;
 use fencegate_testkit::enforce_library::enforce_library_conf;
-use support::postgres_server::{cli, code, connect, function_language, install_enforce, PgServer};
+use support::postgres_server::{
+    cli, code, connect, function_language, install_enforce, PgGateway, PgServer,
+};
 use tokio_postgres::Client;
 
 const APP: &str = "app_user";
@@ -586,19 +588,9 @@ async fn a_raise_behind_an_open_transaction_times_out_with_a_retryable_error(enf
         .unwrap();
 }
 
-/// A schema installed by an older fencegate (no `fencegate.guard_proc`, which this gateway
-/// calls) answers FG007 naming the install command, and nothing is written; after `install`
-/// the same write goes through.
-#[tokio::test(flavor = "multi_thread")]
-async fn an_older_fence_schema_is_fg007_until_installed_again() {
-    let pg = PgServer::start();
-    let (c, out, err) = install_enforce(&pg.dsn("postgres"), "plpgsql");
-    assert_eq!(c, 0, "{out}{err}");
-    pg.psql_as(
-        "postgres",
-        "CREATE TABLE t (a int); DROP PROCEDURE fencegate.guard_proc(text)",
-    );
-    let gw = support::postgres_server::PgGateway::start_on(pg, "", &[]);
+/// Through a gateway on `gw` with a session token: a simple-protocol and an extended-protocol
+/// write to table `t` both answer FG007 naming the install command, and nothing is written.
+async fn writes_are_fg007_naming_the_install(gw: &PgGateway) -> Client {
     let dsn = format!(
         "{} options='-c fencegate.token=fg1~5~job'",
         gw.dsn("postgres")
@@ -610,14 +602,31 @@ async fn an_older_fence_schema_is_fg007_until_installed_again() {
         .unwrap_err();
     assert_eq!(code(&e), "FG007", "{e:?}");
     let text = format!("{e:?}");
-    assert!(text.contains("older than this gateway"), "{text}");
     assert!(text.contains("fencegate postgres install"), "{text}");
+    assert!(text.contains("older than this gateway"), "{text}");
     let e = c
         .execute("INSERT INTO t VALUES (2)", &[])
         .await
         .unwrap_err();
     assert_eq!(code(&e), "FG007", "{e:?}");
     assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM t"), "0");
+    c
+}
+
+/// A schema installed by an older fencegate (no `fencegate.guard_proc`, which this gateway
+/// calls) answers FG007 naming the install command, and nothing is written; after `install`
+/// the same connection's write goes through.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_older_fence_schema_is_fg007_until_installed_again() {
+    let pg = PgServer::start();
+    let (c, out, err) = install_enforce(&pg.dsn("postgres"), "plpgsql");
+    assert_eq!(c, 0, "{out}{err}");
+    pg.psql_as(
+        "postgres",
+        "CREATE TABLE t (a int); DROP PROCEDURE fencegate.guard_proc(text)",
+    );
+    let gw = PgGateway::start_on(pg, "", &[]);
+    let c = writes_are_fg007_naming_the_install(&gw).await;
     let (code_, out, err) = install_enforce(&gw.pg.dsn("postgres"), "plpgsql");
     assert_eq!(code_, 0, "{out}{err}");
     c.simple_query("INSERT INTO t VALUES (3)").await.unwrap();
@@ -629,30 +638,8 @@ async fn an_older_fence_schema_is_fg007_until_installed_again() {
 async fn a_missing_fence_schema_is_fg007_through_the_gateway() {
     let pg = PgServer::start();
     pg.psql_as("postgres", "CREATE TABLE t (a int)");
-    let gw = support::postgres_server::PgGateway::start_on(pg, "", &[]);
-    let dsn = format!(
-        "{} options='-c fencegate.token=fg1~5~job'",
-        gw.dsn("postgres")
-    );
-    let c = connect(&dsn).await;
-    let e = c
-        .simple_query("INSERT INTO t VALUES (1)")
-        .await
-        .unwrap_err();
-    assert_eq!(code(&e), "FG007", "{e:?}");
-    assert!(format!("{e:?}").contains("fencegate postgres install"));
-    let e = c
-        .execute("INSERT INTO t VALUES (1)", &[])
-        .await
-        .unwrap_err();
-    assert_eq!(code(&e), "FG007", "{e:?}");
-    let n: i64 = connect(&gw.pg.dsn("postgres"))
-        .await
-        .query_one("SELECT count(*) FROM t", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(n, 0);
+    let gw = PgGateway::start_on(pg, "", &[]);
+    writes_are_fg007_naming_the_install(&gw).await;
 }
 
 /// Key id 0 is an operator's own key (authority.token_key_env or token_key_file): the store
