@@ -1441,6 +1441,60 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
     assert_eq!(store.items().await, INITIAL, "every write was rolled back");
 }
 
+/// On a hot standby every transaction is read-only: the guard refuses a well-formed token,
+/// current, higher or lower, as PostgreSQL refuses `SELECT ... FOR SHARE` there (25006), after
+/// judging the token itself (malformed FG003, forged FG004), whichever way it is called; a write
+/// with a forged pass is refused too, and the standby's fence stays the primary's.
+async fn the_guard_refuses_on_a_hot_standby(enforce: Enforce) {
+    let store = Store::start(enforce).await;
+    let t5 = store.token(5).await;
+    store
+        .app()
+        .await
+        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
+        .await
+        .unwrap();
+    let standby = store.pg.standby();
+    store.pg.wait_replayed(&standby);
+    let forged = store.sign(KID, b"not the secret", 5, "job").await;
+    let mut tokens = Vec::new();
+    for revision in [5, 6, 4] {
+        tokens.push((store.token(revision).await, "25006"));
+    }
+    tokens.push(("fg1~5".to_owned(), "FG003"));
+    tokens.push((forged, "FG004"));
+    let app = connect(&standby.dsn(APP)).await;
+    for call in GUARD_CALLS {
+        for (token, want) in &tokens {
+            let e = app.execute(call, &[token]).await.unwrap_err();
+            assert_eq!(code(&e), *want, "{call} {token}: {e:?}");
+            if *want == "25006" {
+                let message = e.as_db_error().unwrap().message();
+                assert_eq!(
+                    message, "cannot execute SELECT FOR SHARE in a read-only transaction",
+                    "{call} {token}"
+                );
+            }
+        }
+    }
+    let e = app
+        .batch_execute(&format!(
+            "BEGIN; SELECT set_config('fencegate.pass', '5:job:{}', true); \
+             INSERT INTO app.items VALUES (9, 9); COMMIT",
+            "a".repeat(64)
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "25006", "{e:?}");
+    assert_eq!(
+        standby.psql_as(
+            "postgres",
+            "SELECT revision FROM fencegate.fences WHERE resource = 'job'"
+        ),
+        "5"
+    );
+}
+
 /// Runs each case above as `plpgsql::<case>` and `c::<case>`.
 macro_rules! with_each_enforce {
     ($($case:ident),* $(,)?) => {
@@ -1476,4 +1530,5 @@ with_each_enforce!(
     a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_holder,
     a_forged_pass_is_refused_without_waiting_for_the_fence_row,
     forged_passes_of_any_length_and_content_are_refused,
+    the_guard_refuses_on_a_hot_standby,
 );

@@ -120,6 +120,7 @@ impl PgServer {
              host all {MD5_USER} 127.0.0.1/32 md5\n\
              host all {CLEARTEXT_USER} 127.0.0.1/32 password\n\
              host all all 127.0.0.1/32 trust\n\
+             host replication postgres 127.0.0.1/32 trust\n\
              local all all trust\n"
         );
         std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
@@ -205,6 +206,74 @@ impl PgServer {
             "pg_ctl start",
         );
         self.wait_ready(Duration::from_secs(30));
+    }
+
+    /// A hot standby of this server: `pg_basebackup -R` (streaming from this one, same
+    /// configuration and library path), started on a port of its own. Waits until it accepts
+    /// connections; see [`PgServer::wait_replayed`] for its data.
+    pub fn standby(&self) -> PgServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        let sockdir = dir.path().join("sock");
+        std::fs::create_dir(&sockdir).unwrap();
+        if is_root() {
+            check(
+                Command::new("chown")
+                    .args(["-R", "postgres:postgres"])
+                    .arg(dir.path())
+                    .output(),
+                "chown the standby's temp dir to postgres",
+            );
+        }
+        check(
+            as_postgres(&self.bin.join("pg_basebackup"))
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-U",
+                    "postgres",
+                ])
+                .arg("-D")
+                .arg(&data)
+                .args(["-R", "-X", "stream", "--no-sync"])
+                .output(),
+            "pg_basebackup",
+        );
+        let port = free_port();
+        let options = format!(
+            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
+            sockdir.display()
+        );
+        let standby = Self {
+            port,
+            bin: self.bin.clone(),
+            data,
+            options,
+            dir,
+        };
+        standby.pg_ctl_start();
+        standby
+    }
+
+    /// Waits (bounded) until `standby` has replayed everything this server has written so far.
+    pub fn wait_replayed(&self, standby: &PgServer) {
+        let lsn = self.psql_as("postgres", "SELECT pg_current_wal_lsn()");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while standby.psql_as(
+            "postgres",
+            &format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn"),
+        ) != "t"
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the standby on port {} did not replay up to {lsn} within 30 s:\n{}",
+                standby.port,
+                standby.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Stops the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, sessions
