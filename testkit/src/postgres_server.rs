@@ -64,6 +64,33 @@ fn check(output: std::io::Result<Output>, what: &str) -> Output {
     output
 }
 
+/// A server's temp dir, owned by `postgres` (the server refuses to run as root), with an empty
+/// `sock` directory for its Unix socket (returned).
+fn server_dir() -> (TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sockdir = dir.path().join("sock");
+    std::fs::create_dir(&sockdir).unwrap();
+    if is_root() {
+        check(
+            Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path())
+                .output(),
+            "chown the temp dir to postgres",
+        );
+    }
+    (dir, sockdir)
+}
+
+/// The server's command-line settings: loopback only, its socket in `sockdir`, commit
+/// timestamps (tests/postgres_race.rs), no fsync.
+fn server_options(port: u16, sockdir: &Path) -> String {
+    format!(
+        "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
+        sockdir.display()
+    )
+}
+
 /// A running PostgreSQL server.
 pub struct PgServer {
     /// Where it listens (127.0.0.1).
@@ -96,16 +123,7 @@ impl PgServer {
 
     fn start_with(tls: Option<(&str, &str)>, conf: &str) -> Self {
         let bin = bin_dir();
-        let dir = tempfile::tempdir().expect("temp dir");
-        if is_root() {
-            check(
-                Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
-                    .output(),
-                "chown the temp dir to postgres",
-            );
-        }
+        let (dir, sockdir) = server_dir();
         let data = dir.path().join("data");
         check(
             as_postgres(&bin.join("initdb"))
@@ -135,21 +153,7 @@ impl PgServer {
             writeln!(file, "{conf}").unwrap();
         }
         let port = free_port();
-        let sockdir = dir.path().join("sock");
-        std::fs::create_dir(&sockdir).unwrap();
-        if is_root() {
-            check(
-                Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
-                    .output(),
-                "chown the socket dir",
-            );
-        }
-        let mut options = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
-            sockdir.display()
-        );
+        let mut options = server_options(port, &sockdir);
         if let Some((cert, key)) = tls {
             use std::os::unix::fs::PermissionsExt;
             // The server refuses a key readable by others; both files belong to `postgres`.
@@ -212,19 +216,8 @@ impl PgServer {
     /// configuration and library path), started on a port of its own. Waits until it accepts
     /// connections; see [`PgServer::wait_replayed`] for its data.
     pub fn standby(&self) -> PgServer {
-        let dir = tempfile::tempdir().expect("temp dir");
+        let (dir, sockdir) = server_dir();
         let data = dir.path().join("data");
-        let sockdir = dir.path().join("sock");
-        std::fs::create_dir(&sockdir).unwrap();
-        if is_root() {
-            check(
-                Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
-                    .output(),
-                "chown the standby's temp dir to postgres",
-            );
-        }
         check(
             as_postgres(&self.bin.join("pg_basebackup"))
                 .args([
@@ -242,15 +235,11 @@ impl PgServer {
             "pg_basebackup",
         );
         let port = free_port();
-        let options = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1 -c track_commit_timestamp=on -c fsync=off -c max_connections=100",
-            sockdir.display()
-        );
         let standby = Self {
             port,
             bin: self.bin.clone(),
             data,
-            options,
+            options: server_options(port, &sockdir),
             dir,
         };
         standby.pg_ctl_start();
