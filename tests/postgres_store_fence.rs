@@ -132,6 +132,15 @@ impl Store {
 
 const INITIAL: [(i32, i32); 2] = [(1, 1), (2, 2)];
 
+/// The server process of `client`'s session (for pg_locks and pg_stat_activity).
+async fn backend_pid(client: &Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 async fn tokenless_writes_are_refused_by_the_store_whatever_their_path(enforce: Enforce) {
     use futures_util::SinkExt;
     let store = Store::start(enforce).await;
@@ -726,11 +735,7 @@ async fn a_pass_restored_after_a_savepoint_rollback_cannot_write_past_a_newer_ho
         old.query_one("SELECT set_config('fencegate.pass', $1, true)", &[&pass])
             .await
             .unwrap();
-        let old_pid: i32 = old
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
+        let old_pid = backend_pid(&old).await;
         // The newer holder raises the fence (not blocked: the savepoint's lock is gone) and writes.
         new.batch_execute(&format!(
             "BEGIN; SELECT fencegate.guard('{t11}'); INSERT INTO app.items VALUES (101, 11)"
@@ -1084,11 +1089,7 @@ async fn every_writer_of_a_fence_row_waits_for_the_c_guards_holders() {
         ))
         .await
         .unwrap();
-    let pid: i32 = holder
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let pid = backend_pid(&holder).await;
     let locks: Vec<(String, String, bool)> = store
         .admin
         .query(

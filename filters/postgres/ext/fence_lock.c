@@ -5,7 +5,7 @@
  * for them. A row lock writes: the first locker of a transaction dirties the row's page and logs
  * it, and a second concurrent locker turns the row's xmax into a MultiXact, which every later
  * locker expands and every lock check reads. With eight writers of one resource that was about
- * 15 % of the store's throughput (docs/BENCHMARKS.md). The C guard and enforce() take instead a
+ * 13 % of the store's throughput (docs/BENCHMARKS.md). The C guard and enforce() take instead a
  * ShareLock on an object lock of the lock manager, named by fencegate.fences' OID and a hash of
  * the resource: shared memory only, and a backend that already holds it finds it in its own
  * table. The rule that makes it a fence:

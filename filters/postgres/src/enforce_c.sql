@@ -1,12 +1,13 @@
 -- fencegate.enforce(), fencegate.guard(text) and fencegate.guard_proc(text) in C
 -- (filters/postgres/ext), the optional accelerators of fence.sql's plpgsql versions: the same
--- contract at a fraction of their cost per transaction (docs/BENCHMARKS.md). Installed by `fencegate postgres install --enforce c`
--- after fence.sql, in the same transaction; needs a superuser (LANGUAGE C) and the library
--- `fencegate_enforce` in the server's dynamic_library_path ($libdir: `make -C
--- filters/postgres/ext install`). CREATE OR REPLACE keeps each function's owner, its grants and
--- the triggers that call it; it drops the guard's SET clauses (the C guard needs no
--- search_path: it names every relation and function by schema; the install puts the
--- lock_timeout on fencegate.take_fence, where the C guard's waits happen).
+-- contract at a fraction of their cost per transaction (docs/BENCHMARKS.md). Installed by
+-- `fencegate postgres install --enforce c` after fence.sql, in the same transaction; needs a
+-- superuser (LANGUAGE C) and the library `fencegate_enforce` in the server's
+-- dynamic_library_path ($libdir: `make -C filters/postgres/ext install`). CREATE OR REPLACE
+-- keeps each function's owner, its grants and the triggers that call it; it drops the guard's
+-- SET clauses (the C guard needs no search_path: it names every relation and function by
+-- schema; the install puts the lock_timeout on fencegate.take_fence, where the C guard's waits
+-- happen).
 CREATE OR REPLACE FUNCTION fencegate.enforce()
 RETURNS trigger
 LANGUAGE C
@@ -31,7 +32,8 @@ AS 'fencegate_enforce', 'fencegate_guard';
 -- hold a resource's fence lock instead of its row, so every UPDATE or DELETE of a fence row
 -- (a raise, an operator's reset, a hand-written statement) takes it exclusively first. Created
 -- only when missing (CREATE TRIGGER locks the table against raises in progress); enabled again
--- if disabled or set to fire for replication sessions only. `install --enforce plpgsql` drops both (install.rs).
+-- if disabled or set to fire for replication sessions only. `install --enforce plpgsql` drops
+-- both (install.rs).
 CREATE OR REPLACE FUNCTION fencegate.fence_write_lock()
 RETURNS trigger
 LANGUAGE C

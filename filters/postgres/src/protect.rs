@@ -5,6 +5,7 @@
 use tokio_postgres::Client;
 
 use crate::error::PostgresError;
+use crate::sqlstate;
 
 /// What to protect.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,15 +95,6 @@ async fn event_trigger(client: &Client) -> Result<Result<(), String>, PostgresEr
     Ok(Ok(()))
 }
 
-/// FG007's text: the fence schema is not installed in this database (or predates the guard the
-/// gateway calls).
-pub fn missing_schema_message(database: &str) -> String {
-    format!(
-        "fencegate: the fence schema is not installed in database {database}, or is older than \
-         this gateway (no fencegate.guard_proc): run `fencegate postgres install --dsn ...` against it"
-    )
-}
-
 /// Errors with FG007's message when `fencegate.guard_proc(text)` (what the gateway calls) is
 /// missing.
 pub(crate) async fn require_schema(client: &Client) -> Result<(), PostgresError> {
@@ -115,6 +107,9 @@ pub(crate) async fn require_schema(client: &Client) -> Result<(), PostgresError>
     if row.get::<_, bool>(0) {
         Ok(())
     } else {
-        Err(PostgresError::Config(missing_schema_message(row.get(1))))
+        let database: String = row.get(1);
+        Err(PostgresError::Config(sqlstate::not_installed_message(
+            &format!("database {database}"),
+        )))
     }
 }

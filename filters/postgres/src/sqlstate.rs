@@ -9,7 +9,7 @@
 //! | `FG004` | forged or unsigned token (signature does not verify)        | the gateway |
 //! | `FG005` | token for another resource than the database's              | the gateway |
 //! | `FG006` | cannot be fenced: fast-path calls, writes to `fencegate.*`  | the gateway |
-//! | `FG007` | the fence schema is not installed in this database          | the gateway |
+//! | `FG007` | the fence schema is not installed here (or is too old)     | the gateway |
 //!
 //! The store raises FG001-FG005 itself too: `fencegate.guard(token)` (FG001, FG003, FG004) and
 //! the triggers on protected tables (FG002 no pass, FG001, FG005 table bound to another resource).
@@ -31,8 +31,17 @@ pub const FORGED: &str = "FG004";
 pub const OUT_OF_SCOPE: &str = "FG005";
 /// A write that cannot run under the fence.
 pub const UNSUPPORTED: &str = "FG006";
-/// The fence schema (`fencegate.guard`) is missing: run `fencegate postgres install`.
+/// The fence schema (`fencegate.guard_proc`) is missing: run `fencegate postgres install`.
 pub const NOT_INSTALLED: &str = "FG007";
+
+/// FG007's text, naming `database` ("this database", or "database <name>"): the fence schema is
+/// missing there, or predates the guard the gateway calls.
+pub fn not_installed_message(database: &str) -> String {
+    format!(
+        "fencegate: the fence schema is not installed in {database}, or is older than this \
+         gateway (no fencegate.guard_proc): run `fencegate postgres install --dsn ...` against it"
+    )
+}
 /// PostgreSQL's `protocol_violation`.
 pub const PROTOCOL_VIOLATION: &str = "08P01";
 /// PostgreSQL's own `admin_shutdown`: the gateway is draining and closes an idle session.

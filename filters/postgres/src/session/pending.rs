@@ -363,11 +363,10 @@ pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
                 outcome.replace = Some(message::error_response(&ErrorFields {
                     severity: "ERROR",
                     code: sqlstate::NOT_INSTALLED.to_owned(),
-                    message:
-                        "fencegate: the fence schema is not installed in this database, or is \
-                              older than this gateway (no fencegate.guard_proc): run `fencegate \
-                              postgres install --dsn ...` against it; nothing was written"
-                            .to_owned(),
+                    message: format!(
+                        "{}; nothing was written",
+                        sqlstate::not_installed_message("this database")
+                    ),
                     detail: None,
                 }));
             }
