@@ -8,6 +8,7 @@ mod redis {
     mod fencing;
     mod flood;
     mod health;
+    mod module;
     mod protocol;
     mod tls;
 }

@@ -11,6 +11,7 @@ pub mod fencegate_bin;
 pub mod port;
 pub mod postgres_server;
 pub mod redis_client;
+pub mod redis_module;
 pub mod redis_server;
 pub mod s3_server;
 pub mod tmpfs;

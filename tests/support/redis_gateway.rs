@@ -32,7 +32,17 @@ impl RedisGateway {
 
     /// Like [`RedisGateway::start`], with the node's `options`.
     pub fn start_with(options: &NodeOptions, extra: &str, env: &[(&str, &str)]) -> Self {
-        let redis = RedisServer::start();
+        Self::start_on(RedisServer::start(), options, extra, env)
+    }
+
+    /// Like [`RedisGateway::start_with`], in front of `redis` (one with fencegate's module
+    /// loaded, say).
+    pub fn start_on(
+        redis: RedisServer,
+        options: &NodeOptions,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let every_key = if extra.contains("protect") {
             ""
         } else {

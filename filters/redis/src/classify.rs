@@ -89,6 +89,11 @@ pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> C
             "{name} of a fencegate_* function: the fence function is called only by the gateway"
         ));
     }
+    if info.name.starts_with("fencegate.") {
+        return refuse(format!(
+            "{name}: fencegate's module commands are called only by the gateway"
+        ));
+    }
     if !enforcing {
         return Class::Pass;
     }
@@ -255,6 +260,10 @@ mod tests {
             "DEL fencegate:fence:{x}",
             "BLPOP q 0",
             "FUNCTION LOAD REPLACE code",
+            // A module's write whose keys only its own code knows.
+            "MYMODULE.WRITE 1 k",
+            // fencegate's own module commands (in the table when the module is loaded).
+            "FENCEGATE.FENCE 2 fencegate:fence:{r} k r 99 2 SET k v",
         ] {
             assert!(
                 matches!(class(&c, refused), Class::Refuse { .. }),

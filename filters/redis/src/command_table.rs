@@ -41,6 +41,9 @@ pub struct CommandInfo {
     pub container: bool,
     /// May run on an upstream connection other sessions share ([`crate::sharing`]).
     pub shareable: bool,
+    /// A module's command flagged `movablekeys`: Redis asks the module's own code where the keys
+    /// are (`getkeys-api`), so its key specs (often none) do not say; the keys are unknown.
+    pub keys_by_procedure: bool,
     /// Where the keys are.
     pub key_specs: Vec<KeySpec>,
 }
@@ -207,6 +210,8 @@ fn add_entry(commands: &mut Commands, entry: &Frame) -> Result<(), RedisError> {
         keyspace: categories.iter().any(|c| c == "@keyspace"),
         container: !subcommands.is_empty(),
         shareable: sharing::shareable(&name, &flags, &categories, !subcommands.is_empty()),
+        keys_by_procedure: flags.iter().any(|f| f == "module")
+            && flags.iter().any(|f| f == "movablekeys"),
         key_specs,
     };
     commands.insert(name, info);
@@ -355,7 +360,7 @@ impl CommandInfo {
 
     /// The keys `args` name, following Redis's key-spec rules.
     pub fn keys<'a>(&self, args: &'a [Bytes]) -> Result<Vec<&'a Bytes>, KeyError> {
-        if self.keyword_is_ambiguous(args) {
+        if self.keys_by_procedure || self.keyword_is_ambiguous(args) {
             return Err(KeyError::Unknown);
         }
         let mut keys = Vec::new();
@@ -797,6 +802,23 @@ pub(crate) mod tests {
                 vec![keynum(2)],
                 vec![],
             ),
+            // A module command whose keys its own code finds (`getkeys-api`): no key specs.
+            entry(
+                "mymodule.write",
+                -2,
+                &["write", "module", "movablekeys"],
+                &["@write"],
+                vec![],
+                vec![],
+            ),
+            entry(
+                "fencegate.fence",
+                -7,
+                &["write", "denyoom", "module", "movablekeys"],
+                &["@write"],
+                vec![],
+                vec![],
+            ),
             entry(
                 "subscribe",
                 -2,
@@ -854,6 +876,8 @@ pub(crate) mod tests {
         assert_eq!(keys(&t, "EVAL body 0").unwrap(), Vec::<String>::new());
         assert_eq!(keys(&t, "OBJECT ENCODING k").unwrap(), ["k"]);
         assert_eq!(keys(&t, "SORT k STORE dst"), Err(KeyError::Unknown));
+        // Its specs (none) would say "no keys"; only the module's code knows.
+        assert_eq!(keys(&t, "MYMODULE.WRITE 1 k"), Err(KeyError::Unknown));
         assert_eq!(keys(&t, "EVAL body x"), Err(KeyError::BadArguments));
         assert_eq!(
             keys(&t, "GEORADIUS g 0 0 1 km STORE a").unwrap(),

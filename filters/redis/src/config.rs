@@ -25,6 +25,9 @@
 //! allow_scripts = []                 # EVALSHA SHA-1s allowed while a rule enforces
 //! accept_evictable_fences = false    # enforce even under maxmemory-policy allkeys-*
 //! accept_unpersisted_fences = false  # enforce even without appendonly yes
+//! fence_module = "auto"              # fencegate's Redis module for the fence check where the
+//!                                    #   server loaded it ("auto"), never ("off"), or refuse to
+//!                                    #   start without it ("require"); see docs/REDIS_MODULE.md
 //!
 //! # Which keys are protected. The first rule whose pattern matches a key decides; keys that no
 //! # rule matches are not protected. Required: a section without rules refuses to start
@@ -147,6 +150,23 @@ pub struct RedisConfig {
     /// loses every fence and lets stale writes through.
     #[serde(default)]
     pub accept_unpersisted_fences: bool,
+    /// Whether the fence check runs in fencegate's Redis module (filters/redis/module) instead
+    /// of the Lua functions.
+    #[serde(default)]
+    pub fence_module: FenceModule,
+}
+
+/// `fence_module`: where the store runs the fence check.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FenceModule {
+    /// The module's commands when `MODULE LIST` shows it loaded, else the functions.
+    #[default]
+    Auto,
+    /// Always the functions (Lua).
+    Off,
+    /// The module's commands; the gateway does not start on a server without it.
+    Require,
 }
 
 /// One protection rule.
@@ -270,6 +290,7 @@ impl Default for RedisConfig {
             allow_scripts: Vec::new(),
             accept_evictable_fences: false,
             accept_unpersisted_fences: false,
+            fence_module: FenceModule::Auto,
         }
     }
 }

@@ -144,7 +144,7 @@ impl Gateway {
         let info = match known {
             Some(info) => info,
             None => {
-                let info = match control.learn().await {
+                let info = match control.learn(&self.config).await {
                     Ok(info) => Arc::new(info),
                     Err(e) => {
                         self.set_degraded(Some(e.to_string()));
@@ -267,7 +267,7 @@ impl Gateway {
     /// restart).
     pub async fn reload_fence(&self) -> Result<ScriptMode, RedisError> {
         let mut control = ControlConnection::open(&self.upstream, &self.config).await?;
-        let mode = control.load_fence().await?;
+        let mode = control.load_fence(&self.config).await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
         Ok(mode)
     }

@@ -37,7 +37,7 @@ mod text;
 mod tls;
 pub mod upstream;
 
-pub use config::{ProtectMode, ProtectRule, RedisConfig, Scope};
+pub use config::{FenceModule, ProtectMode, ProtectRule, RedisConfig, Scope};
 pub use error::{FrameError, RedisError};
 pub use fence_reset::reset_fence;
 pub use gateway::Gateway;

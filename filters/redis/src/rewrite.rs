@@ -29,9 +29,19 @@ pub const BATCH_LIBRARY_NAME: &str = "fencegate_batch_v1";
 /// The name of the batch fence function inside it.
 pub const BATCH_FUNCTION_NAME: &str = "fencegate_fence_batch_v1";
 
+/// The name fencegate's Redis module (filters/redis/module) has in `MODULE LIST`.
+pub const MODULE_NAME: &str = "fencegate";
+
+/// The module's oldest version whose commands take the calls built here.
+pub const MODULE_VERSION: i64 = 1;
+
 /// How the fence script is called on this upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScriptMode {
+    /// `FENCEGATE.FENCE` / `FENCEGATE.FENCE_BATCH` of fencegate's Redis module, where the
+    /// server has loaded it: the functions' checks and replies, natively (same arguments after
+    /// the name).
+    Module,
     /// `FCALL` of the loaded Redis Function (Redis 7 and later).
     Function,
     /// `EVALSHA` of the cached script with this SHA-1 (older servers).
@@ -117,7 +127,9 @@ impl<'a> FenceCall<'a> {
         let keys: usize = self.writes.iter().map(|w| w.keys.len()).sum();
         let args: usize = self.writes.iter().map(|w| w.args.len()).sum();
         let counts = if self.batch { 1 + self.writes.len() } else { 0 };
-        7 + keys + counts + args
+        // The command, numkeys, the fence key, resource, revision, protocol; a script's name.
+        let named = usize::from(!matches!(self.mode, ScriptMode::Module));
+        6 + named + keys + counts + args
     }
 
     /// Whether the call has no arguments (never: it names its script).
@@ -127,14 +139,20 @@ impl<'a> FenceCall<'a> {
 
     /// Hands each argument, in order, to `argument` as the pieces it is made of.
     pub fn each(&self, mut argument: impl FnMut(&[&[u8]])) {
-        let (command, script): (&[u8], &[u8]) = match (self.mode, self.batch) {
-            (ScriptMode::Function, false) => (b"FCALL", FUNCTION_NAME.as_bytes()),
-            (ScriptMode::Function, true) => (b"FCALL", BATCH_FUNCTION_NAME.as_bytes()),
-            (ScriptMode::Script { sha, .. }, false) => (b"EVALSHA", sha.as_bytes()),
-            (ScriptMode::Script { batch_sha, .. }, true) => (b"EVALSHA", batch_sha.as_bytes()),
+        let (command, script): (&[u8], Option<&[u8]>) = match (self.mode, self.batch) {
+            (ScriptMode::Module, false) => (b"FENCEGATE.FENCE", None),
+            (ScriptMode::Module, true) => (b"FENCEGATE.FENCE_BATCH", None),
+            (ScriptMode::Function, false) => (b"FCALL", Some(FUNCTION_NAME.as_bytes())),
+            (ScriptMode::Function, true) => (b"FCALL", Some(BATCH_FUNCTION_NAME.as_bytes())),
+            (ScriptMode::Script { sha, .. }, false) => (b"EVALSHA", Some(sha.as_bytes())),
+            (ScriptMode::Script { batch_sha, .. }, true) => {
+                (b"EVALSHA", Some(batch_sha.as_bytes()))
+            }
         };
         argument(&[command]);
-        argument(&[script]);
+        if let Some(script) = script {
+            argument(&[script]);
+        }
         let mut number = itoa::Buffer::new();
         let keys: usize = self.writes.iter().map(|w| w.keys.len()).sum();
         argument(&[number.format(keys + 1).as_bytes()]);
@@ -275,7 +293,7 @@ mod tests {
             args: &binary,
             keys: &binary[1..2],
         };
-        for mode in [ScriptMode::Function, script] {
+        for mode in [ScriptMode::Module, ScriptMode::Function, script] {
             for resp3 in [false, true] {
                 encoded_is_built(FenceCall::single(&mode, &token(), &one, resp3));
                 encoded_is_built(FenceCall::single(&mode, &token(), &bin, resp3));
@@ -344,6 +362,32 @@ mod tests {
         assert_eq!(
             words(&out),
             "EVALSHA def456 4 fencegate:fence:{billing:2026-09-28} k a b billing:2026-09-28 12 3 2 3 5 SET k v MSET a 1 b 2"
+        );
+    }
+
+    #[test]
+    fn golden_module_calls() {
+        let out = rewrite(&ScriptMode::Module, &token(), &b("SET k v"), &b("k"), false);
+        assert_eq!(
+            words(&out),
+            "FENCEGATE.FENCE 2 fencegate:fence:{billing:2026-09-28} k billing:2026-09-28 12 2 SET k v"
+        );
+        let (set, incr) = (b("SET k v"), b("INCR n"));
+        let (ka, kc) = (b("k"), b("n"));
+        let writes = [
+            BatchedWrite {
+                args: &set,
+                keys: &ka,
+            },
+            BatchedWrite {
+                args: &incr,
+                keys: &kc,
+            },
+        ];
+        let out = rewrite_batch(&ScriptMode::Module, &token(), &writes, true);
+        assert_eq!(
+            words(&out),
+            "FENCEGATE.FENCE_BATCH 3 fencegate:fence:{billing:2026-09-28} k n billing:2026-09-28 12 3 2 3 2 SET k v INCR n"
         );
     }
 

@@ -130,7 +130,7 @@ pub(crate) async fn run(
     let identity = Arc::new(std::sync::Mutex::new(None));
     let (tx, rx) = hand_off(SLOT_QUEUE);
     let read_at = ReadTimes::default();
-    let batching = matches!(info.mode, ScriptMode::Function);
+    let batching = matches!(info.mode, ScriptMode::Function | ScriptMode::Module);
     let hellos_pending = Arc::new(AtomicUsize::new(0));
     let completed = Arc::new(AtomicU64::new(0));
     let reader = Reader {

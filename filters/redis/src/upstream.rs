@@ -5,12 +5,13 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::command_table::CommandTable;
-use crate::config::RedisConfig;
+use crate::config::{FenceModule, RedisConfig};
 use crate::durability::{self, Settings};
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
 use crate::rewrite::{
     batch_function_source, batch_script_source, function_source, script_source, ScriptMode,
+    MODULE_NAME, MODULE_VERSION,
 };
 use crate::stream::Connection;
 pub use crate::tls::Upstream;
@@ -103,8 +104,55 @@ impl ControlConnection {
 
     /// Loads the fence script and the batch fence script: as Redis Functions (two libraries)
     /// where the server has them, else as cached scripts. Safe to repeat (functions are loaded
-    /// with `REPLACE`; a library of the same name holds the same code).
-    pub async fn load_fence(&mut self) -> Result<ScriptMode, RedisError> {
+    /// with `REPLACE`; a library of the same name holds the same code). Then, unless `config`
+    /// says `fence_module = "off"`, calls go to fencegate's module where the server loaded it
+    /// (the functions stay loaded: gateways that do not use the module may share the server).
+    pub async fn load_fence(&mut self, config: &RedisConfig) -> Result<ScriptMode, RedisError> {
+        let lua = self.load_lua().await?;
+        if config.fence_module == FenceModule::Off {
+            return Ok(lua);
+        }
+        match self.module_version().await? {
+            Some(version) if version >= MODULE_VERSION => Ok(ScriptMode::Module),
+            found if config.fence_module == FenceModule::Require => {
+                let found = match found {
+                    Some(v) => format!("version {v}, older than {MODULE_VERSION}"),
+                    None => "not loaded (or MODULE LIST is not allowed to this user)".into(),
+                };
+                Err(RedisError::Upstream(format!(
+                    "fence_module = \"require\", but fencegate's Redis module is {found}: load libfencegate_redis_module.so with `loadmodule` in redis.conf (docs/REDIS_MODULE.md), or set fence_module = \"auto\""
+                )))
+            }
+            _ => Ok(lua),
+        }
+    }
+
+    /// The version of fencegate's module in `MODULE LIST`, if loaded. A server that refuses the
+    /// command (renamed away, or not allowed to this ACL user) has no module for us.
+    async fn module_version(&mut self) -> Result<Option<i64>, RedisError> {
+        let Frame::Array(modules) = self.request(&["MODULE", "LIST"]).await? else {
+            return Ok(None);
+        };
+        Ok(modules.iter().find_map(|module| {
+            // RESP2 (the control connection never says HELLO 3): name, value, name, value...
+            let Frame::Array(fields) = module else {
+                return None;
+            };
+            let field = |name: &str| {
+                fields
+                    .chunks(2)
+                    .find(|kv| matches!(&kv[0], Frame::Bulk(k) | Frame::Simple(k) if k.eq_ignore_ascii_case(name.as_bytes())))
+                    .and_then(|kv| kv.get(1))
+            };
+            let named = matches!(field("name"), Some(Frame::Bulk(n) | Frame::Simple(n)) if n.as_ref() == MODULE_NAME.as_bytes());
+            match (named, field("ver")) {
+                (true, Some(Frame::Integer(v))) => Some(*v),
+                _ => None,
+            }
+        }))
+    }
+
+    async fn load_lua(&mut self) -> Result<ScriptMode, RedisError> {
         match self
             .request(&["FUNCTION", "LOAD", "REPLACE", &function_source()])
             .await?
@@ -212,10 +260,10 @@ impl ControlConnection {
     }
 
     /// Learns the command table and loads the fence script.
-    pub async fn learn(&mut self) -> Result<UpstreamInfo, RedisError> {
+    pub async fn learn(&mut self, config: &RedisConfig) -> Result<UpstreamInfo, RedisError> {
         let reply = self.request(&["COMMAND"]).await?;
         let table = CommandTable::from_reply(&reply)?;
-        let mode = self.load_fence().await?;
+        let mode = self.load_fence(config).await?;
         Ok(UpstreamInfo { table, mode })
     }
 }
