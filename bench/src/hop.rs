@@ -192,8 +192,10 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
     let dir = tempfile::Builder::new()
         .prefix("fencegate-bench-hop")
         .tempdir()?;
-    // The peers first: a missing one fails the suite before anything is measured.
-    let redis = Redis::start(dir.path())?;
+    // The peers first: a missing one fails the suite before anything is measured. fencegate's
+    // Redis module is loaded: the gateway runs its fence checks there (fence_module = "auto"),
+    // the cheapest deployment; the redis suite compares it with the functions.
+    let redis = Redis::start_with_module(dir.path())?;
     let twemproxy = Twemproxy::start(redis.port)?;
     let pg = Postgres::start(100)?;
     let pgbouncer = Pgbouncer::start(pg.port, 100)?;
@@ -447,7 +449,7 @@ pub async fn run(run: Duration, reps: usize, only: Option<&str>) -> anyhow::Resu
                 env!("CARGO_PKG_VERSION"),
                 machine::git_head()
             ),
-            "Paths: direct = the store itself; peer = twemproxy (one server pool, one server connection, the same redis-server) or PgBouncer (`pool_mode = session`, `auth_type = trust`, the same PostgreSQL); fencegate = one `fencegate serve` node whose Redis gateway protects only `bench:*` (the fenced SET rows; redis-benchmark's `key:*` is unprotected) and whose PostgreSQL gateway protects no database (`databases = []`), so all three paths do the same work but in the fenced rows, where fencegate runs each SET (or each client's pipeline of 16) as a call of the fence function while the other paths send plain SETs".into(),
+            "Paths: direct = the store itself; peer = twemproxy (one server pool, one server connection, the same redis-server) or PgBouncer (`pool_mode = session`, `auth_type = trust`, the same PostgreSQL); fencegate = one `fencegate serve` node whose Redis gateway protects only `bench:*` (the fenced SET rows; redis-benchmark's `key:*` is unprotected) and whose PostgreSQL gateway protects no database (`databases = []`), so all three paths do the same work but in the fenced rows, where fencegate runs each SET (or each client's pipeline of 16) as a call of the fence check while the other paths send plain SETs; redis-server has fencegate's module loaded, so that call is `FENCEGATE.FENCE(_BATCH)` (docs/REDIS_MODULE.md)".into(),
             format!("Same client, keys and store on every path: `redis-benchmark -t get|set` on key `key:__rand_int__` (3-byte value; requests sized to about {seconds} s from the previous run of the same path), `pgbench -n -T {seconds}` on `pgbench -i -s 1` tables, `-j` = min(clients, 2); redis-server without persistence, PostgreSQL with fsync and synchronous_commit on; the write transaction is the postgres suite's (pgbench's simple update as a `-f` script: `BEGIN`, `UPDATE`, `SELECT`, `INSERT`, `END`), plain on every path (the gateway protects no database here), so it measures what the hop adds to a durable transaction of five statements"),
             format!("{reps} repetitions after one warm-up run of each case on each path; in each repetition, every case runs on the three paths one after another, the order turning with each repetition; medians. Latency: redis-benchmark's p50/p99 (per pipeline of 16 with -P 16), pgbench's per-transaction log (`-l`)"),
             "Proxy CPU per request: utime + stime of the proxy process from `/proc/<pid>/stat` (clock ticks of 10 ms) before and after the run, divided by the requests (pgbench: transactions) of the run; for fencegate the whole node process (all its threads, authority and the idle gateways included). The last table measures redis-server's own CPU time the same way, on each path: what each proxy's way of talking to the store costs the store".into(),

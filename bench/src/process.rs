@@ -52,6 +52,24 @@ pub fn fencegate_binary() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// fencegate's Redis module, built with the bench (a dependency): in the binary's `deps/`
+/// directory, where cargo leaves a dependency's library and updates it with every build of the
+/// bench, else beside the binary (built on its own with `-p fencegate-redis-module`).
+pub fn redis_module() -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let dir = me.parent().context("the bench's directory")?;
+    [dir.join("deps"), dir.to_path_buf()]
+        .into_iter()
+        .map(|d| d.join("libfencegate_redis_module.so"))
+        .find(|p| p.exists())
+        .with_context(|| {
+            format!(
+                "libfencegate_redis_module.so not found in {}; build it with: cargo build --release -p fencegate -p fencegate-bench",
+                dir.display()
+            )
+        })
+}
+
 /// Polls `probe` until it yields a value, for at most 30 s.
 pub async fn wait_for<T, F, Fut>(what: &str, mut probe: F) -> anyhow::Result<T>
 where

@@ -15,7 +15,7 @@ use crate::load::{median, Outcome, Tally};
 use crate::machine;
 use crate::report::{Row, Section};
 use crate::resp::{encode, Connection};
-use crate::servers::{redis_section, Node, Redis};
+use crate::servers::{redis_section_with, Node, Redis};
 
 pub const TOKEN: &str = "fg1~1~bench";
 
@@ -117,17 +117,35 @@ pub async fn set_load(
 
 /// A measured case: how to run it on each path.
 enum Case {
-    Benchmark { test: &'static str, clients: usize },
-    Set { clients: usize, pipeline: usize },
+    Benchmark {
+        test: &'static str,
+        clients: usize,
+    },
+    /// Fenced on the gateway's path: by the fence functions, or by the module when `module`.
+    Set {
+        clients: usize,
+        pipeline: usize,
+        module: bool,
+    },
 }
 
 pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let dir = tempfile::Builder::new()
         .prefix("fencegate-bench-redis")
         .tempdir()?;
-    let redis = Redis::start(dir.path())?;
+    // One redis-server with fencegate's module loaded, two gateways in front of it: one calls
+    // the fence functions (fence_module = "off"), one the module's commands ("require").
+    let redis = Redis::start_with_module(dir.path())?;
     let listen = crate::process::free_port();
-    let node = Node::start(&redis_section(listen, redis.port), &[listen])?;
+    let node = Node::start(
+        &redis_section_with(listen, redis.port, "fence_module = \"off\""),
+        &[listen],
+    )?;
+    let listen_module = crate::process::free_port();
+    let node_module = Node::start(
+        &redis_section_with(listen_module, redis.port, "fence_module = \"require\""),
+        &[listen_module],
+    )?;
     // A value for the GETs to read.
     Connection::connect(redis.port)
         .await?
@@ -147,6 +165,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             Case::Set {
                 clients: 50,
                 pipeline: 1,
+                module: false,
             },
             "SET, 50 clients, unpipelined: plain direct vs fenced, req/s",
             ">= 0.80x",
@@ -154,10 +173,29 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         (
             Case::Set {
                 clients: 50,
+                pipeline: 1,
+                module: true,
+            },
+            "SET, 50 clients, unpipelined: plain direct vs fenced by the module, req/s",
+            ">= 0.80x",
+        ),
+        (
+            Case::Set {
+                clients: 50,
                 pipeline: 16,
+                module: false,
             },
             "SET, 50 clients, -P 16: plain direct vs fenced, req/s",
-            "-",
+            ">= 0.60x",
+        ),
+        (
+            Case::Set {
+                clients: 50,
+                pipeline: 16,
+                module: true,
+            },
+            "SET, 50 clients, -P 16: plain direct vs fenced by the module, req/s",
+            ">= 0.60x",
         ),
         (
             Case::Benchmark {
@@ -171,8 +209,18 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             Case::Set {
                 clients: 1,
                 pipeline: 1,
+                module: false,
             },
             "SET p50 latency, 1 client: plain direct vs fenced, µs",
+            "-",
+        ),
+        (
+            Case::Set {
+                clients: 1,
+                pipeline: 1,
+                module: true,
+            },
+            "SET p50 latency, 1 client: plain direct vs fenced by the module, µs",
             "-",
         ),
     ];
@@ -183,15 +231,20 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         )
     };
     let mut figures = vec![(Vec::new(), Vec::new()); cases.len()];
-    let mut calibration = vec![(Vec::new(), Vec::new()); 2];
+    let mut calibration = vec![(Vec::new(), Vec::new(), Vec::new()); 2];
     let mut batch_ceiling = Vec::new();
+    let mut module_batch_ceiling = Vec::new();
     // redis-benchmark counts requests, not seconds: size each run from the last rate seen.
     let mut rate = vec![[30_000.0f64; 2]; cases.len()];
     let requests = |r: f64| ((r * run.as_secs_f64()) as u64).max(2_000);
     for rep in 0..reps {
         for (c, (case, what, _)) in cases.iter().enumerate() {
             let mut pair = [0.0f64; 2];
-            for (path, port) in [redis.port, listen].into_iter().enumerate() {
+            let gateway = match case {
+                Case::Set { module: true, .. } => listen_module,
+                _ => listen,
+            };
+            for (path, port) in [redis.port, gateway].into_iter().enumerate() {
                 let (ops, p50) = match case {
                     Case::Benchmark { test, clients } => {
                         let b = redis_benchmark(
@@ -204,7 +257,9 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                         rate[c][path] = b.rps;
                         (b.rps, b.p50_us)
                     }
-                    Case::Set { clients, pipeline } => {
+                    Case::Set {
+                        clients, pipeline, ..
+                    } => {
                         let token = (path == 1).then_some(TOKEN);
                         let o = set_load(port, *clients, *pipeline, token, run).await?;
                         (o.ops_per_sec, o.p50_us as f64)
@@ -239,8 +294,12 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 "xxx",
             ];
             let fenced = redis_benchmark(redis.port, &fcall, 50, pipeline, n)?.rps;
+            // The same call to the module: its command takes the arguments after FCALL's name.
+            let module = [&["FENCEGATE.FENCE"][..], &fcall[2..]].concat();
+            let by_module = redis_benchmark(redis.port, &module, 50, pipeline, n)?.rps;
             calibration[i].0.push(set);
             calibration[i].1.push(fenced);
+            calibration[i].2.push(by_module);
         }
         // The batch fence function called directly with 16 SETs per call, as the gateway
         // calls it for a client's pipeline of 16: the store's own ceiling for fenced
@@ -249,9 +308,14 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         let batch: Vec<&str> = batch.iter().map(String::as_str).collect();
         let calls = redis_benchmark(redis.port, &batch, 50, 1, requests(15_000.0))?.rps;
         batch_ceiling.push(calls * 16.0);
+        let module_batch = [&["FENCEGATE.FENCE_BATCH"][..], &batch[2..]].concat();
+        let calls = redis_benchmark(redis.port, &module_batch, 50, 1, requests(30_000.0))?.rps;
+        module_batch_ceiling.push(calls * 16.0);
     }
-    if node.rss_kib().is_err() {
-        bail!("the gateway exited during the run:\n{}", node.log_text());
+    for node in [&node, &node_module] {
+        if node.rss_kib().is_err() {
+            bail!("a gateway exited during the run:\n{}", node.log_text());
+        }
     }
     let rows = cases
         .iter()
@@ -277,7 +341,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
                 env!("CARGO_PKG_VERSION"),
                 machine::git_head()
             ),
-            "redis-server on loopback without persistence; the gateway protects every key (`*` enforce); all processes share the 2 cores".into(),
+            "redis-server on loopback without persistence, fencegate's Redis module loaded; two gateways in front of it protect every key (`*` enforce): one calls the fence functions (`fence_module = \"off\"`), the other the module's commands (`fence_module = \"require\"`, the rows \"by the module\"); all processes share the 2 cores".into(),
             format!("{reps} repetitions, direct and gateway interleaved; medians. SET runs last {:.0} s; redis-benchmark runs are sized to about as long", run.as_secs_f64()),
             format!("SET rows use fencegate-bench's RESP generator on both paths (redis-benchmark cannot send `FENCE` once per connection): direct = plain `SET key xxx`; gateway = `FENCE {TOKEN}` once per connection, then the same `SET`s, each run by the gateway as one fence function call. Latency rows: p50 per round trip, gateway cell = p50 (+ added µs)"),
         ],
@@ -290,6 +354,14 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             median(&mut calibration[1].0),
             median(&mut calibration[0].1),
             median(&mut calibration[1].1),
+        ), format!(
+            "The module's command called directly with the same arguments (`FENCEGATE.FENCE 2 fencegate:fence:{{bench}} key bench 1 2 SET key xxx`, what the module gateway sends): {:.0} req/s unpipelined ({:.2}x plain), {:.0} with -P 16 ({:.2}x plain); `FENCEGATE.FENCE_BATCH` with 16 SETs per call: {:.0} SETs/s, {:.2}x the plain -P 16 SET: the store's ceiling for fenced pipelines with the module.",
+            median(&mut calibration[0].2),
+            median(&mut calibration[0].2) / median(&mut calibration[0].0),
+            median(&mut calibration[1].2),
+            median(&mut calibration[1].2) / median(&mut calibration[1].0),
+            median(&mut module_batch_ceiling),
+            median(&mut module_batch_ceiling) / median(&mut calibration[1].0),
         ), format!(
             "The batch fence function called directly (`FCALL fencegate_fence_batch_v1` with 16 `SET key xxx` per call, what the gateway sends for a client's pipeline of 16 fenced SETs; redis-benchmark, 50 clients): {:.0} SETs/s, {:.2}x the plain -P 16 SET above: the store's own ceiling for fenced pipelines (each write runs through Lua's `redis.pcall`).",
             median(&mut batch_ceiling),

@@ -50,11 +50,23 @@ impl Redis {
     }
 
     pub fn start(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_with(dir, &[])
+    }
+
+    /// [`Redis::start`] with fencegate's module loaded: a gateway in front of it runs the fence
+    /// check there unless its config says `fence_module = "off"`.
+    pub fn start_with_module(dir: &Path) -> anyhow::Result<Self> {
+        let module = crate::process::redis_module()?;
+        Self::start_with(dir, &["--loadmodule".into(), module.display().to_string()])
+    }
+
+    fn start_with(dir: &Path, extra: &[String]) -> anyhow::Result<Self> {
         let port = free_port();
         let mut command = Command::new("redis-server");
         command
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--maxclients", "10000"])
+            .args(extra)
             .arg("--dir")
             .arg(dir);
         let server = Server::start("redis-server", &mut command, dir.join("redis.log"))
@@ -350,8 +362,13 @@ pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
 /// redis-server runs without persistence, so the gateway is told to accept unpersisted fences
 /// (it refuses protected writes otherwise).
 pub fn redis_section(listen: u16, upstream: u16) -> String {
+    redis_section_with(listen, upstream, "")
+}
+
+/// [`redis_section`] with `settings` (lines of `[redis]`, such as `fence_module = "off"`).
+pub fn redis_section_with(listen: u16, upstream: u16, settings: &str) -> String {
     format!(
-        "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\naccept_unpersisted_fences = true\n\n[[redis.protect]]\npattern = \"*\"\nmode = \"enforce\"\nresource = \"*\"\n\n"
+        "[redis]\nlisten = \"127.0.0.1:{listen}\"\nupstream = \"127.0.0.1:{upstream}\"\naccept_unpersisted_fences = true\n{settings}\n\n[[redis.protect]]\npattern = \"*\"\nmode = \"enforce\"\nresource = \"*\"\n\n"
     )
 }
 
