@@ -109,7 +109,9 @@ pub fn split(frame: &Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<S
     let mut at = header;
     let mut out = Vec::with_capacity(writes);
     for (i, item) in items.iter().enumerate() {
-        let (_, len) = frame::parse(&raw[at..], &Limits::UPSTREAM)
+        // Parsed again on its own, as slices of `raw`: its length, and a frame to hand on that
+        // costs no copy (cloning `item` cost an allocation per write, issue 18).
+        let (own, len) = frame::parse_shared(&raw.slice(at..), &Limits::UPSTREAM)
             .ok()
             .flatten()
             .ok_or("the batch fence reply's elements do not parse")?;
@@ -126,7 +128,7 @@ pub fn split(frame: &Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<S
             let null: &'static [u8] = if resp3 { b"_\r\n" } else { b"$-1\r\n" };
             out.push((Frame::Null, Bytes::from_static(null)));
         } else {
-            out.push((item.clone(), element));
+            out.push((own, element));
         }
     }
     if at != raw.len() {

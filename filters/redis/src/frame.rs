@@ -91,8 +91,23 @@ pub fn command_name(args: &[Bytes]) -> String {
 
 /// Parses one frame from the front of `buf`. `Ok(None)`: incomplete, read more.
 pub fn parse(buf: &[u8], limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
+    parse_from(buf, None, limits)
+}
+
+/// [`parse`] of `buf` whose frames hold slices of `buf` rather than copies (a slice of a shared
+/// `Bytes` costs a count, a copy an allocation). For replies already split off as `Bytes`.
+pub fn parse_shared(buf: &Bytes, limits: &Limits) -> Result<Option<(Frame, usize)>, FrameError> {
+    parse_from(buf, Some(buf), limits)
+}
+
+fn parse_from(
+    buf: &[u8],
+    source: Option<&Bytes>,
+    limits: &Limits,
+) -> Result<Option<(Frame, usize)>, FrameError> {
     let mut cursor = Cursor {
         buf,
+        source,
         pos: 0,
         limits,
     };
@@ -166,11 +181,21 @@ fn memchr_newline(buf: &[u8]) -> Option<usize> {
 
 struct Cursor<'a> {
     buf: &'a [u8],
+    /// `buf` as `Bytes`, when the frames may hold slices of it.
+    source: Option<&'a Bytes>,
     pos: usize,
     limits: &'a Limits,
 }
 
 impl Cursor<'_> {
+    /// The bytes at `range` of `buf`: a slice of `source`, else a copy.
+    fn bytes(&self, range: std::ops::Range<usize>) -> Bytes {
+        match self.source {
+            Some(source) => source.slice(range),
+            None => Bytes::copy_from_slice(&self.buf[range]),
+        }
+    }
+
     fn line(&mut self) -> Result<&[u8], FrameError> {
         self.line_up_to(64 * 1024)
     }
@@ -179,7 +204,14 @@ impl Cursor<'_> {
     /// not a header's 64 KiB (Redis echoes a key of any length in some errors,
     /// `-NOGROUP No such key '<key>' ...`).
     fn text(&mut self) -> Result<Bytes, FrameError> {
-        self.line_up_to(usize::MAX).map(Bytes::copy_from_slice)
+        self.line_bytes(usize::MAX)
+    }
+
+    /// [`Cursor::line_up_to`] as `Bytes`.
+    fn line_bytes(&mut self, max: usize) -> Result<Bytes, FrameError> {
+        let start = self.pos;
+        let len = self.line_up_to(max)?.len();
+        Ok(self.bytes(start..start + len))
     }
 
     fn line_up_to(&mut self, max: usize) -> Result<&[u8], FrameError> {
@@ -228,7 +260,7 @@ impl Cursor<'_> {
         if &self.buf[end..end + 2] != b"\r\n" {
             return Err(FrameError::Protocol("bulk string not terminated by CRLF"));
         }
-        let data = Bytes::copy_from_slice(&self.buf[self.pos..end]);
+        let data = self.bytes(self.pos..end);
         self.pos = end + 2;
         Ok(data)
     }
@@ -319,7 +351,7 @@ impl Cursor<'_> {
                 b"f" => Frame::Boolean(false),
                 _ => return Err(FrameError::Protocol("invalid boolean")),
             },
-            b',' | b'(' => Frame::Number(Bytes::copy_from_slice(self.line()?)),
+            b',' | b'(' => Frame::Number(self.line_bytes(64 * 1024)?),
             _ => return Err(FrameError::Protocol("unknown type byte")),
         })
     }
@@ -670,6 +702,15 @@ mod tests {
             let decimal = i.to_string();
             prop_assert_eq!(parse_i64(decimal.as_bytes()), Some(i));
             prop_assert_eq!(parse_i64(format!("+{decimal}").as_bytes()), std(format!("+{decimal}").as_bytes()));
+        }
+
+        #[test]
+        fn shared_and_copied_parses_agree(text in "([*$%~>|:_#,(!=+-][-0-9a-z?]{0,4}\r\n){0,12}") {
+            let shared = Bytes::from(text.clone().into_bytes());
+            prop_assert_eq!(
+                parse(text.as_bytes(), &Limits::default()),
+                parse_shared(&shared, &Limits::default())
+            );
         }
 
         #[test]
