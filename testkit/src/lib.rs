@@ -3,6 +3,7 @@
 //! clusters of real `fencegate serve` processes, and the C `fencegate.enforce()` built for them.
 //! One copy, so that a fix to how a server is started reaches every test.
 
+mod build_artifact;
 pub mod cluster;
 pub mod enforce_library;
 pub mod fault_proxy;

@@ -1,39 +1,22 @@
 //! Where fencegate's Redis module (filters/redis/module) is, for a [`RedisServer`] that loads
-//! it: `FENCEGATE_REDIS_MODULE`, else next to the running executable or one directory up, as
-//! [`fencegate_bin`](crate::fencegate_bin) finds the binary. `cargo test --workspace` builds it
-//! with every other member before any test runs.
+//! it: `FENCEGATE_REDIS_MODULE`, else beside the running executable (see
+//! [`build_artifact`](crate::build_artifact)). The crates whose tests load it depend on it, so
+//! cargo builds it before them.
 //!
 //! [`RedisServer`]: crate::redis_server::RedisServer
 
 use std::path::PathBuf;
 
+use crate::build_artifact::build_artifact;
 use crate::redis_server::RedisServer;
-
-/// The module's file name as cargo builds it on Linux.
-const FILE: &str = "libfencegate_redis_module.so";
 
 /// The module to load; panics with what to build when there is none.
 pub fn redis_module_path() -> PathBuf {
-    if let Some(path) = std::env::var_os("FENCEGATE_REDIS_MODULE") {
-        return PathBuf::from(path);
-    }
-    let me = std::env::current_exe().expect("the running executable's path");
-    let candidates: Vec<PathBuf> = me
-        .ancestors()
-        .skip(1)
-        .take(2)
-        .map(|d| d.join(FILE))
-        .collect();
-    candidates
-        .iter()
-        .find(|path| path.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "no fencegate Redis module at {candidates:?}: build it with \
-                 `cargo build -p fencegate-redis-module` (same profile) or set FENCEGATE_REDIS_MODULE"
-            )
-        })
+    build_artifact(
+        "libfencegate_redis_module.so",
+        "FENCEGATE_REDIS_MODULE",
+        "cargo build -p fencegate-redis-module",
+    )
 }
 
 impl RedisServer {

@@ -7,13 +7,6 @@ use fencegate_redis::frame::{parse, Frame, Limits};
 use redis::aio::MultiplexedConnection;
 use redis::RedisResult;
 
-fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
-    gw.audit_records()
-        .into_iter()
-        .filter(|r| r["reason"] == "stale")
-        .collect()
-}
-
 #[tokio::test]
 async fn current_token_applies_and_equal_token_applies_again() {
     let gw = RedisGateway::start("", &[]);
@@ -94,7 +87,7 @@ async fn lower_token_is_refused_after_a_higher_one_wrote() {
             "{err}"
         );
         assert_eq!(
-            stale_records(&gw).len(),
+            gw.stale_records().len(),
             i + 1,
             "exactly one audit record per refusal"
         );
@@ -120,7 +113,7 @@ async fn lower_token_is_refused_after_a_higher_one_wrote() {
         before,
         "no refused write changed the data"
     );
-    let records = stale_records(&gw);
+    let records = gw.stale_records();
     assert_eq!(
         records.len(),
         5,
@@ -298,7 +291,7 @@ async fn racing_writers_n_and_n_plus_1() {
         assert!(v.starts_with("n+1:"), "race:key:{k} = {v}");
     }
     assert_eq!(
-        stale_records(&gw).len(),
+        gw.stale_records().len(),
         refused_a,
         "one audit record per refusal"
     );

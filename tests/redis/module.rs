@@ -22,21 +22,20 @@ async fn calls(direct: &mut MultiplexedConnection, command: &str) -> u64 {
         .map_or(0, |n| n.parse().unwrap())
 }
 
-fn stale_records(gw: &RedisGateway) -> Vec<serde_json::Value> {
-    gw.audit_records()
-        .into_iter()
-        .filter(|r| r["reason"] == "stale")
-        .collect()
+/// A gateway (every key protected, `extra` in `[redis]`) in front of a redis-server with the
+/// module loaded.
+fn module_gateway(extra: &str) -> RedisGateway {
+    RedisGateway::start_on(
+        RedisServer::start_with_module(),
+        &NodeOptions::default(),
+        extra,
+        &[],
+    )
 }
 
 #[tokio::test]
 async fn fenced_writes_run_in_the_module_and_stale_ones_are_refused() {
-    let gw = RedisGateway::start_on(
-        RedisServer::start_with_module(),
-        &NodeOptions::default(),
-        "",
-        &[],
-    );
+    let gw = module_gateway("");
     let mut direct = connect(&gw.redis.url()).await;
     let mut old = connect(&gw.url()).await;
     fence(&mut old, "fg1~7~billing").await.unwrap();
@@ -106,7 +105,7 @@ async fn fenced_writes_run_in_the_module_and_stale_ones_are_refused() {
         .unwrap();
     assert_eq!(fence_value, "12");
     assert_eq!(
-        stale_records(&gw).len(),
+        gw.stale_records().len(),
         4,
         "one audit record per refused write"
     );
@@ -128,12 +127,7 @@ async fn fenced_writes_run_in_the_module_and_stale_ones_are_refused() {
 
 #[tokio::test]
 async fn clients_cannot_call_the_module_through_the_gateway() {
-    let gw = RedisGateway::start_on(
-        RedisServer::start_with_module(),
-        &NodeOptions::default(),
-        "",
-        &[],
-    );
+    let gw = module_gateway("");
     let mut direct = connect(&gw.redis.url()).await;
     let mut client = connect(&gw.url()).await;
     fence(&mut client, "fg1~3~billing").await.unwrap();
@@ -176,12 +170,7 @@ async fn clients_cannot_call_the_module_through_the_gateway() {
 
 #[tokio::test]
 async fn fence_module_off_keeps_the_functions_and_require_needs_the_module() {
-    let off = RedisGateway::start_on(
-        RedisServer::start_with_module(),
-        &NodeOptions::default(),
-        "fence_module = \"off\"",
-        &[],
-    );
+    let off = module_gateway("fence_module = \"off\"");
     let mut direct = connect(&off.redis.url()).await;
     let mut client = connect(&off.url()).await;
     fence(&mut client, "fg1~3~billing").await.unwrap();

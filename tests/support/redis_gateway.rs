@@ -95,6 +95,14 @@ impl RedisGateway {
         self.node.audit_records()
     }
 
+    /// The audit records of stale refusals so far.
+    pub fn stale_records(&self) -> Vec<serde_json::Value> {
+        self.audit_records()
+            .into_iter()
+            .filter(|r| r["reason"] == "stale")
+            .collect()
+    }
+
     /// Runs `fencegate` with `args`; returns (exit code, stdout, stderr).
     pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
         let out = Command::new(env!("CARGO_BIN_EXE_fencegate"))

@@ -301,51 +301,36 @@ fn the_declared_keys_are_the_functions_keys() {
 fn what_the_module_refuses_that_the_functions_do_not_check() {
     let server = RedisServer::start_with_module();
     let mut c = Conn::open(&server, false);
-    for (call, want) in [
+    // `FENCEGATE.FENCE 1 fencegate:fence:{r} r <revision> 2 <command> {r}k v`.
+    let single = |revision: &str, command: &str| -> Vec<u8> {
+        let mut c = Conn::open(&server, false);
+        c.words(&[
+            "FENCEGATE.FENCE",
+            "1",
+            "fencegate:fence:{r}",
+            "r",
+            revision,
+            "2",
+            command,
+            "{r}k",
+            "v",
+        ])
+    };
+    for (reply, want) in [
         (
-            vec![
-                "FENCEGATE.FENCE",
-                "1",
-                "fencegate:fence:{r}",
-                "r",
-                "07",
-                "2",
-                "SET",
-                "{r}k",
-                "v",
-            ],
+            single("07", "SET"),
             "-ERR the token's revision must be canonical decimal",
         ),
         (
-            vec![
-                "FENCEGATE.FENCE",
-                "1",
-                "fencegate:fence:{r}",
-                "r",
-                "abc",
-                "2",
-                "SET",
-                "{r}k",
-                "v",
-            ],
+            single("abc", "SET"),
             "-ERR the token's revision must be canonical decimal",
         ),
         (
-            vec![
-                "FENCEGATE.FENCE",
-                "1",
-                "fencegate:fence:{r}",
-                "r",
-                "5",
-                "2",
-                "SET\0X",
-                "{r}k",
-                "v",
-            ],
+            single("5", "SET\0X"),
             "-ERR a wrapped command's name contains a NUL byte",
         ),
         (
-            vec![
+            c.words(&[
                 "FENCEGATE.FENCE_BATCH",
                 "1",
                 "fencegate:fence:{r}",
@@ -358,28 +343,18 @@ fn what_the_module_refuses_that_the_functions_do_not_check() {
                 "SET",
                 "{r}k",
                 "v",
-            ],
+            ]),
             "-ERR the batch's command counts",
         ),
     ] {
-        let reply = text(&c.words(&call));
-        assert!(reply.starts_with(want), "{call:?}: {reply}");
+        let reply = text(&reply);
+        assert!(reply.starts_with(want), "{reply}");
     }
     // None of them wrote or raised anything.
     assert_eq!(text(&c.words(&["DBSIZE"])), ":0\r\n");
     // A fence key of another type refuses the write rather than ignoring the fence.
     c.words(&["LPUSH", "fencegate:fence:{r}", "x"]);
-    let reply = text(&c.words(&[
-        "FENCEGATE.FENCE",
-        "1",
-        "fencegate:fence:{r}",
-        "r",
-        "5",
-        "2",
-        "SET",
-        "{r}k",
-        "v",
-    ]));
+    let reply = text(&single("5", "SET"));
     assert!(reply.starts_with("-WRONGTYPE"), "{reply}");
     assert_eq!(text(&c.words(&["EXISTS", "{r}k"])), ":0\r\n");
 }
