@@ -409,3 +409,49 @@ fn replicas_and_the_append_only_file_replay_without_the_module() {
     );
     assert_eq!(text(&c.words(&["GET", "{r}b"])), "$1\r\n2\r\n");
 }
+
+#[test]
+fn the_callers_acl_applies_to_each_wrapped_command() {
+    let server = server_with_both();
+    let mut admin = Conn::open(&server, false);
+    // May run anything on the fence keys and {r}k, nothing else.
+    let created = admin.words(&[
+        "ACL",
+        "SETUSER",
+        "app",
+        "on",
+        "nopass",
+        "+@all",
+        "~fencegate:fence:*",
+        "~{r}k",
+    ]);
+    assert_eq!(text(&created), "+OK\r\n");
+    let mut app = Conn::open(&server, false);
+    assert_eq!(text(&app.words(&["AUTH", "app", "x"])), "+OK\r\n");
+    // {r}k is declared (the outer command's key check passes); the write names {r}secret.
+    // Each refuses in its own words (Lua: "-ERR The user executing the script can't access
+    // ..."), and neither writes.
+    for (name, refusal) in [
+        (
+            vec!["FCALL", FUNCTION_NAME],
+            "-ERR The user executing the script can't access",
+        ),
+        (vec!["FENCEGATE.FENCE"], "-NOPERM"),
+    ] {
+        let mut call = name.clone();
+        call.extend([
+            "2",
+            "fencegate:fence:{r}",
+            "{r}k",
+            "r",
+            "5",
+            "2",
+            "SET",
+            "{r}secret",
+            "v",
+        ]);
+        let reply = text(&app.words(&call));
+        assert!(reply.starts_with(refusal), "{name:?}: {reply}");
+    }
+    assert_eq!(text(&admin.words(&["EXISTS", "{r}secret"])), ":0\r\n");
+}
