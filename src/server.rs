@@ -210,13 +210,20 @@ pub async fn serve(
             .redis_tarpitted
             .set_source(move || observed.tarpitted_connections() as i64);
         let checked = gateway.clone();
+        let described = gateway.clone();
         let listener = gateway.bind().await?;
         // Set while the accept loop runs (`/healthz`, `/readyz`).
         let running = Arc::new(AtomicBool::new(true));
         gateways.push(
             GatewayHealth::new(fencegate_core::Store::Redis, move || checked.health())
                 .listener(local_addr(&listener, redis.listen), running.clone())
-                .upstream(&redis.upstream, 6379, &metrics.fences.gateway),
+                .upstream(&redis.upstream, 6379, &metrics.fences.gateway)
+                .details(move || {
+                    described
+                        .fence_check()
+                        .map(|check| vec![("fence_check", check.to_owned())])
+                        .unwrap_or_default()
+                }),
         );
         sessions.push(("redis", gateway.sessions()));
         redis_gateway = Some(gateway.clone());

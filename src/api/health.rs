@@ -40,7 +40,13 @@ pub struct GatewayHealth {
     pub upstream: Option<String>,
     /// Set to the last probe's result (a metric).
     pub up: Option<prometheus_client::metrics::gauge::Gauge>,
+    /// Facts the gateway reports beside its health (name, value), such as where the store runs
+    /// the fence check.
+    pub details: Option<Details>,
 }
+
+/// A gateway's facts for `/healthz`: (name, value) pairs, read at each request.
+pub type Details = Arc<dyn Fn() -> Vec<(&'static str, String)> + Send + Sync>;
 
 impl GatewayHealth {
     pub fn new(
@@ -54,7 +60,17 @@ impl GatewayHealth {
             listener: None,
             upstream: None,
             up: None,
+            details: None,
         }
+    }
+
+    /// Reports `details()` in the gateway's `/healthz` entry.
+    pub fn details(
+        mut self,
+        details: impl Fn() -> Vec<(&'static str, String)> + Send + Sync + 'static,
+    ) -> Self {
+        self.details = Some(Arc::new(details));
+        self
     }
 
     /// Reports the listener on `addr`, listening while `running` is set.
@@ -164,6 +180,11 @@ pub async fn healthz(State(state): State<ApiState>) -> Response {
                 problems.push(format!("{} upstream unreachable: {reason}", gateway.name));
                 entry["upstream"]["reason"] = reason.into();
                 entry["ok"] = false.into();
+            }
+        }
+        if let Some(details) = &gateway.details {
+            for (name, value) in details() {
+                entry[name] = value.into();
             }
         }
         if let Err(reason) = (gateway.check)() {

@@ -8,14 +8,6 @@ use crate::support::redis_server::RedisServer;
 
 const PROTECT_ALL: &str = "[[redis.protect]]\npattern = \"*\"\nresource = \"*\"\n";
 
-async fn healthz(node: &GatewayNode) -> Option<(u16, serde_json::Value)> {
-    let reply = reqwest::get(format!("http://127.0.0.1:{}/healthz", node.api))
-        .await
-        .ok()?;
-    let status = reply.status().as_u16();
-    Some((status, reply.json().await.ok()?))
-}
-
 /// Polls `/healthz` until `done` holds for its answer (bounded: 30 s).
 async fn wait_health(
     node: &GatewayNode,
@@ -23,7 +15,7 @@ async fn wait_health(
 ) -> (u16, serde_json::Value) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let answer = healthz(node).await;
+        let answer = node.healthz().await;
         if let Some((status, body)) = &answer {
             if done(*status, body) {
                 return (*status, body.clone());

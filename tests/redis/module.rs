@@ -123,6 +123,11 @@ async fn fenced_writes_run_in_the_module_and_stale_ones_are_refused() {
         "the log names the mode: {}",
         gw.log_text()
     );
+    let (_, health) = gw.node.healthz().await.expect("/healthz answers");
+    assert_eq!(
+        health["gateways"]["redis"]["fence_check"], "module",
+        "{health}"
+    );
 }
 
 #[tokio::test]
@@ -177,6 +182,11 @@ async fn fence_module_off_keeps_the_functions_and_require_needs_the_module() {
     let _: () = cmd(&mut client, &["SET", "k", "v"]).await.unwrap();
     assert_eq!(calls(&mut direct, "fencegate.fence").await, 0);
     assert_eq!(calls(&mut direct, "fcall").await, 1);
+    let (_, health) = off.node.healthz().await.expect("/healthz answers");
+    assert_eq!(
+        health["gateways"]["redis"]["fence_check"], "function",
+        "{health}"
+    );
 
     // Without the module, "require" refuses every protected write, and says why.
     let redis = RedisServer::start();

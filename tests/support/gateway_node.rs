@@ -169,6 +169,15 @@ impl GatewayNode {
         });
     }
 
+    /// `/healthz`'s status and JSON body; `None` while the API does not answer.
+    pub async fn healthz(&self) -> Option<(u16, serde_json::Value)> {
+        let reply = reqwest::get(format!("http://127.0.0.1:{}/healthz", self.api))
+            .await
+            .ok()?;
+        let status = reply.status().as_u16();
+        Some((status, reply.json().await.ok()?))
+    }
+
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

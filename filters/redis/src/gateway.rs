@@ -43,6 +43,8 @@ pub struct Gateway {
     connections: AtomicU64,
     /// Why the gateway is not serving protected writes right now (`None`: healthy).
     degraded: std::sync::Mutex<Option<String>>,
+    /// What runs the fence check upstream ([`ScriptMode::name`]), once learned or reloaded.
+    fence_check: std::sync::Mutex<Option<&'static str>>,
     /// Set while fence keys are at risk: sessions refuse fenced writes.
     at_risk: AtomicBool,
     /// Bytes of partial requests buffered by all sessions (see `max_buffered_bytes`).
@@ -109,6 +111,7 @@ impl Gateway {
             info: Mutex::new(None),
             connections: AtomicU64::new(0),
             degraded: std::sync::Mutex::new(None),
+            fence_check: std::sync::Mutex::new(None),
             at_risk: AtomicBool::new(false),
             buffered: AtomicUsize::new(0),
             refusals: std::sync::Mutex::new(refusals),
@@ -152,6 +155,7 @@ impl Gateway {
                     }
                 };
                 tracing::info!(commands = info.table.len(), mode = ?info.mode, upstream = %self.config.upstream, "learned the upstream's commands and loaded the fence script");
+                self.set_fence_check(&info.mode);
                 info
             }
         };
@@ -224,6 +228,16 @@ impl Gateway {
         self.at_risk.store(at_risk, Ordering::Relaxed);
     }
 
+    /// What runs the fence check upstream (`module`, `function`, `script`), once the gateway
+    /// learned it (at start, or at the first client when the upstream was down then).
+    pub fn fence_check(&self) -> Option<&'static str> {
+        *self.fence_check.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_fence_check(&self, mode: &ScriptMode) {
+        *self.fence_check.lock().unwrap_or_else(|p| p.into_inner()) = Some(mode.name());
+    }
+
     /// `Ok` when the gateway can serve protected writes; otherwise why not (for a health
     /// endpoint: fence keys at risk of eviction or loss, upstream unreachable).
     pub fn health(&self) -> Result<(), String> {
@@ -269,6 +283,7 @@ impl Gateway {
         let mut control = ControlConnection::open(&self.upstream, &self.config).await?;
         let mode = control.load_fence(&self.config).await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
+        self.set_fence_check(&mode);
         Ok(mode)
     }
 

@@ -53,6 +53,17 @@ pub enum ScriptMode {
     },
 }
 
+impl ScriptMode {
+    /// What runs the fence check, for `/healthz`: `module`, `function` or `script`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ScriptMode::Module => "module",
+            ScriptMode::Function => "function",
+            ScriptMode::Script { .. } => "script",
+        }
+    }
+}
+
 /// The source for `FUNCTION LOAD REPLACE`.
 pub fn function_source() -> String {
     format!("#!lua name={LIBRARY_NAME}\n{FENCE_LUA}\nredis.register_function('{FUNCTION_NAME}', fencegate_fence)\n")
