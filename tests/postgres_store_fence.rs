@@ -115,6 +115,17 @@ impl Store {
         self.sign(KID, &SECRET, revision, "job").await
     }
 
+    /// Commits `job`'s fence at `revision` (a guard in a transaction of its own); its token.
+    async fn fence_at(&self, revision: u64) -> String {
+        let token = self.token(revision).await;
+        self.app()
+            .await
+            .batch_execute(&format!("SELECT fencegate.guard('{token}')"))
+            .await
+            .unwrap();
+        token
+    }
+
     async fn app(&self) -> Client {
         connect(&self.pg.dsn(APP)).await
     }
@@ -1316,14 +1327,8 @@ fn guard_corpus(signed: &str, sig: &str) -> Vec<Option<String>> {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
     let store = Store::start(Enforce::C).await;
-    let t5 = store.token(5).await;
     // The fence of `job` at 5, committed: lower tokens are stale, higher ones raise it.
-    store
-        .app()
-        .await
-        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
-        .await
-        .unwrap();
+    let t5 = store.fence_at(5).await;
     let sig = t5.rsplit_once('.').unwrap().1.to_owned();
     let corpus = guard_corpus(&t5, &sig);
     let mut answers = Vec::new();
@@ -1448,13 +1453,7 @@ async fn the_c_guard_answers_every_token_as_the_plpgsql_guard_does() {
 /// with a forged pass is refused too, and the standby's fence stays the primary's.
 async fn the_guard_refuses_on_a_hot_standby(enforce: Enforce) {
     let store = Store::start(enforce).await;
-    let t5 = store.token(5).await;
-    store
-        .app()
-        .await
-        .batch_execute(&format!("SELECT fencegate.guard('{t5}')"))
-        .await
-        .unwrap();
+    store.fence_at(5).await;
     let standby = store.pg.standby();
     store.pg.wait_replayed(&standby);
     let forged = store.sign(KID, b"not the secret", 5, "job").await;

@@ -10,7 +10,9 @@ use anyhow::{bail, Context};
 use tempfile::TempDir;
 
 use crate::process::{free_port, Server};
-use crate::servers::{is_root, wait_port};
+use fencegate_testkit::postgres_server::is_root;
+
+use crate::servers::wait_port;
 
 const NUTCRACKER: &str = "/usr/sbin/nutcracker";
 const PGBOUNCER: &str = "/usr/sbin/pgbouncer";

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tempfile::TempDir;
 
+use fencegate_testkit::postgres_server::{as_postgres, try_server_dir};
+
 use crate::process::{fencegate_binary, free_port, Server};
 
 /// Waits until something accepts connections on `127.0.0.1:port`.
@@ -93,24 +95,6 @@ pub fn pg_bin() -> anyhow::Result<PathBuf> {
     bail!("initdb/pg_ctl not found under /usr/lib/postgresql/*/bin: apt-get install postgresql (or set PG_BIN)")
 }
 
-pub fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-/// A server binary run as the `postgres` OS user when we are root (PostgreSQL refuses root).
-fn as_postgres(program: &Path) -> Command {
-    if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    }
-}
-
 /// A PostgreSQL server with durable commits (fsync and synchronous_commit on, the defaults).
 pub struct Postgres {
     pub port: u16,
@@ -128,21 +112,8 @@ impl Postgres {
     /// through a shell, which would expand `$libdir`).
     pub fn start_with_conf(max_connections: u32, conf: &str) -> anyhow::Result<Self> {
         let bin = pg_bin()?;
-        let dir = tempfile::Builder::new()
-            .prefix("fencegate-bench-pg")
-            .tempdir()?;
+        let (dir, sock) = try_server_dir("fencegate-bench-pg").map_err(anyhow::Error::msg)?;
         let data = dir.path().join("data");
-        let sock = dir.path().join("sock");
-        std::fs::create_dir(&sock)?;
-        if is_root() {
-            check(
-                Command::new("chown")
-                    .args(["-R", "postgres:postgres"])
-                    .arg(dir.path())
-                    .output(),
-                "chown the PostgreSQL temp dir",
-            )?;
-        }
         check(
             as_postgres(&bin.join("initdb"))
                 .arg("-D")

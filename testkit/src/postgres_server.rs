@@ -33,7 +33,8 @@ pub(crate) fn bin_dir() -> PathBuf {
     );
 }
 
-fn is_root() -> bool {
+/// Whether this process runs as root (then the server's binaries run as `postgres`).
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -42,7 +43,7 @@ fn is_root() -> bool {
 }
 
 /// Runs a server binary as the `postgres` OS user (PostgreSQL refuses to run as root).
-fn as_postgres(program: &Path) -> Command {
+pub fn as_postgres(program: &Path) -> Command {
     if is_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(program);
@@ -67,19 +68,32 @@ fn check(output: std::io::Result<Output>, what: &str) -> Output {
 /// A server's temp dir, owned by `postgres` (the server refuses to run as root), with an empty
 /// `sock` directory for its Unix socket (returned).
 fn server_dir() -> (TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("temp dir");
+    try_server_dir("fencegate-pg").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`server_dir`] named `prefix...`, for harnesses that report errors rather than panic (the
+/// benchmarks): `Err` says what failed.
+pub fn try_server_dir(prefix: &str) -> Result<(TempDir, PathBuf), String> {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .map_err(|e| format!("a temp dir: {e}"))?;
     let sockdir = dir.path().join("sock");
-    std::fs::create_dir(&sockdir).unwrap();
+    std::fs::create_dir(&sockdir).map_err(|e| format!("{}: {e}", sockdir.display()))?;
     if is_root() {
-        check(
-            Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(dir.path())
-                .output(),
-            "chown the temp dir to postgres",
-        );
+        let chown = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("chown the temp dir to postgres: {e}"))?;
+        if !chown.status.success() {
+            return Err(format!(
+                "chown the temp dir to postgres: {}",
+                String::from_utf8_lossy(&chown.stderr)
+            ));
+        }
     }
-    (dir, sockdir)
+    Ok((dir, sockdir))
 }
 
 /// The server's command-line settings: loopback only, its socket in `sockdir`, commit
