@@ -43,7 +43,8 @@ pub struct Gateway {
     connections: AtomicU64,
     /// Why the gateway is not serving protected writes right now (`None`: healthy).
     degraded: std::sync::Mutex<Option<String>>,
-    /// What runs the fence check upstream ([`ScriptMode::name`]), once learned or reloaded.
+    /// What runs the fence check upstream ([`ScriptMode::name`]): the mode learned with the
+    /// command table, which every session uses (a reload does not change it).
     fence_check: std::sync::Mutex<Option<&'static str>>,
     /// Set while fence keys are at risk: sessions refuse fenced writes.
     at_risk: AtomicBool,
@@ -229,7 +230,8 @@ impl Gateway {
     }
 
     /// What runs the fence check upstream (`module`, `function`, `script`), once the gateway
-    /// learned it (at start, or at the first client when the upstream was down then).
+    /// learned it (at start, or at the first client when the upstream was down then): the
+    /// sessions' mode, so `/healthz` never names one they do not use.
     pub fn fence_check(&self) -> Option<&'static str> {
         *self.fence_check.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -283,7 +285,6 @@ impl Gateway {
         let mut control = ControlConnection::open(&self.upstream, &self.config).await?;
         let mode = control.load_fence(&self.config).await?;
         tracing::warn!(mode = ?mode, "the fence script was missing upstream; reloaded it");
-        self.set_fence_check(&mode);
         Ok(mode)
     }
 
