@@ -3,14 +3,18 @@
 
 use bytes::Bytes;
 use fencegate_core::RejectReason;
+use smallvec::SmallVec;
 
-use crate::command_table::{CommandTable, KeyError};
+use crate::command_table::{CommandTable, KeyError, KeyRefs};
 use crate::config::{ProtectMode, RedisConfig};
 use crate::rewrite::FENCE_KEY_PREFIX;
 
 /// The most arguments a command may have to run under the fence (Lua's `unpack` limit is near
 /// 8,000 values, and the script adds its own).
 pub const MAX_FENCED_ARGS: usize = 7_900;
+
+/// A fenced write's keys, owned (clones of its arguments); one or two stay inline.
+pub type Keys = SmallVec<[Bytes; 2]>;
 
 /// What to do with one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,7 +25,7 @@ pub enum Class {
     /// A write to at least one protected key: must run inside the fence script.
     Fence {
         /// Every key the command names, in order.
-        keys: Vec<Bytes>,
+        keys: Keys,
     },
     /// Not in the upstream's command table (Redis would refuse it too; a module command loaded
     /// after the gateway connected cannot be classified). Answered with an error, not relayed.
@@ -163,7 +167,7 @@ fn classify_script(
     name: &str,
     lower: &str,
     args: &[Bytes],
-    keys: Result<Vec<&Bytes>, KeyError>,
+    keys: Result<KeyRefs<'_>, KeyError>,
 ) -> Class {
     let target = args.get(1).map_or(&[][..], |a| a.as_ref());
     let allowed = match lower {

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use smallvec::SmallVec;
 
 use crate::error::RedisError;
 use crate::frame::Frame;
@@ -100,6 +101,10 @@ pub enum FindKeys {
     /// Redis cannot say.
     Unknown,
 }
+
+/// A request's keys, borrowed from its arguments: most commands name one to four, which stay
+/// inline (a vector per request was one of a fenced write's allocations, issue 18).
+pub type KeyRefs<'a> = SmallVec<[&'a Bytes; 4]>;
 
 /// Why a command's keys could not be found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -359,11 +364,11 @@ impl CommandInfo {
     }
 
     /// The keys `args` name, following Redis's key-spec rules.
-    pub fn keys<'a>(&self, args: &'a [Bytes]) -> Result<Vec<&'a Bytes>, KeyError> {
+    pub fn keys<'a>(&self, args: &'a [Bytes]) -> Result<KeyRefs<'a>, KeyError> {
         if self.keys_by_procedure || self.keyword_is_ambiguous(args) {
             return Err(KeyError::Unknown);
         }
-        let mut keys = Vec::new();
+        let mut keys = KeyRefs::new();
         for spec in &self.key_specs {
             if spec.incomplete {
                 return Err(KeyError::Unknown);
@@ -405,7 +410,7 @@ impl CommandInfo {
 }
 
 impl KeySpec {
-    fn collect<'a>(&self, args: &'a [Bytes], out: &mut Vec<&'a Bytes>) -> Result<(), KeyError> {
+    fn collect<'a>(&self, args: &'a [Bytes], out: &mut KeyRefs<'a>) -> Result<(), KeyError> {
         let argc = args.len() as i64;
         let first = match &self.begin {
             BeginSearch::Unknown => return Err(KeyError::Unknown),
@@ -474,7 +479,7 @@ fn push_range<'a>(
     first: i64,
     last: i64,
     step: i64,
-    out: &mut Vec<&'a Bytes>,
+    out: &mut KeyRefs<'a>,
 ) -> Result<(), KeyError> {
     let argc = args.len() as i64;
     if step <= 0 || last >= argc || first < 1 {

@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use fencegate_core::{RejectReason, Token};
 
-use crate::classify::{classify, Class};
+use crate::classify::{classify, Class, Keys};
 use crate::command_table::CommandTable;
 use crate::config::RedisConfig;
 use crate::scope;
@@ -33,7 +33,7 @@ pub enum Decision {
     /// `None` then; not copied here: issue 18), declaring these keys.
     Fence {
         /// The command's keys.
-        keys: Vec<Bytes>,
+        keys: Keys,
     },
     /// Refuse (audited), answering [`refusal_text`].
     Refuse {

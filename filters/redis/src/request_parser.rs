@@ -5,13 +5,17 @@
 //! Accepts exactly what [`crate::frame::parse_request`] accepts (a proptest checks it); the
 //! caller removes `wire_len` bytes from the front of its buffer after each request.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use crate::error::FrameError;
 use crate::frame::{parse_i64, Limits, Request};
 
 /// The longest header line (`*<n>` or `$<n>`, or an inline command up to 64 KiB).
 const MAX_LINE: usize = 64 * 1024;
+
+/// The size of the block requests' arguments are copied into, one after another. A request
+/// larger than half of it gets a buffer of its own, so a block never grows past this size.
+const ARENA: usize = 4096;
 
 /// Resumable state for the request at the front of the caller's buffer.
 #[derive(Debug, Default)]
@@ -28,6 +32,9 @@ pub struct RequestParser {
     scanned: usize,
     /// The current bulk string's header was read: its data starts here and is this long.
     bulk: Option<(usize, usize)>,
+    /// Where requests' arguments are copied: the free part of a block whose front part earlier
+    /// requests' arguments still slice (see [`arguments`]).
+    arena: BytesMut,
 }
 
 impl RequestParser {
@@ -127,19 +134,26 @@ impl RequestParser {
             self.remaining = Some(self.remaining.unwrap_or(1) - 1);
         }
         Ok(Some(Request {
-            args: arguments(buf, &self.ranges),
+            args: arguments(buf, &self.ranges, &mut self.arena),
             wire_len: self.pos,
         }))
     }
 
-    /// Ready for the next request, keeping the ranges' capacity.
+    /// Ready for the next request, keeping the ranges' capacity and the arena.
     fn reset(&mut self) {
         let mut ranges = std::mem::take(&mut self.ranges);
         ranges.clear();
         *self = Self {
             ranges,
+            arena: std::mem::take(&mut self.arena),
             ..Self::default()
         };
+    }
+
+    /// Gives back the arena's block (the connection is quiet); arguments still alive keep
+    /// theirs until they are dropped.
+    pub fn release(&mut self) {
+        self.arena = BytesMut::new();
     }
 
     /// The index of the `\r` ending the line that starts at `from`, searching only bytes not
@@ -177,17 +191,30 @@ impl RequestParser {
     }
 }
 
-/// The arguments at `ranges` of `buf`, copied into one buffer they share (issue 18: a buffer
-/// per argument, and another when a key was cloned for the fence, were a third of a pipelined
-/// fenced write's allocations; now two per request whatever its size: the bytes, and the shared
-/// count the first slice makes).
-fn arguments(buf: &[u8], ranges: &[std::ops::Range<usize>]) -> Vec<Bytes> {
-    let total = ranges.iter().map(|r| r.len()).sum();
-    let mut data = Vec::with_capacity(total);
-    for r in ranges {
-        data.extend_from_slice(&buf[r.clone()]);
-    }
-    let data = Bytes::from(data);
+/// The arguments at `ranges` of `buf`, copied next to each other into `arena` and split off
+/// as one shared buffer they slice (issue 18: a buffer per argument, then a buffer and its
+/// shared count per request, were a third of a pipelined fenced write's allocations). The
+/// arena's block is shared by the requests copied into it: a new block is taken only when it
+/// is full while some of them are still alive, and a full block nobody uses any more is
+/// reused in place, so a busy connection allocates about once per block, not per request.
+fn arguments(buf: &[u8], ranges: &[std::ops::Range<usize>], arena: &mut BytesMut) -> Vec<Bytes> {
+    let total: usize = ranges.iter().map(|r| r.len()).sum();
+    let data = if total > ARENA / 2 {
+        let mut data = Vec::with_capacity(total);
+        for r in ranges {
+            data.extend_from_slice(&buf[r.clone()]);
+        }
+        Bytes::from(data)
+    } else {
+        if arena.capacity() < total {
+            // Reuses the block in place when nothing slices it any more, else takes a new one.
+            arena.reserve(ARENA);
+        }
+        for r in ranges {
+            arena.extend_from_slice(&buf[r.clone()]);
+        }
+        arena.split().freeze()
+    };
     let mut at = 0;
     ranges
         .iter()
@@ -262,6 +289,37 @@ mod tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].args.len(), n + 1);
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    /// Requests' arguments share the arena's block: a block nobody slices any more is reused in
+    /// place, one still sliced is left alone (its arguments intact), and a large request does
+    /// not go through it (a block never grows).
+    #[test]
+    fn arguments_share_a_block_reused_once_free() {
+        let wire = b"*3\r\n$3\r\nSET\r\n$5\r\nkey:1\r\n$3\r\nabc\r\n";
+        let mut parser = RequestParser::default();
+        let first = parser.next(wire, &limits()).unwrap().unwrap();
+        let block = first.args[0].as_ptr();
+        let second = parser.next(wire, &limits()).unwrap().unwrap();
+        assert_eq!(second.args[0].as_ptr(), block.wrapping_add(11), "next to each other");
+        let large = format!("*2\r\n$3\r\nSET\r\n$3000\r\n{}\r\n", "v".repeat(3000));
+        let large = parser.next(large.as_bytes(), &limits()).unwrap().unwrap();
+        let third = parser.next(wire, &limits()).unwrap().unwrap();
+        assert_eq!(large.args[1].len(), 3000);
+        assert_eq!(third.args[0].as_ptr(), block.wrapping_add(22), "not after the large one");
+        drop((first, second, large, third));
+        let starts_block = |r: &Request| r.args[0].as_ptr() == block;
+        // Dropped as they go: the block is taken again from its start once full.
+        let reused = (0..1_000)
+            .filter(|_| starts_block(&parser.next(wire, &limits()).unwrap().unwrap()))
+            .count();
+        assert!(reused >= 2, "reused {reused} times");
+        // Kept alive: a full block is left to them and a new one taken.
+        let kept: Vec<Request> = (0..1_000)
+            .map(|_| parser.next(wire, &limits()).unwrap().unwrap())
+            .collect();
+        assert!(kept.iter().filter(|r| starts_block(r)).count() <= 1);
+        assert!(kept.iter().all(|r| r.args == whole(wire).unwrap()[0].args));
     }
 
     proptest! {

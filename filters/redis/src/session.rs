@@ -38,7 +38,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::buffer_keep::BufferKeep;
-use crate::classify::{classify, Class};
+use crate::classify::{classify, Class, Keys};
 use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
 use crate::fence_batch::{self, Run, Split};
@@ -59,6 +59,10 @@ const SLOT_QUEUE: usize = 4096;
 const NAME_ON_STACK: usize = 32;
 /// The capacity of each read and write buffer while it is in use.
 const BUFFER: usize = 16 * 1024;
+
+/// The most slots a batch's emptied list keeps for the next batch (a larger one, from a long
+/// pipeline, is freed).
+const SLOTS_KEPT: usize = 64;
 
 /// Runs one client session to completion; errors are logged, never returned. Once `shutdown`
 /// is cancelled the session ends at its next idle point: no transaction open, no partial
@@ -150,6 +154,7 @@ pub(crate) async fn run(
         parser: RequestParser::default(),
         keep: BufferKeep::new(),
         room: BytesMut::new(),
+        slot_room: Vec::new(),
         held: 0,
         tarpit: Tarpit::new(
             Duration::from_millis(gateway.config.tarpit_initial_ms),
@@ -367,7 +372,7 @@ struct FencedWrite {
     /// The request's number on this connection (the audit record's request id).
     request: u64,
     args: Vec<Bytes>,
-    keys: Vec<Bytes>,
+    keys: Keys,
     /// The request's size on the wire.
     bytes: usize,
 }
@@ -415,6 +420,8 @@ struct Reader {
     keep: BufferKeep,
     /// The buffer the last batch was written into, emptied, for the next one.
     room: BytesMut,
+    /// The last batch's slot list, emptied, for the next one (given back with `room`).
+    slot_room: Vec<Slot>,
     /// Bytes this connection counts in the gateway's `buffered` total.
     held: usize,
     /// Refusals over the gateway's budget since this connection's last accepted write.
@@ -515,10 +522,11 @@ impl Batch {
     /// A batch for `input` bytes of requests, written into `room` (the last batch's buffer,
     /// emptied). It is made large enough at once to hold the requests rewritten (a fence call
     /// adds about a hundred bytes to its write), instead of grown write by write.
-    fn new(mut room: BytesMut, input: usize) -> Self {
+    fn new(mut room: BytesMut, slots: Vec<Slot>, input: usize) -> Self {
         room.reserve(input.saturating_mul(2).min(input + BUFFER) + 256);
         Self {
             upstream: room,
+            slots,
             ..Self::default()
         }
     }
@@ -647,7 +655,11 @@ impl Reader {
                                     &mut self.client,
                                     &mut self.buf,
                                     &mut self.keep,
-                                    || self.room = BytesMut::new(),
+                                    || {
+                                        self.room = BytesMut::new();
+                                        self.slot_room = Vec::new();
+                                        self.parser.release();
+                                    },
                                 )
                                 .await,
                             ),
@@ -655,7 +667,7 @@ impl Reader {
                                 timer.start();
                                 tokio::select! {
                                     biased;
-                                    r = read_giving_back(&mut self.client, &mut self.buf, &mut self.keep, || self.room = BytesMut::new()) => Some(r),
+                                    r = read_giving_back(&mut self.client, &mut self.buf, &mut self.keep, || { self.room = BytesMut::new(); self.slot_room = Vec::new(); self.parser.release(); }) => Some(r),
                                     () = timer.expired() => None,
                                 }
                             }
@@ -696,7 +708,11 @@ impl Reader {
                 }
                 began = was_empty;
             }
-            let mut batch = Batch::new(std::mem::take(&mut self.room), self.buf.len());
+            let mut batch = Batch::new(
+                std::mem::take(&mut self.room),
+                std::mem::take(&mut self.slot_room),
+                self.buf.len(),
+            );
             let read_at = std::time::Instant::now();
             let mut fatal = None;
             let mut pin = false;
@@ -754,7 +770,8 @@ impl Reader {
                 batch.upstream.clear();
                 self.room = std::mem::take(&mut batch.upstream);
             }
-            for slot in batch.slots {
+            let mut slots = std::mem::take(&mut batch.slots);
+            for slot in slots.drain(..) {
                 self.read_at
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -762,6 +779,10 @@ impl Reader {
                 if self.slots.send(slot).await.is_err() {
                     return Ok(());
                 }
+            }
+            // Kept like `room` (a list per batch was an allocation per request, issue 18).
+            if slots.capacity() <= SLOTS_KEPT {
+                self.slot_room = slots;
             }
             if fatal.is_none() && !self.account_buffered() {
                 let text = format!(
@@ -1106,7 +1127,7 @@ impl Reader {
             );
             return self.refuse(request, RejectReason::Unsupported, &detail, batch);
         }
-        let keys: Vec<Bytes> = info
+        let keys: Keys = info
             .keys(args)
             .map(|k| k.into_iter().cloned().collect())
             .unwrap_or_default();
