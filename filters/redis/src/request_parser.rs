@@ -301,12 +301,20 @@ mod tests {
         let first = parser.next(wire, &limits()).unwrap().unwrap();
         let block = first.args[0].as_ptr();
         let second = parser.next(wire, &limits()).unwrap().unwrap();
-        assert_eq!(second.args[0].as_ptr(), block.wrapping_add(11), "next to each other");
+        assert_eq!(
+            second.args[0].as_ptr(),
+            block.wrapping_add(11),
+            "next to each other"
+        );
         let large = format!("*2\r\n$3\r\nSET\r\n$3000\r\n{}\r\n", "v".repeat(3000));
         let large = parser.next(large.as_bytes(), &limits()).unwrap().unwrap();
         let third = parser.next(wire, &limits()).unwrap().unwrap();
         assert_eq!(large.args[1].len(), 3000);
-        assert_eq!(third.args[0].as_ptr(), block.wrapping_add(22), "not after the large one");
+        assert_eq!(
+            third.args[0].as_ptr(),
+            block.wrapping_add(22),
+            "not after the large one"
+        );
         drop((first, second, large, third));
         let starts_block = |r: &Request| r.args[0].as_ptr() == block;
         // Dropped as they go: the block is taken again from its start once full.
