@@ -331,6 +331,62 @@ mod tests {
     }
 
     proptest! {
+        // Each case parses up to a few hundred KiB in many pieces: fewer cases than the default.
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Many requests through one parser, some kept alive and some dropped as they come (in
+        /// any pattern), some too large for the arena's block: every kept request still holds
+        /// exactly its own arguments once all are parsed, whatever the blocks went through.
+        #[test]
+        fn kept_arguments_survive_later_requests(
+            requests in prop::collection::vec(
+                (
+                    prop::collection::vec(
+                        prop_oneof![
+                            9 => prop::collection::vec(any::<u8>(), 0..64),
+                            1 => prop::collection::vec(any::<u8>(), 1_500..3_000),
+                        ],
+                        1..5,
+                    ),
+                    any::<bool>(),
+                ),
+                1..200,
+            ),
+            chunk in 1usize..4_096,
+        ) {
+            let mut wire = Vec::new();
+            for (args, _) in &requests {
+                wire.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+                for a in args {
+                    wire.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+                    wire.extend_from_slice(a);
+                    wire.extend_from_slice(b"\r\n");
+                }
+            }
+            let mut parser = RequestParser::default();
+            let mut buf = Vec::new();
+            let mut seen = 0;
+            let mut kept = Vec::new();
+            for piece in wire.chunks(chunk) {
+                buf.extend_from_slice(piece);
+                while let Some(r) = parser.next(&buf, &limits()).unwrap() {
+                    buf.drain(..r.wire_len);
+                    if requests[seen].1 {
+                        kept.push((seen, r));
+                    }
+                    seen += 1;
+                }
+            }
+            prop_assert_eq!(seen, requests.len());
+            for (i, r) in &kept {
+                let got: Vec<&[u8]> = r.args.iter().map(|a| a.as_ref()).collect();
+                let want: Vec<&[u8]> = requests[*i].0.iter().map(|a| a.as_slice()).collect();
+                prop_assert_eq!(got, want, "request {}", i);
+            }
+        }
+    }
+
+    proptest! {
         #[test]
         fn any_split_equals_whole(
             args in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..20), 1..6),
