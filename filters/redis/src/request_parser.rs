@@ -199,22 +199,21 @@ impl RequestParser {
 /// reused in place, so a busy connection allocates about once per block, not per request.
 fn arguments(buf: &[u8], ranges: &[std::ops::Range<usize>], arena: &mut BytesMut) -> Vec<Bytes> {
     let total: usize = ranges.iter().map(|r| r.len()).sum();
-    let data = if total > ARENA / 2 {
-        let mut data = Vec::with_capacity(total);
-        for r in ranges {
-            data.extend_from_slice(&buf[r.clone()]);
-        }
-        Bytes::from(data)
+    let mut own;
+    let into = if total > ARENA / 2 {
+        own = BytesMut::with_capacity(total);
+        &mut own
     } else {
         if arena.capacity() < total {
             // Reuses the block in place when nothing slices it any more, else takes a new one.
             arena.reserve(ARENA);
         }
-        for r in ranges {
-            arena.extend_from_slice(&buf[r.clone()]);
-        }
-        arena.split().freeze()
+        arena
     };
+    for r in ranges {
+        into.extend_from_slice(&buf[r.clone()]);
+    }
+    let data = into.split().freeze();
     let mut at = 0;
     ranges
         .iter()

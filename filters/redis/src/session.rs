@@ -649,25 +649,25 @@ impl Reader {
                     // here: the writer delivers the replies in flight, then closes.
                     let closable = self.multi.is_none();
                     let next = async {
+                        // A quiet connection gives back its read buffer and, with it, what the
+                        // batches keep: their byte buffer, slot list and argument block.
+                        let read = read_giving_back(
+                            &mut self.client,
+                            &mut self.buf,
+                            &mut self.keep,
+                            || {
+                                self.room = BytesMut::new();
+                                self.slot_room = Vec::new();
+                                self.parser.release();
+                            },
+                        );
                         match idle_timer.as_mut() {
-                            None => Some(
-                                read_giving_back(
-                                    &mut self.client,
-                                    &mut self.buf,
-                                    &mut self.keep,
-                                    || {
-                                        self.room = BytesMut::new();
-                                        self.slot_room = Vec::new();
-                                        self.parser.release();
-                                    },
-                                )
-                                .await,
-                            ),
+                            None => Some(read.await),
                             Some(timer) => {
                                 timer.start();
                                 tokio::select! {
                                     biased;
-                                    r = read_giving_back(&mut self.client, &mut self.buf, &mut self.keep, || { self.room = BytesMut::new(); self.slot_room = Vec::new(); self.parser.release(); }) => Some(r),
+                                    r = read => Some(r),
                                     () = timer.expired() => None,
                                 }
                             }
