@@ -7,17 +7,32 @@
 
 mod support;
 
+use std::sync::Arc;
+
 use fencegate_testkit::enforce_library::enforce_library_conf;
 use support::postgres_server::{function_language, install_enforce, PgGateway, PgServer};
+use tokio::sync::Barrier;
 use tokio_postgres::NoTls;
 
-async fn writer(dsn: String, who: &'static str, n: usize) -> (usize, usize) {
+/// Inserts `n` rows as `who`; before row `meet.0` it waits at `meet.1` (the other writer's
+/// start), so the two overlap by construction, not by timing.
+async fn writer(
+    dsn: String,
+    who: &'static str,
+    n: usize,
+    meet: (usize, Arc<Barrier>),
+) -> (usize, usize) {
     let (client, connection) = tokio_postgres::connect(&dsn, NoTls).await.unwrap();
     tokio::spawn(async move {
         let _ = connection.await;
     });
     let (mut ok, mut stale) = (0, 0);
     for i in 0..n {
+        if i == meet.0 {
+            tokio::time::timeout(std::time::Duration::from_secs(30), meet.1.wait())
+                .await
+                .unwrap_or_else(|_| panic!("{who}: the other writer did not start within 30 s"));
+        }
         let sql = format!("INSERT INTO race (who, i) VALUES ('{who}', {i})");
         match client.simple_query(&sql).await {
             Ok(_) => ok += 1,
@@ -58,21 +73,13 @@ async fn race(gw: PgGateway) {
             gw.dsn("postgres")
         )
     };
-    // The old holder starts first and is mid-stream when the new one arrives.
-    let old = tokio::spawn(writer(dsn(n), "old", 1000));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while gw.pg.psql_as(
-        "postgres",
-        "SELECT count(*) >= 10 FROM race WHERE who = 'old'",
-    ) != "t"
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the old holder did not commit 10 rows within 30 s"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    let new = tokio::spawn(writer(dsn(n + 1), "new", 1000));
+    // The old holder commits 10 rows, then waits until the new one has connected: the new
+    // one's first insert then meets the old one mid-stream (990 rows to go) on any machine.
+    // (Polling the table for those 10 rows and then connecting raced: on a loaded machine the
+    // old holder once finished all 1,000 before the new one's first commit.)
+    let meet = Arc::new(Barrier::new(2));
+    let old = tokio::spawn(writer(dsn(n), "old", 1000, (10, meet.clone())));
+    let new = tokio::spawn(writer(dsn(n + 1), "new", 1000, (0, meet)));
     let (old_ok, old_stale) = old.await.unwrap();
     let (new_ok, new_stale) = new.await.unwrap();
     println!("old: {old_ok} committed, {old_stale} refused (FG001); new: {new_ok} committed, {new_stale} refused");
