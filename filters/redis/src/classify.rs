@@ -5,7 +5,7 @@ use bytes::Bytes;
 use fencegate_core::RejectReason;
 use smallvec::SmallVec;
 
-use crate::command_table::{CommandTable, KeyError, KeyRefs};
+use crate::command_table::{CommandInfo, CommandTable, KeyError, KeyRefs};
 use crate::config::{ProtectMode, RedisConfig};
 use crate::rewrite::FENCE_KEY_PREFIX;
 
@@ -57,8 +57,18 @@ fn refuse(detail: String) -> Class {
 
 /// Classifies `args` (command name first).
 pub fn classify(table: &CommandTable, config: &RedisConfig, args: &[Bytes]) -> Class {
+    classify_command(table.lookup(args), config, args)
+}
+
+/// [`classify`], given the request's entry in the command table (`None`: not in it), which the
+/// session looks up once per request for every step that needs it (issue 18).
+pub fn classify_command(
+    command: Option<&CommandInfo>,
+    config: &RedisConfig,
+    args: &[Bytes],
+) -> Class {
     let enforcing = config.enforces_any();
-    let Some(info) = table.lookup(args) else {
+    let Some(info) = command else {
         return if enforcing {
             Class::Unknown
         } else {

@@ -5,15 +5,16 @@
 use bytes::Bytes;
 use fencegate_core::{RejectReason, Token};
 
-use crate::classify::{classify, Class, Keys};
-use crate::command_table::CommandTable;
+use crate::classify::{classify_command, Class, Keys};
+use crate::command_table::CommandInfo;
 use crate::config::RedisConfig;
 use crate::scope;
 
 /// What decide looks at besides the request.
 pub struct Inputs<'a> {
-    /// The upstream's commands.
-    pub table: &'a CommandTable,
+    /// The request's entry in the upstream's command table (`CommandTable::lookup`; `None`:
+    /// not in it), looked up once by the caller.
+    pub command: Option<&'a CommandInfo>,
     /// The gateway's config.
     pub config: &'a RedisConfig,
     /// The connection's token, if `FENCE` set one.
@@ -51,7 +52,7 @@ pub fn decide(inputs: &Inputs, args: &[Bytes]) -> Decision {
             .map(|n| String::from_utf8_lossy(n).to_ascii_uppercase())
             .unwrap_or_default()
     };
-    match classify(inputs.table, inputs.config, args) {
+    match classify_command(inputs.command, inputs.config, args) {
         Class::Pass => Decision::Pass,
         Class::Unknown => Decision::Unknown,
         Class::Refuse { reason, detail } => Decision::Refuse { reason, detail },
@@ -124,16 +125,16 @@ mod tests {
             ..RedisConfig::default()
         };
         let token = token.map(|r| Token::new(Resource::new(r).unwrap(), Revision::new(7).unwrap()));
-        let inputs = Inputs {
-            table: &table,
-            config: &config,
-            token: token.as_ref(),
-            fences_at_risk: at_risk,
-        };
         let args: Vec<Bytes> = text
             .split(' ')
             .map(|a| Bytes::copy_from_slice(a.as_bytes()))
             .collect();
+        let inputs = Inputs {
+            command: table.lookup(&args),
+            config: &config,
+            token: token.as_ref(),
+            fences_at_risk: at_risk,
+        };
         match decide(&inputs, &args) {
             Decision::Pass => "pass".into(),
             Decision::Unknown => "unknown".into(),

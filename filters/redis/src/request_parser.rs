@@ -141,13 +141,21 @@ impl RequestParser {
 
     /// Ready for the next request, keeping the ranges' capacity and the arena.
     fn reset(&mut self) {
-        let mut ranges = std::mem::take(&mut self.ranges);
-        ranges.clear();
-        *self = Self {
+        // Field by field (rebuilding `Self` dropped two empty buffers per request); named all,
+        // so a field added later cannot be forgotten here.
+        let Self {
+            pos,
+            remaining,
             ranges,
-            arena: std::mem::take(&mut self.arena),
-            ..Self::default()
-        };
+            scanned,
+            bulk,
+            arena: _,
+        } = self;
+        *pos = 0;
+        *remaining = None;
+        ranges.clear();
+        *scanned = 0;
+        *bulk = None;
     }
 
     /// Gives back the arena's block (the connection is quiet); arguments still alive keep
