@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tempfile::TempDir;
 
-use fencegate_testkit::postgres_server::{as_postgres, try_server_dir};
+use fencegate_testkit::postgres_server::{
+    try_bin_dir, try_check, try_initdb, try_pg_ctl_start, try_pg_ctl_stop, try_server_dir,
+};
 
 use crate::process::{fencegate_binary, free_port, Server};
 
@@ -27,16 +29,7 @@ pub fn wait_port(port: u16, what: &str) -> anyhow::Result<()> {
 }
 
 fn check(output: std::io::Result<Output>, what: &str) -> anyhow::Result<Output> {
-    let output = output.with_context(|| format!("running {what}"))?;
-    if !output.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(output)
+    try_check(output, what).map_err(anyhow::Error::msg)
 }
 
 /// A redis-server without persistence.
@@ -83,16 +76,7 @@ impl Redis {
 
 /// Where Debian installs the PostgreSQL server binaries.
 pub fn pg_bin() -> anyhow::Result<PathBuf> {
-    if let Ok(dir) = std::env::var("PG_BIN") {
-        return Ok(PathBuf::from(dir));
-    }
-    for version in ["17", "16", "15", "14"] {
-        let dir = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
-        if dir.join("initdb").exists() {
-            return Ok(dir);
-        }
-    }
-    bail!("initdb/pg_ctl not found under /usr/lib/postgresql/*/bin: apt-get install postgresql (or set PG_BIN)")
+    try_bin_dir().map_err(anyhow::Error::msg)
 }
 
 /// A PostgreSQL server with durable commits (fsync and synchronous_commit on, the defaults).
@@ -114,38 +98,16 @@ impl Postgres {
         let bin = pg_bin()?;
         let (dir, sock) = try_server_dir("fencegate-bench-pg").map_err(anyhow::Error::msg)?;
         let data = dir.path().join("data");
-        check(
-            as_postgres(&bin.join("initdb"))
-                .arg("-D")
-                .arg(&data)
-                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
-                .output(),
-            "initdb",
-        )?;
-        if !conf.is_empty() {
-            use std::io::Write;
-            let mut file = std::fs::OpenOptions::new()
-                .append(true)
-                .open(data.join("postgresql.conf"))?;
-            writeln!(file, "{conf}")?;
-        }
+        // Synced: the suites measure durable commits.
+        try_initdb(&bin, &data, &[], conf).map_err(anyhow::Error::msg)?;
         let port = free_port();
         let options = format!(
             "-p {port} -k {} -c listen_addresses=127.0.0.1 -c fsync=on -c synchronous_commit=on \
              -c max_connections={max_connections} -c shared_buffers=128MB",
             sock.display()
         );
-        check(
-            as_postgres(&bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&data)
-                .arg("-l")
-                .arg(dir.path().join("server.log"))
-                .args(["-o", &options, "-w", "-t", "60", "start"])
-                .stdout(Stdio::null())
-                .output(),
-            "pg_ctl start",
-        )?;
+        try_pg_ctl_start(&bin, &data, &dir.path().join("server.log"), &options)
+            .map_err(anyhow::Error::msg)?;
         let server = Self {
             port,
             bin,
@@ -186,13 +148,7 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
-        let _ = as_postgres(&self.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&self.data)
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        let _ = try_pg_ctl_stop(&self.bin, &self.data);
     }
 }
 

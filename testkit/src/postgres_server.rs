@@ -16,21 +16,27 @@ pub const MD5_USER: &str = "md5_user";
 pub const CLEARTEXT_USER: &str = "cleartext_user";
 pub const PASSWORD: &str = "s3cret-Pa55";
 
-/// Where Debian and Ubuntu install the server binaries; `PG_BIN` overrides.
-pub(crate) fn bin_dir() -> PathBuf {
+/// Where Debian and Ubuntu install the server binaries; `PG_BIN` overrides. `Err` says how to
+/// install them (the tests panic with it, the benchmarks report it).
+pub fn try_bin_dir() -> Result<PathBuf, String> {
     if let Ok(dir) = std::env::var("PG_BIN") {
-        return PathBuf::from(dir);
+        return Ok(PathBuf::from(dir));
     }
     for version in ["17", "16", "15", "14"] {
         let dir = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
         if dir.join("initdb").exists() {
-            return dir;
+            return Ok(dir);
         }
     }
-    panic!(
+    Err(
         "PostgreSQL server binaries (initdb, pg_ctl) not found under /usr/lib/postgresql/*/bin; \
          install them with `apt-get install postgresql` (or set PG_BIN)"
-    );
+            .to_owned(),
+    )
+}
+
+pub(crate) fn bin_dir() -> PathBuf {
+    try_bin_dir().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Whether this process runs as root (then the server's binaries run as `postgres`).
@@ -53,16 +59,78 @@ pub fn as_postgres(program: &Path) -> Command {
     }
 }
 
+/// `output` if the command ran and succeeded; else what failed, with its output.
+pub fn try_check(output: std::io::Result<Output>, what: &str) -> Result<Output, String> {
+    let output = output.map_err(|e| format!("{what}: {e}"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{what} failed ({}):\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(output)
+}
+
 fn check(output: std::io::Result<Output>, what: &str) -> Output {
-    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
+    try_check(output, what).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `initdb` of `data` as the `postgres` user (superuser `postgres`, trust, UTF8; `extra`
+/// arguments after those), then `conf` (postgresql.conf lines, if any) appended: in the file,
+/// not on pg_ctl's command line, which goes through a shell that would expand `$libdir`.
+pub fn try_initdb(bin: &Path, data: &Path, extra: &[&str], conf: &str) -> Result<(), String> {
+    try_check(
+        as_postgres(&bin.join("initdb"))
+            .arg("-D")
+            .arg(data)
+            .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
+            .args(extra)
+            .output(),
+        "initdb",
+    )?;
+    if !conf.is_empty() {
+        use std::io::Write;
+        let path = data.join("postgresql.conf");
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| writeln!(file, "{conf}"))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `pg_ctl start` of `data` with these server `options`, its log in `log`; returns once the
+/// server is up (at most 60 s).
+pub fn try_pg_ctl_start(bin: &Path, data: &Path, log: &Path, options: &str) -> Result<(), String> {
+    try_check(
+        as_postgres(&bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(data)
+            .arg("-l")
+            .arg(log)
+            .args(["-o", options, "-w", "-t", "60", "start"])
+            .stdout(Stdio::null())
+            .output(),
+        "pg_ctl start",
+    )
+    .map(drop)
+}
+
+/// `pg_ctl stop -m immediate` of `data`: as a crash would (no checkpoint, sessions cut).
+pub fn try_pg_ctl_stop(bin: &Path, data: &Path) -> Result<(), String> {
+    try_check(
+        as_postgres(&bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(data)
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .output(),
+        "pg_ctl stop",
+    )
+    .map(drop)
 }
 
 /// A server's temp dir, owned by `postgres` (the server refuses to run as root), with an empty
@@ -139,14 +207,7 @@ impl PgServer {
         let bin = bin_dir();
         let (dir, sockdir) = server_dir();
         let data = dir.path().join("data");
-        check(
-            as_postgres(&bin.join("initdb"))
-                .arg("-D")
-                .arg(&data)
-                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
-                .output(),
-            "initdb",
-        );
+        try_initdb(&bin, &data, &["--no-sync"], conf).unwrap_or_else(|e| panic!("{e}"));
         let hba = format!(
             "host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n\
              host all {MD5_USER} 127.0.0.1/32 md5\n\
@@ -156,16 +217,6 @@ impl PgServer {
              local all all trust\n"
         );
         std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
-        if !conf.is_empty() {
-            use std::io::Write;
-            // In the file, not on pg_ctl's command line: pg_ctl hands that to a shell, which
-            // would expand `$libdir`.
-            let mut file = std::fs::OpenOptions::new()
-                .append(true)
-                .open(data.join("postgresql.conf"))
-                .unwrap();
-            writeln!(file, "{conf}").unwrap();
-        }
         let port = free_port();
         let mut options = server_options(port, &sockdir);
         if let Some((cert, key)) = tls {
@@ -212,17 +263,9 @@ impl PgServer {
     }
 
     fn pg_ctl_start(&self) {
-        check(
-            as_postgres(&self.bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&self.data)
-                .arg("-l")
-                .arg(self.dir.path().join("server.log"))
-                .args(["-o", &self.options, "-w", "-t", "60", "start"])
-                .stdout(Stdio::null())
-                .output(),
-            "pg_ctl start",
-        );
+        let log = self.dir.path().join("server.log");
+        try_pg_ctl_start(&self.bin, &self.data, &log, &self.options)
+            .unwrap_or_else(|e| panic!("{e}"));
         self.wait_ready(Duration::from_secs(30));
     }
 
@@ -282,15 +325,7 @@ impl PgServer {
     /// Stops the server as a crash would (`pg_ctl stop -m immediate`: no checkpoint, sessions
     /// cut) and starts it again on the same port and data; recovery replays what it committed.
     pub fn restart(&self) {
-        check(
-            as_postgres(&self.bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&self.data)
-                .args(["-m", "immediate", "-w", "stop"])
-                .stdout(Stdio::null())
-                .output(),
-            "pg_ctl stop",
-        );
+        try_pg_ctl_stop(&self.bin, &self.data).unwrap_or_else(|e| panic!("{e}"));
         self.pg_ctl_start();
     }
 
@@ -349,12 +384,6 @@ impl PgServer {
 
 impl Drop for PgServer {
     fn drop(&mut self) {
-        let _ = as_postgres(&self.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&self.data)
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        let _ = try_pg_ctl_stop(&self.bin, &self.data);
     }
 }

@@ -499,7 +499,7 @@ fn bulk(out: &mut BytesMut, b: &[u8]) {
 /// A type byte and a length, formatted on the stack (a `to_string` per element was an allocation
 /// per argument of every request relayed or rewritten, issue 18) and appended in one copy. Most
 /// lengths of a fence call have one or two digits: they skip `itoa` (three appends and `itoa`
-/// per header were 6 % of a pipelined fenced write's instructions).
+/// per header were 5 % of a pipelined fenced write's instructions).
 fn header(out: &mut BytesMut, kind: u8, n: usize) {
     match n {
         0..=9 => out.put_slice(&[kind, b'0' + n as u8, b'\r', b'\n']),
