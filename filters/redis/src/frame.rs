@@ -210,7 +210,13 @@ impl Cursor<'_> {
     /// [`Cursor::line_up_to`] as `Bytes`.
     fn line_bytes(&mut self, max: usize) -> Result<Bytes, FrameError> {
         let start = self.pos;
-        let len = self.line_up_to(max)?.len();
+        let line = self.line_up_to(max)?;
+        let (len, ok) = (line.len(), line == b"OK");
+        if ok && self.source.is_none() {
+            // `+OK`, the reply to most writes (each of a fenced pipeline's too): not a copy,
+            // and so not an allocation, per reply (issue 18).
+            return Ok(Bytes::from_static(b"OK"));
+        }
         Ok(self.bytes(start..start + len))
     }
 
