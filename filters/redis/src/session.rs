@@ -1498,7 +1498,10 @@ impl Writer {
             let Source::Own(upstream) = &mut self.upstream else {
                 return Ok(self.slots.recv().await);
             };
+            // `biased` (no random draw per wait, issue 18): a slot's own replies are read while
+            // it is served, so reading upstream second starves nothing.
             tokio::select! {
+                biased;
                 slot = self.slots.recv() => return Ok(slot),
                 n = read(upstream, &mut self.ubuf, &mut self.ukeep) => {
                     if n.map_err(RedisError::io("reading from upstream"))? == 0 {

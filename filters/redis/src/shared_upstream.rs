@@ -271,7 +271,10 @@ async fn write_loop(shared: Arc<SharedConnection>, mut half: WriteHalf, stop: Ca
     // wake-up registered a waiter under the token's lock per request (issue 18).
     let mut stopped = PollOnWake::new(stop.cancelled_owned());
     loop {
+        // `biased`: an unbiased select draws a random number per poll (issue 18); the stop is
+        // polled only once woken, so checking it first costs nothing.
         tokio::select! {
+            biased;
             () = &mut stopped => return shared.fail("the gateway stopped"),
             () = shared.queued.wait() => {}
         }
@@ -331,6 +334,7 @@ async fn read_loop(shared: Arc<SharedConnection>, mut half: ReadHalf, stop: Canc
             buf.reserve(READ_ROOM);
         }
         let read = tokio::select! {
+            biased;
             () = &mut stopped => return shared.fail("the gateway stopped"),
             read = half.read_buf(&mut buf) => read,
         };

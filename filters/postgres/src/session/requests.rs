@@ -89,7 +89,7 @@ pub(super) async fn relay_requests(
         };
         for bytes in outgoing {
             upstream
-                .write_all(&bytes)
+                .put(&bytes)
                 .await
                 .map_err(PostgresError::io("writing upstream"))?;
         }
