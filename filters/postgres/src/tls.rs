@@ -26,3 +26,9 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<(TlsAcceptor, Arc<ServerCert>
 /// A client connection: plain TCP, or TLS terminated by the gateway after an `SSLRequest` was
 /// accepted.
 pub type ClientStream = MaybeTls<TcpStream, Box<TlsStream<TcpStream>>>;
+
+/// The reading half of a [`ClientStream`] ([`fencegate_core::stream::split`]).
+pub type ClientRead = fencegate_core::stream::ReadHalf<Box<TlsStream<TcpStream>>>;
+
+/// The writing half of a [`ClientStream`].
+pub type ClientWrite = fencegate_core::stream::WriteHalf<Box<TlsStream<TcpStream>>>;

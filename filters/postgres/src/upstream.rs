@@ -17,6 +17,12 @@ use fencegate_core::stream::MaybeTls;
 /// An upstream connection.
 pub type UpstreamStream = MaybeTls<TcpStream, Box<TlsStream<TcpStream>>>;
 
+/// The reading half of an [`UpstreamStream`] ([`fencegate_core::stream::split`]).
+pub type UpstreamRead = fencegate_core::stream::ReadHalf<Box<TlsStream<TcpStream>>>;
+
+/// The writing half of an [`UpstreamStream`].
+pub type UpstreamWrite = fencegate_core::stream::WriteHalf<Box<TlsStream<TcpStream>>>;
+
 /// `SSLRequest`: length 8, code 80877103.
 const SSL_REQUEST: [u8; 8] = [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f];
 

@@ -3,7 +3,6 @@
 //! can wait for readability without holding a buffer.
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 use fencegate_core::stream::MaybeTls;
@@ -16,21 +15,12 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin> TlsIo for T {}
 pub type Connection = MaybeTls<TcpStream, Box<dyn TlsIo>>;
 
 /// The reading half of a [`Connection`].
-pub type ReadHalf = MaybeTls<OwnedReadHalf, tokio::io::ReadHalf<Box<dyn TlsIo>>>;
+pub type ReadHalf = fencegate_core::stream::ReadHalf<Box<dyn TlsIo>>;
 
 /// The writing half of a [`Connection`].
-pub type WriteHalf = MaybeTls<OwnedWriteHalf, tokio::io::WriteHalf<Box<dyn TlsIo>>>;
+pub type WriteHalf = fencegate_core::stream::WriteHalf<Box<dyn TlsIo>>;
 
 /// Splits a connection into halves a reader and a writer task can own.
 pub fn split(connection: Connection) -> (ReadHalf, WriteHalf) {
-    match connection {
-        MaybeTls::Plain(s) => {
-            let (r, w) = s.into_split();
-            (MaybeTls::Plain(r), MaybeTls::Plain(w))
-        }
-        MaybeTls::Tls(s) => {
-            let (r, w) = tokio::io::split(s);
-            (MaybeTls::Tls(r), MaybeTls::Tls(w))
-        }
-    }
+    fencegate_core::stream::split(connection)
 }

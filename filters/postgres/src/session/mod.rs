@@ -256,7 +256,7 @@ async fn session(
     });
 
     let (stream, buffered) = client_read.into_parts();
-    let (client_read, client_write) = tokio::io::split(stream);
+    let (client_read, client_write) = fencegate_core::stream::split(stream);
     let client_read = FrameReader::with_buffer(client_read, buffered, max);
     // Both directions are futures of this one task, not tasks of their own (issue 18's
     // profile: a request read on one worker thread and its reply on the other cost a futex

@@ -6,8 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate_core::{Store, UpstreamFailure};
-use tokio::io::ReadHalf;
-use tokio::io::{AsyncWriteExt, WriteHalf};
+use tokio::io::AsyncWriteExt;
 
 use super::pending::{on_reply, Expect};
 use super::Shared;
@@ -15,14 +14,14 @@ use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
 use crate::message::{self, ErrorFields, FrameReader};
 use crate::sqlstate;
-use crate::tls::ClientStream;
-use crate::upstream::UpstreamStream;
+use crate::tls::ClientWrite;
+use crate::upstream::UpstreamRead;
 
 /// upstream -> client.
 pub(super) async fn relay_replies(
     shared: Arc<Shared>,
-    mut upstream: FrameReader<ReadHalf<UpstreamStream>>,
-    mut client: LazyWriter<WriteHalf<ClientStream>>,
+    mut upstream: FrameReader<UpstreamRead>,
+    mut client: LazyWriter<ClientWrite>,
 ) -> Result<(), PostgresError> {
     loop {
         // `biased`: an unbiased select draws a random number per poll to pick its first branch
@@ -118,7 +117,7 @@ pub(super) async fn relay_replies(
 /// Sends the local answers at the front of the queue. `true`: the session must end.
 async fn deliver_local(
     shared: &Shared,
-    client: &mut LazyWriter<WriteHalf<ClientStream>>,
+    client: &mut LazyWriter<ClientWrite>,
 ) -> Result<bool, PostgresError> {
     let mut out = Vec::new();
     let mut close = false;

@@ -8,8 +8,7 @@ use bytes::{Bytes, BytesMut};
 use fencegate_core::{OperationSummary, PollOnWake, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
 use smallvec::{smallvec, SmallVec};
-use tokio::io::WriteHalf;
-use tokio::io::{AsyncWriteExt, ReadHalf};
+use tokio::io::AsyncWriteExt;
 
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
@@ -20,8 +19,8 @@ use crate::lexing;
 use crate::message::{self, ErrorFields, Frame, FrameReader};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
-use crate::tls::ClientStream;
-use crate::upstream::UpstreamStream;
+use crate::tls::ClientRead;
+use crate::upstream::UpstreamWrite;
 
 /// The most messages that may wait for their answers in one session.
 const MAX_PENDING: usize = 262_144;
@@ -33,8 +32,8 @@ type Outgoing = SmallVec<[Bytes; 2]>;
 
 pub(super) async fn relay_requests(
     shared: Arc<Shared>,
-    mut client: FrameReader<ReadHalf<ClientStream>>,
-    mut upstream: LazyWriter<WriteHalf<UpstreamStream>>,
+    mut client: FrameReader<ClientRead>,
+    mut upstream: LazyWriter<UpstreamWrite>,
 ) -> Result<(), PostgresError> {
     // One wait for the drain for the whole session, not a new one (and a new waiter in the
     // token's list) per message; polled only when it was woken, not once per message.

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use tokio::io::{AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::MAX_BACKEND_MESSAGE;
@@ -15,13 +15,13 @@ use crate::lexing::Lexing;
 use crate::message::{self, ErrorFields, FrameReader, Startup};
 use crate::sqlstate;
 use crate::tls::ClientStream;
-use crate::upstream::UpstreamStream;
+use crate::upstream::{UpstreamRead, UpstreamWrite};
 
 /// A session the server accepted: both connections, and what the session starts with.
 pub(super) struct Established {
     pub(super) client_read: FrameReader<ClientStream>,
-    pub(super) upstream_read: FrameReader<ReadHalf<UpstreamStream>>,
-    pub(super) upstream_write: WriteHalf<UpstreamStream>,
+    pub(super) upstream_read: FrameReader<UpstreamRead>,
+    pub(super) upstream_write: UpstreamWrite,
     /// The first ReadyForQuery status.
     pub(super) status: u8,
     /// The token from the startup packet, if any.
@@ -147,7 +147,7 @@ pub(super) async fn establish(
             return Err(e);
         }
     };
-    let (upstream_read, mut upstream_write) = tokio::io::split(upstream);
+    let (upstream_read, mut upstream_write) = fencegate_core::stream::split(upstream);
     let mut upstream_read = FrameReader::new(upstream_read, MAX_BACKEND_MESSAGE);
     upstream_write
         .write_all(&message::startup_message(&relayed))
