@@ -317,7 +317,7 @@ pub(super) struct Outcome {
 }
 
 /// Matches one upstream message against the queue of expected replies.
-pub(super) fn on_reply(state: &mut State, frame: &Frame) -> Outcome {
+pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> Outcome {
     let mut outcome = Outcome {
         forward: true,
         replace: None,

@@ -28,9 +28,9 @@ pub(super) async fn relay_replies(
         // (issue 18's profile: 7 per `pgbench -S -M prepared` transaction). The order does not
         // matter here: a local answer waits in the queue behind the replies before it either way,
         // and the flag stays set until `local_ready` is polled.
-        let frame = tokio::select! {
+        let ready = tokio::select! {
             biased;
-            frame = upstream.read_frame() => frame.inspect_err(|_| {
+            ready = upstream.ready() => ready.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
             })?,
             () = shared.local_ready() => {
@@ -40,7 +40,7 @@ pub(super) async fn relay_replies(
                 continue;
             }
         };
-        let Some(frame) = frame else {
+        if !ready {
             // The server is gone (or was told to go after a client protocol error): what the
             // gateway still owes the client (that error, say) is sent before closing.
             let owed: Vec<Bytes> = shared
@@ -58,7 +58,14 @@ pub(super) async fn relay_replies(
             let _ = client.flush().await;
             let _ = client.shutdown().await;
             return Ok(());
+        }
+        // The message is looked at and relayed where it was read, then dropped from the buffer.
+        let Some(frame) = upstream.front() else {
+            return Err(PostgresError::Protocol(
+                "the reply reader lost a message it had read".to_owned(),
+            ));
         };
+        let tag = frame.tag;
         // One lock for the reply and for whether a local answer is next, so the common reply
         // does not take the lock again in `deliver_local`. A local answer queued after this is
         // flagged by `local_queued` and sent on the next turn of the loop.
@@ -92,17 +99,18 @@ pub(super) async fn relay_replies(
                 .await;
         }
         if outcome.forward {
-            let bytes = outcome.replace.as_deref().unwrap_or(&frame.raw);
+            let bytes = outcome.replace.as_deref().unwrap_or(frame.raw);
             client
                 .put(bytes)
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
             shared.answered(bytes);
         }
+        upstream.consume();
         if local_next && deliver_local(&shared, &mut client).await? {
             return Ok(());
         }
-        if frame.tag == b'Z' {
+        if tag == b'Z' {
             shared.maybe_settled();
         }
         if !upstream.has_complete_frame() {
