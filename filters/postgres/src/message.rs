@@ -163,13 +163,13 @@ fn read_str<'a>(body: &mut &'a [u8]) -> Option<&'a str> {
 /// A `Query` message's SQL text.
 /// Borrowed from the frame: the text of every simple query is read here, and a copy of it was
 /// an allocation per query (issue 18).
-pub fn query_text(frame: &Frame) -> Result<&str, FrameError> {
+pub fn query_text<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<&str, FrameError> {
     let mut body = frame.body();
     read_str(&mut body).ok_or(FrameError::BadBody("Query"))
 }
 
 /// A `Parse` message's statement name and SQL text.
-pub fn parse_fields(frame: &Frame) -> Result<(String, String), FrameError> {
+pub fn parse_fields<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<(String, String), FrameError> {
     let mut body = frame.body();
     let name = read_cstr(&mut body).ok_or(FrameError::BadBody("Parse"))?;
     let query = read_cstr(&mut body).ok_or(FrameError::BadBody("Parse"))?;
@@ -178,7 +178,7 @@ pub fn parse_fields(frame: &Frame) -> Result<(String, String), FrameError> {
 
 /// A `Bind` message's portal and statement names, borrowed from the frame (a copy was an
 /// allocation per Bind, issue 18).
-pub fn bind_fields(frame: &Frame) -> Result<(&str, &str), FrameError> {
+pub fn bind_fields<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<(&str, &str), FrameError> {
     let mut body = frame.body();
     let portal = read_str(&mut body).ok_or(FrameError::BadBody("Bind"))?;
     let statement = read_str(&mut body).ok_or(FrameError::BadBody("Bind"))?;
@@ -186,7 +186,7 @@ pub fn bind_fields(frame: &Frame) -> Result<(&str, &str), FrameError> {
 }
 
 /// A `Close` or `Describe` message's kind (`S` or `P`) and name.
-pub fn target_fields(frame: &Frame) -> Result<(u8, String), FrameError> {
+pub fn target_fields<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<(u8, String), FrameError> {
     let mut body = frame.body();
     if body.is_empty() {
         return Err(FrameError::BadBody("Close/Describe"));

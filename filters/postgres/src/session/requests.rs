@@ -28,7 +28,15 @@ const MAX_PENDING: usize = 262_144;
 /// What one client message sends upstream, in order: nothing (answered locally), the message
 /// (rewritten or not), or the gateway's guard or refusal and then the message. Inline, not a
 /// `Vec`: one allocation fewer per message.
-type Outgoing = SmallVec<[Bytes; 2]>;
+type Outgoing = SmallVec<[Out; 2]>;
+
+/// One piece of [`Outgoing`].
+enum Out {
+    /// The client's message as it came, relayed from the reader's buffer.
+    Message,
+    /// Bytes of the gateway's own (a rewritten message, a guard, a refusal).
+    Bytes(Bytes),
+}
 
 pub(super) async fn relay_requests(
     shared: Arc<Shared>,
@@ -45,7 +53,7 @@ pub(super) async fn relay_requests(
         let read = tokio::select! {
             biased;
             () = &mut drained, if !pipelined => None,
-            read = client.read_frame() => Some(read),
+            read = client.ready() => Some(read),
         };
         let Some(read) = read else {
             say_goodbye(&shared);
@@ -55,14 +63,21 @@ pub(super) async fn relay_requests(
                 .map_err(PostgresError::io("writing upstream"))?;
             break;
         };
-        let frame = match read {
-            Ok(Some(frame)) => frame,
-            Ok(None) => break,
+        match read {
+            Ok(true) => {}
+            Ok(false) => break,
             Err(e) => {
                 protocol_error(&shared, &e.to_string());
                 let _ = upstream.shutdown().await;
                 return Err(e);
             }
+        }
+        // The message is decided about and relayed where it was read (no copy of its own),
+        // then dropped from the buffer.
+        let Some(frame) = client.front() else {
+            return Err(PostgresError::Protocol(
+                "the request reader lost a message it had read".to_owned(),
+            ));
         };
         // Every message waiting for its answer holds an entry; a client that pipelines without
         // ever reading (the gateway answers some messages itself) must not grow it forever.
@@ -78,7 +93,7 @@ pub(super) async fn relay_requests(
         if matches!(frame.tag, b'Q' | b'S') {
             shared.request_read();
         }
-        let outgoing = match handle_request(&shared, frame).await {
+        let outgoing = match handle_request(&shared, &frame).await {
             Ok(outgoing) => outgoing,
             Err(e) => {
                 protocol_error(&shared, &e.to_string());
@@ -86,12 +101,17 @@ pub(super) async fn relay_requests(
                 return Err(e);
             }
         };
-        for bytes in outgoing {
+        for out in &outgoing {
+            let bytes = match out {
+                Out::Message => frame.raw,
+                Out::Bytes(bytes) => bytes,
+            };
             upstream
-                .put(&bytes)
+                .put(bytes)
                 .await
                 .map_err(PostgresError::io("writing upstream"))?;
         }
+        client.consume();
         if terminate {
             break;
         }
@@ -149,12 +169,12 @@ fn fatal(shared: &Shared, code: &str, message: String) {
 }
 
 /// Decides about one client message; returns the bytes to send upstream, in order.
-async fn handle_request(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
+async fn handle_request(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
     let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
     match frame.tag {
         b'Q' => handle_query(shared, frame).await,
         b'P' => {
-            let (name, sql) = message::parse_fields(&frame).map_err(bad)?;
+            let (name, sql) = message::parse_fields(frame).map_err(bad)?;
             let classified = classify_now(shared, &sql);
             // `SET fencegate.token = '...'` is prepared without its value: the server answers
             // the same messages, and the token stays in the gateway (applied at Bind).
@@ -168,9 +188,9 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Outgoing, Postg
                         &mut buf,
                     )
                     .map_err(|e| PostgresError::Protocol(format!("statement name: {e}")))?;
-                    buf.freeze()
+                    Out::Bytes(buf.freeze())
                 }
-                _ => frame.raw,
+                _ => Out::Message,
             };
             let mut state = shared.lock();
             let change = state.change_sent(name, Some(classified));
@@ -182,32 +202,32 @@ async fn handle_request(shared: &Shared, frame: Frame) -> Result<Outgoing, Postg
         b'B' => handle_bind(shared, frame).await,
         b'D' => {
             shared.lock().pending.push_back(Expect::Describe);
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
         b'E' => {
             shared
                 .lock()
                 .pending
                 .push_back(Expect::Execute(Role::Client));
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
         b'C' => {
-            let (kind, name) = message::target_fields(&frame).map_err(bad)?;
+            let (kind, name) = message::target_fields(frame).map_err(bad)?;
             let mut state = shared.lock();
             let change = (kind == b'S').then(|| state.change_sent(name, None));
             state.pending.push_back(Expect::Close(Role::Client, change));
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
         b'S' => {
             shared.lock().sync_sent();
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
-        b'H' | b'd' | b'c' | b'f' | b'X' => Ok(smallvec![frame.raw]),
+        b'H' | b'd' | b'c' | b'f' | b'X' => Ok(smallvec![Out::Message]),
         b'F' => {
             // Fast-path function calls name no statement the parser could prove read-only.
             if !shared.protected {
                 shared.lock().query_sent(VecDeque::new());
-                return Ok(smallvec![frame.raw]);
+                return Ok(smallvec![Out::Message]);
             }
             let rejection = Rejection::new(
                 RejectReason::Unsupported,
@@ -284,8 +304,8 @@ fn shorten(name: &str) -> String {
     name.chars().take(64).collect()
 }
 
-async fn handle_query(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
-    let sql = message::query_text(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
+async fn handle_query(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
+    let sql = message::query_text(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let classified = classify_now(shared, sql);
     // Only refusals and guards quote the summary: a relayed read does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
@@ -331,7 +351,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Outgoing, Postgre
         QueryPlan::Forward => {
             ends(&mut state);
             state.query_sent(VecDeque::new());
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
         QueryPlan::Rewrite { sql: out, parts } => {
             let summary = summary();
@@ -366,7 +386,7 @@ async fn handle_query(shared: &Shared, frame: Frame) -> Result<Outgoing, Postgre
             let mut buf = BytesMut::new();
             frontend::query(&out, &mut buf)
                 .map_err(|e| PostgresError::Protocol(format!("query text: {e}")))?;
-            Ok(smallvec![buf.freeze()])
+            Ok(smallvec![Out::Bytes(buf.freeze())])
         }
         QueryPlan::SetToken(value) => {
             let tag = if value.is_some() { "SET" } else { "RESET" };
@@ -422,12 +442,12 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Outgoing {
         return Outgoing::new();
     }
     state.query_sent(VecDeque::from([Role::Refusal]));
-    smallvec![rewrite::refusal_query(rejection)]
+    smallvec![Out::Bytes(rewrite::refusal_query(rejection))]
 }
 
-async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Outgoing, PostgresError> {
+async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
     let (_portal, statement) =
-        message::bind_fields(&frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
+        message::bind_fields(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let (decision, classified, token_hint) = {
         let mut state = shared.lock();
         let classified = state.bound(statement);
@@ -480,7 +500,7 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Outgoing, Postgres
     match decision {
         Decision::Pass => {
             shared.lock().pending.push_back(Expect::Bind(Role::Client));
-            Ok(smallvec![frame.raw])
+            Ok(smallvec![Out::Message])
         }
         Decision::Guard(token) => {
             let info = GuardInfo {
@@ -501,7 +521,10 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Outgoing, Postgres
                 Expect::Execute(decides),
                 Expect::Bind(Role::Client),
             ]);
-            Ok(smallvec![rewrite::guard_messages(&token), frame.raw])
+            Ok(smallvec![
+                Out::Bytes(rewrite::guard_messages(&token)),
+                Out::Message
+            ])
         }
         Decision::Refuse(rejection) => {
             let token = token_hint.and_then(|t| Token::parse(&t).ok());
@@ -517,7 +540,10 @@ async fn handle_bind(shared: &Shared, frame: Frame) -> Result<Outgoing, Postgres
             ]);
             // The server raises the refusal and then skips everything up to the client's Sync,
             // the client's Bind included.
-            Ok(smallvec![rewrite::refusal_messages(&rejection), frame.raw])
+            Ok(smallvec![
+                Out::Bytes(rewrite::refusal_messages(&rejection)),
+                Out::Message
+            ])
         }
     }
 }
