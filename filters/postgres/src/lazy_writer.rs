@@ -41,18 +41,24 @@ impl<W: AsyncWrite + Unpin> LazyWriter<W> {
     /// `pgbench -S -M prepared`: seven such writes per transaction). The same effect either way:
     /// buffered while it fits, as [`AsyncWrite::poll_write`] does.
     pub(crate) async fn put(&mut self, data: &[u8]) -> io::Result<()> {
-        if data.is_empty() {
-            // As `write_all`: no write, so no buffer either.
-            return Ok(());
-        }
-        if self.buf.len() + data.len() <= CAPACITY && data.len() < CAPACITY {
-            if self.buf.capacity() == 0 {
-                self.buf.reserve_exact(FIRST.max(data.len()));
-            }
-            self.buf.extend_from_slice(data);
+        // An empty `data` as `write_all`: no write, so no buffer either.
+        if data.is_empty() || self.buffer_if_fits(data) {
             return Ok(());
         }
         tokio::io::AsyncWriteExt::write_all(self, data).await
+    }
+
+    /// Buffers `data` if it fits beside what is buffered and is shorter than a whole buffer
+    /// (a longer write goes past the buffer); `false`, and nothing done, otherwise.
+    fn buffer_if_fits(&mut self, data: &[u8]) -> bool {
+        if self.buf.len() + data.len() > CAPACITY || data.len() >= CAPACITY {
+            return false;
+        }
+        if self.buf.capacity() == 0 {
+            self.buf.reserve_exact(FIRST.max(data.len()));
+        }
+        self.buf.extend_from_slice(data);
+        true
     }
 
     /// Writes out what is buffered; the buffer is kept (empty) for more.
@@ -80,16 +86,13 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for LazyWriter<W> {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.buf.len() + data.len() > CAPACITY {
+        if !this.buffer_if_fits(data) {
             ready!(this.poll_write_buffered(cx))?;
+            // The buffer is empty now: `data` fits unless it is a whole buffer or more.
+            if !this.buffer_if_fits(data) {
+                return Pin::new(&mut this.inner).poll_write(cx, data);
+            }
         }
-        if data.len() >= CAPACITY {
-            return Pin::new(&mut this.inner).poll_write(cx, data);
-        }
-        if this.buf.capacity() == 0 {
-            this.buf.reserve_exact(FIRST.max(data.len()));
-        }
-        this.buf.extend_from_slice(data);
         Poll::Ready(Ok(data.len()))
     }
 

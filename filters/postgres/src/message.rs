@@ -46,7 +46,7 @@ pub enum FrameError {
 
 /// One typed message: tag byte, then a length that counts itself and the body. `B` holds its
 /// bytes: `Bytes` for a frame split off to be kept or handed on ([`parse_frame`]), `&[u8]` for
-/// one looked at and relayed where it was read ([`FrameReader::front`]).
+/// one looked at and relayed where it was read ([`FrameReader::next`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frame<B = Bytes> {
     /// The type byte (`Q`, `P`, `B`, ...).
@@ -305,46 +305,35 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
-    /// The next typed frame; `Ok(None)` on a clean end of stream between frames.
+    /// The next typed frame, split off the buffer to be kept or handed on; `Ok(None)` on a
+    /// clean end of stream between frames.
     pub async fn read_frame(&mut self) -> Result<Option<Frame>, PostgresError> {
-        loop {
-            if let Some(frame) = parse_frame(&mut self.buffer, self.max)
+        if self.next().await?.is_none() {
+            return Ok(None);
+        }
+        parse_frame(&mut self.buffer, self.max).map_err(|e| PostgresError::Protocol(e.to_string()))
+    }
+
+    /// The next typed frame, lent where it was read; `Ok(None)` on a clean end of stream
+    /// between frames. Cancel safe. It stays at the front of the buffer until
+    /// [`FrameReader::consume`]: a frame only looked at and relayed is neither split off nor
+    /// counted (issue 18's profile of the PostgreSQL loops: about 120 instructions per message
+    /// for the split, its count and its release).
+    pub async fn next(&mut self) -> Result<Option<Frame<&[u8]>>, PostgresError> {
+        let size = loop {
+            if let Some(size) = frame_size(&mut self.buffer, self.max)
                 .map_err(|e| PostgresError::Protocol(e.to_string()))?
             {
-                return Ok(Some(frame));
+                break size;
             }
             if !self.fill().await? {
                 return Ok(None);
             }
-        }
-    }
-
-    /// Waits until a whole typed frame is buffered: `Ok(true)`, or `Ok(false)` on a clean end
-    /// of stream between frames. Cancel safe. Then [`FrameReader::front`] lends the frame where
-    /// it was read and [`FrameReader::consume`] drops it: a frame only looked at and relayed is
-    /// neither split off nor counted (issue 18's profile of the PostgreSQL reply loop: about 120
-    /// instructions per message for the split, its count and its release).
-    pub async fn ready(&mut self) -> Result<bool, PostgresError> {
-        loop {
-            if frame_size(&mut self.buffer, self.max)
-                .map_err(|e| PostgresError::Protocol(e.to_string()))?
-                .is_some()
-            {
-                return Ok(true);
-            }
-            if !self.fill().await? {
-                return Ok(false);
-            }
-        }
-    }
-
-    /// The whole frame at the front of the buffer, if one is there.
-    pub fn front(&self) -> Option<Frame<&[u8]>> {
-        let size = self.front_size()?;
-        Some(Frame {
+        };
+        Ok(Some(Frame {
             tag: self.buffer[0],
             raw: &self.buffer[..size],
-        })
+        }))
     }
 
     /// Drops the frame at the front of the buffer (nothing if there is no whole one).
@@ -355,7 +344,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// The size of the whole frame at the front, if one is there (its length is not checked
-    /// against the limit: [`FrameReader::ready`] did that).
+    /// against the limit: [`FrameReader::next`] did that).
     fn front_size(&self) -> Option<usize> {
         let header = self.buffer.get(..5)?;
         let size = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize + 1;
@@ -532,8 +521,8 @@ mod tests {
         }
     }
 
-    /// What a reader yields, read both ways: frames by `read_frame`, and by `ready`, `front`
-    /// and `consume`; then how it ended (`None`: a clean end, else the error's text).
+    /// What a reader yields, read both ways: frames by `read_frame`, and by `next` and
+    /// `consume`; then how it ended (`None`: a clean end, else the error's text).
     fn read_both_ways(bytes: &[u8], cuts: &[usize]) -> [(Vec<Vec<u8>>, Option<String>); 2] {
         let chunks = || {
             let mut chunks = std::collections::VecDeque::new();
@@ -565,14 +554,13 @@ mod tests {
             let mut lent = (Vec::new(), None);
             let mut reader = FrameReader::new(chunks(), 64);
             loop {
-                match reader.ready().await {
-                    Ok(true) => {
-                        let frame = reader.front().expect("ready saw a whole frame");
+                match reader.next().await {
+                    Ok(Some(frame)) => {
                         assert_eq!(frame.tag, frame.raw[0]);
                         lent.0.push(frame.raw.to_vec());
                         reader.consume();
                     }
-                    Ok(false) => break,
+                    Ok(None) => break,
                     Err(e) => {
                         lent.1 = Some(e.to_string());
                         break;

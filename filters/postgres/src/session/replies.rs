@@ -28,9 +28,10 @@ pub(super) async fn relay_replies(
         // (issue 18's profile: 7 per `pgbench -S -M prepared` transaction). The order does not
         // matter here: a local answer waits in the queue behind the replies before it either way,
         // and the flag stays set until `local_ready` is polled.
-        let ready = tokio::select! {
+        // The message is looked at and relayed where it was read, then dropped from the buffer.
+        let frame = tokio::select! {
             biased;
-            ready = upstream.ready() => ready.inspect_err(|_| {
+            frame = upstream.next() => frame.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
             })?,
             () = shared.local_ready() => {
@@ -40,7 +41,7 @@ pub(super) async fn relay_replies(
                 continue;
             }
         };
-        if !ready {
+        let Some(frame) = frame else {
             // The server is gone (or was told to go after a client protocol error): what the
             // gateway still owes the client (that error, say) is sent before closing.
             let owed: Vec<Bytes> = shared
@@ -58,12 +59,6 @@ pub(super) async fn relay_replies(
             let _ = client.flush().await;
             let _ = client.shutdown().await;
             return Ok(());
-        }
-        // The message is looked at and relayed where it was read, then dropped from the buffer.
-        let Some(frame) = upstream.front() else {
-            return Err(PostgresError::Protocol(
-                "the reply reader lost a message it had read".to_owned(),
-            ));
         };
         let tag = frame.tag;
         // One lock for the reply and for whether a local answer is next, so the common reply

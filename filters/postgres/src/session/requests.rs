@@ -53,7 +53,7 @@ pub(super) async fn relay_requests(
         let read = tokio::select! {
             biased;
             () = &mut drained, if !pipelined => None,
-            read = client.ready() => Some(read),
+            read = client.next() => Some(read),
         };
         let Some(read) = read else {
             say_goodbye(&shared);
@@ -63,21 +63,16 @@ pub(super) async fn relay_requests(
                 .map_err(PostgresError::io("writing upstream"))?;
             break;
         };
-        match read {
-            Ok(true) => {}
-            Ok(false) => break,
+        // The message is decided about and relayed where it was read (no copy of its own),
+        // then dropped from the buffer.
+        let frame = match read {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
             Err(e) => {
                 protocol_error(&shared, &e.to_string());
                 let _ = upstream.shutdown().await;
                 return Err(e);
             }
-        }
-        // The message is decided about and relayed where it was read (no copy of its own),
-        // then dropped from the buffer.
-        let Some(frame) = client.front() else {
-            return Err(PostgresError::Protocol(
-                "the request reader lost a message it had read".to_owned(),
-            ));
         };
         // Every message waiting for its answer holds an entry; a client that pipelines without
         // ever reading (the gateway answers some messages itself) must not grow it forever.
