@@ -5,7 +5,8 @@
 //! the PostgreSQL gateway under `pgbench -S` put the timer at 2.4 % of the gateway's CPU (entry,
 //! wheel insert and remove, the driver's lock). Noting the time at each wait and polling a
 //! sleep in each wait instead still cost two clock reads and a timer poll per wait (tokio's
-//! clock looks up the runtime's handle on every read, as pingora enables tokio's `test-util`).
+//! clock then looked up the runtime's handle on every read: pingora turned on tokio's
+//! `test-util`, until `patch/tokio-test` kept it out).
 //!
 //! An [`IdleTimer`] ticks a few times a period, as PgBouncer's janitor and the kernel's TCP
 //! keepalive check idleness on a clock of their own: [`IdleTimer::start`] only flags activity,
