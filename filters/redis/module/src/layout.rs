@@ -9,6 +9,11 @@
 
 use std::ops::Range;
 
+use smallvec::SmallVec;
+
+/// Where each wrapped command is: a single call's one range without an allocation.
+pub type Commands = SmallVec<[Range<usize>; 1]>;
+
 /// A fence command's arguments, as positions in `argv` (the command's name at 0).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
@@ -21,7 +26,7 @@ pub struct Layout {
     /// Whether the client asked for RESP3 replies (`resp` is `3`).
     pub resp3: bool,
     /// Where each wrapped command is, its name first.
-    pub commands: Vec<Range<usize>>,
+    pub commands: Commands,
 }
 
 /// Why the arguments cannot be a fence command: the text of the error reply.
@@ -96,7 +101,7 @@ pub fn batch(argv: &[&[u8]]) -> Result<Layout, BadLayout> {
         return Err(BadLayout::Counts);
     }
     let mut at = counts + n;
-    let mut commands = Vec::with_capacity(n);
+    let mut commands = Commands::with_capacity(n);
     for count in &argv[counts..counts + n] {
         let count = number(count).filter(|c| *c >= 1).ok_or(BadLayout::Counts)?;
         let end = at.checked_add(count).ok_or(BadLayout::Counts)?;
@@ -204,7 +209,7 @@ mod tests {
                 resource: 3,
                 token: 4,
                 resp3: true,
-                commands: vec![10..13, 13..15, 15..16],
+                commands: smallvec::smallvec![10..13, 13..15, 15..16],
             })
         );
     }
