@@ -7,7 +7,7 @@
 //! `test-util` feature, and Cargo unifies features: every fencegate binary got tokio's
 //! pausable clock, which takes a lock and reads the system clock twice for every
 //! `tokio::time::Instant::now()`, and the runtime reads it around every park (issue 18's
-//! profile: about 800 instructions per proxied request). This crate keeps the name and the one
+//! profile: about 500 instructions per proxied request). This crate keeps the name and the one
 //! type pingora-core refers to outside its tests, as a type with no values: nothing can create
 //! or use one. Tests of ours that pause time ask for `test-util` in their own
 //! `dev-dependencies`.
