@@ -32,8 +32,9 @@ pub unsafe extern "C" fn fence_batch(ctx: Ctx, argv: Argv, argc: c_int) -> c_int
 }
 
 /// Arguments read without an allocation: a single call from the gateway has six, its keys and
-/// its command's words (ten for a `SET`); past this, a batch call (issue 18: the call's
-/// allocations were a third of the module's own work).
+/// its command's words (ten for a `SET`); longer calls (batches, commands with many arguments)
+/// go into a `Vec`. Issue 18's profile: the argument `Vec`, the command list and the copy of the
+/// fence were about 400 of the module's own 1,200 instructions per fenced `SET`.
 const INLINE_WORDS: usize = 16;
 
 unsafe fn run(ctx: Ctx, argv: Argv, argc: c_int, batch: bool) -> c_int {
