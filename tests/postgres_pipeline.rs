@@ -34,12 +34,16 @@ fn pipeline(parts: &[&str]) -> Vec<u8> {
 
 /// Logs in as postgres (trust) on `port` with the startup `options`, sends `bytes` at once and
 /// returns the reply tags (notices and parameter reports left out) up to the ReadyForQuery of
-/// its last Sync, each ReadyForQuery with its status (`Z` + `I`/`T`/`E`).
+/// its last Sync or simple Query, each ReadyForQuery with its status (`Z` + `I`/`T`/`E`).
 fn run(port: u16, options: &str, bytes: &[u8]) -> String {
-    let syncs = bytes
-        .windows(5)
-        .filter(|w| *w == [b'S', 0, 0, 0, 4])
-        .count();
+    // Each Sync and each simple Query ends with a ReadyForQuery.
+    let mut syncs = 0;
+    let mut rest = bytes;
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        syncs += usize::from(matches!(rest[0], b'S' | b'Q'));
+        rest = &rest[(1 + len).min(rest.len())..];
+    }
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut body = b"\0\x03\0\0user\0postgres\0database\0postgres\0options\0".to_vec();
@@ -214,6 +218,47 @@ fn one_guard_per_transaction_in_a_pipeline() {
     assert_eq!(tags, "12C12C12C12CZI");
     assert_eq!(n, 2, "a guard after ROLLBACK");
     assert_eq!(rows(&gw), "1,2,3,4,5,6,7,8,9,12,14");
+}
+
+/// Messages pipelined in one write are judged and relayed in runs (issue 18): a message the
+/// gateway answers itself, or rewrites, or sends a refusal for, must still get its answer in
+/// its place among the server's replies to the others.
+#[test]
+fn answers_keep_their_place_in_a_pipeline() {
+    let gw = start();
+    let q = |sql: &str| message(b'Q', format!("{sql}\0").as_bytes());
+    let set_token = format!("SET fencegate.token = '{TOKEN}'");
+
+    // Simple queries with the token set in between: the gateway keeps the token and answers
+    // that query itself, between the server's replies to the others, as the server would.
+    let bytes = [q("SELECT 1"), q(&set_token), q("SELECT 2"), sync()].concat();
+    let direct = run(gw.pg.port, "", &bytes);
+    assert_eq!(direct, "TDCZICZITDCZIZI");
+    assert_eq!(run(gw.port, "", &bytes), direct);
+
+    // The same with extended-protocol messages, a write guarded after the token.
+    let bytes = [
+        statement("SELECT 1"),
+        sync(),
+        statement(&set_token),
+        sync(),
+        statement("INSERT INTO items VALUES (1)"),
+        sync(),
+        statement("SELECT 2"),
+        sync(),
+    ]
+    .concat();
+    assert_eq!(run(gw.port, "", &bytes), "12DCZI12CZI12CZI12DCZI");
+    assert_eq!(rows(&gw), "1");
+
+    // Without a token, a write in the middle is refused in its place, and so is its twin
+    // sent while the session is idle (answered by the gateway alone); nothing is written.
+    let insert = q("INSERT INTO items VALUES (2)");
+    let bytes = [q("SELECT 1"), insert.clone(), q("SELECT 2"), sync()].concat();
+    assert_eq!(run(gw.port, "", &bytes), "TDCZIE(FG002)ZITDCZIZI");
+    let bytes = [insert, q("SELECT 2"), sync()].concat();
+    assert_eq!(run(gw.port, "", &bytes), "E(FG002)ZITDCZIZI");
+    assert_eq!(rows(&gw), "1");
 }
 
 /// COMMIT or a procedure that commits inside one Sync ends the guard's transaction: the gateway

@@ -336,6 +336,30 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }))
     }
 
+    /// The whole frame that starts `offset` bytes into the buffer, lent where it was read, if all
+    /// of it is there and its length is within `4..=max`; otherwise `None`, and
+    /// [`FrameReader::next`] is what waits for the rest or reports the bad length. For judging
+    /// every message already read in one go ([`FrameReader::front`], [`FrameReader::consume_bytes`]).
+    pub fn frame_at(&self, offset: usize) -> Option<Frame<&[u8]>> {
+        let header = self.buffer.get(offset..offset.checked_add(5)?)?;
+        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+        if len < 4 || len > self.max {
+            return None;
+        }
+        let raw = self.buffer.get(offset..offset + 1 + len)?;
+        Some(Frame { tag: raw[0], raw })
+    }
+
+    /// The first `len` bytes of the buffer (whole frames lent by [`FrameReader::frame_at`]).
+    pub fn front(&self, len: usize) -> &[u8] {
+        &self.buffer[..len.min(self.buffer.len())]
+    }
+
+    /// Drops the first `len` bytes of the buffer (whole frames lent by [`FrameReader::frame_at`]).
+    pub fn consume_bytes(&mut self, len: usize) {
+        self.buffer.advance(len.min(self.buffer.len()));
+    }
+
     /// Drops the frame at the front of the buffer (nothing if there is no whole one).
     pub fn consume(&mut self) {
         if let Some(size) = self.front_size() {
@@ -521,9 +545,11 @@ mod tests {
         }
     }
 
-    /// What a reader yields, read both ways: frames by `read_frame`, and by `next` and
-    /// `consume`; then how it ended (`None`: a clean end, else the error's text).
-    fn read_both_ways(bytes: &[u8], cuts: &[usize]) -> [(Vec<Vec<u8>>, Option<String>); 2] {
+    /// What a reader yields, read three ways: frames by `read_frame`; by `next` and `consume`;
+    /// and by `next`, then every whole frame already read by `frame_at`, dropped together by
+    /// `consume_bytes` (the reply loop's runs). Then how it ended (`None`: a clean end, else
+    /// the error's text).
+    fn read_both_ways(bytes: &[u8], cuts: &[usize]) -> [(Vec<Vec<u8>>, Option<String>); 3] {
         let chunks = || {
             let mut chunks = std::collections::VecDeque::new();
             let mut at = 0;
@@ -567,7 +593,29 @@ mod tests {
                     }
                 }
             }
-            [split, lent]
+            let mut runs = (Vec::new(), None);
+            let mut reader = FrameReader::new(chunks(), 64);
+            loop {
+                match reader.next().await {
+                    Ok(Some(_)) => {
+                        let mut at = 0;
+                        while let Some(frame) = reader.frame_at(at) {
+                            assert_eq!(frame.tag, frame.raw[0]);
+                            runs.0.push(frame.raw.to_vec());
+                            at += frame.raw.len();
+                        }
+                        assert!(at > 0, "the frame `next` lent is lent by `frame_at`");
+                        assert_eq!(reader.front(at).len(), at);
+                        reader.consume_bytes(at);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        runs.1 = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            [split, lent, runs]
         })
     }
 
@@ -575,16 +623,22 @@ mod tests {
     fn a_lent_frame_is_the_split_one() {
         let mut bytes = b"Q\0\0\0\x0dSELECT 1\0".to_vec();
         bytes.extend_from_slice(b"Z\0\0\0\x05I");
-        let [split, lent] = read_both_ways(&bytes, &[3, 14, 16]);
+        let [split, lent, runs] = read_both_ways(&bytes, &[3, 14, 16]);
         assert_eq!(split.0.len(), 2);
         assert_eq!(split, lent);
+        assert_eq!(split, runs);
+        // Both frames in one read: one run.
+        let [split, _, runs] = read_both_ways(&bytes, &[]);
+        assert_eq!(split, runs);
         // A length beyond the limit, and a stream cut in the middle of a frame.
-        let [split, lent] = read_both_ways(b"D\0\0\x01\0", &[]);
+        let [split, lent, runs] = read_both_ways(b"D\0\0\x01\0", &[]);
         assert!(split.1.is_some());
         assert_eq!(split, lent);
-        let [split, lent] = read_both_ways(b"D\0\0\0\x09abc", &[2]);
+        assert_eq!(split, runs);
+        let [split, lent, runs] = read_both_ways(b"D\0\0\0\x09abc", &[2]);
         assert!(split.1.is_some());
         assert_eq!(split, lent);
+        assert_eq!(split, runs);
     }
 
     proptest! {
@@ -596,16 +650,18 @@ mod tests {
         ) {
             // Arbitrary bytes (mostly bad lengths), then well-formed frames (some over the
             // limit of 64), each cut into reads at arbitrary places.
-            let [split, lent] = read_both_ways(&bytes, &cuts);
-            prop_assert_eq!(split, lent);
+            let [split, lent, runs] = read_both_ways(&bytes, &cuts);
+            prop_assert_eq!(&split, &lent);
+            prop_assert_eq!(split, runs);
             let mut well = Vec::new();
             for (tag, size) in framed {
                 well.push(tag);
                 well.extend_from_slice(&(size as u32 + 4).to_be_bytes());
                 well.extend(std::iter::repeat_n(tag, size));
             }
-            let [split, lent] = read_both_ways(&well, &cuts);
-            prop_assert_eq!(split, lent);
+            let [split, lent, runs] = read_both_ways(&well, &cuts);
+            prop_assert_eq!(&split, &lent);
+            prop_assert_eq!(split, runs);
         }
 
         #[test]

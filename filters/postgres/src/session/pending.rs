@@ -316,6 +316,13 @@ pub(super) struct Outcome {
     pub(super) applied: bool,
 }
 
+impl Outcome {
+    /// Relayed as it came, with nothing else to do than count an applied write.
+    pub(super) fn plain(&self) -> bool {
+        self.forward && self.replace.is_none() && self.stale.is_none()
+    }
+}
+
 /// Matches one upstream message against the queue of expected replies.
 pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> Outcome {
     let mut outcome = Outcome {

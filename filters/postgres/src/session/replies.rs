@@ -8,11 +8,11 @@ use bytes::Bytes;
 use fencegate_core::{Store, UpstreamFailure};
 use tokio::io::AsyncWriteExt;
 
-use super::pending::{on_reply, Expect};
+use super::pending::{on_reply, Expect, Outcome};
 use super::Shared;
 use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
-use crate::message::{self, ErrorFields, FrameReader};
+use crate::message::{self, ErrorFields, Frame, FrameReader};
 use crate::sqlstate;
 use crate::tls::ClientWrite;
 use crate::upstream::UpstreamRead;
@@ -28,12 +28,13 @@ pub(super) async fn relay_replies(
         // (issue 18's profile: 7 per `pgbench -S -M prepared` transaction). The order does not
         // matter here: a local answer waits in the queue behind the replies before it either way,
         // and the flag stays set until `local_ready` is polled.
-        // The message is looked at and relayed where it was read, then dropped from the buffer.
+        // The messages are looked at and relayed where they were read, then dropped from the
+        // buffer.
         let frame = tokio::select! {
             biased;
             frame = upstream.next() => frame.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
-            })?,
+            })?.is_some(),
             () = shared.local_ready() => {
                 if deliver_local(&shared, &mut client).await? {
                     return Ok(());
@@ -41,7 +42,7 @@ pub(super) async fn relay_replies(
                 continue;
             }
         };
-        let Some(frame) = frame else {
+        if !frame {
             // The server is gone (or was told to go after a client protocol error): what the
             // gateway still owes the client (that error, say) is sent before closing.
             let owed: Vec<Bytes> = shared
@@ -59,54 +60,45 @@ pub(super) async fn relay_replies(
             let _ = client.flush().await;
             let _ = client.shutdown().await;
             return Ok(());
-        };
-        let tag = frame.tag;
-        // One lock for the reply and for whether a local answer is next, so the common reply
-        // does not take the lock again in `deliver_local`. A local answer queued after this is
-        // flagged by `local_queued` and sent on the next turn of the loop.
-        let mut outcome;
-        let local_next;
+        }
+        // Every whole message already read is judged under one lock. Those relayed as they came
+        // make one run, copied to the client and dropped from the buffer at once (issue 18's
+        // profile: a poll of the loop, a lock, a copy and a drop per message); the run ends
+        // before a message that needs more (a replacement, a swallowed guard reply, an audit)
+        // or after one that a local answer must follow. That message is then handled alone.
+        let mut run = Run::default();
+        let mut special = None;
         {
             let mut state = shared.lock();
-            outcome = on_reply(&mut state, &frame);
-            local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
-        }
-        if outcome.applied {
-            shared.gateway.sink.applied(Store::Postgres);
-        }
-        if let Some((info, fence)) = outcome.stale.take() {
-            let fence = fence.unwrap_or(0);
-            let policy = &shared.gateway.policy;
-            let target = format!("resource {}", info.token.resource());
-            let rejection = policy.stale(&info.token, fence, &target);
-            // A fence above every revision the authority issued is not the client's lost lock:
-            // the client gets the gateway's wording instead of the guard's.
-            if policy.fence_above_issued(fence) {
-                outcome.replace = Some(message::error_response(&ErrorFields {
-                    severity: "ERROR",
-                    code: sqlstate::STALE.to_owned(),
-                    message: format!("fencegate: {}", rejection.detail),
-                    detail: Some(format!("fence={fence}")),
-                }));
+            while let Some(frame) = upstream.frame_at(run.bytes) {
+                let outcome = on_reply(&mut state, &frame);
+                let local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
+                if !outcome.plain() || local_next {
+                    special = Some((outcome, local_next));
+                    break;
+                }
+                run.add(&frame, outcome.applied);
             }
-            shared
-                .audit(&rejection, Some(&info.token), info.summary)
-                .await;
         }
-        if outcome.forward {
-            let bytes = outcome.replace.as_deref().unwrap_or(frame.raw);
+        if run.bytes > 0 {
+            let bytes = upstream.front(run.bytes);
             client
                 .put(bytes)
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
             shared.answered(bytes);
+            upstream.consume_bytes(run.bytes);
+            for _ in 0..run.applied {
+                shared.gateway.sink.applied(Store::Postgres);
+            }
+            if run.ready_for_query {
+                shared.maybe_settled();
+            }
         }
-        upstream.consume();
-        if local_next && deliver_local(&shared, &mut client).await? {
-            return Ok(());
-        }
-        if tag == b'Z' {
-            shared.maybe_settled();
+        if let Some((outcome, local_next)) = special {
+            if relay_special(&shared, &mut upstream, &mut client, outcome, local_next).await? {
+                return Ok(());
+            }
         }
         if !upstream.has_complete_frame() {
             client
@@ -115,6 +107,85 @@ pub(super) async fn relay_replies(
                 .map_err(PostgresError::io("writing to the client"))?;
         }
     }
+}
+
+/// Whole messages at the front of the read buffer, judged and to be relayed as they came.
+#[derive(Default)]
+struct Run {
+    bytes: usize,
+    /// How many of them report a write applied.
+    applied: u32,
+    /// One of them is a ReadyForQuery.
+    ready_for_query: bool,
+}
+
+impl Run {
+    fn add(&mut self, frame: &Frame<&[u8]>, applied: bool) {
+        self.bytes += frame.raw.len();
+        self.applied += u32::from(applied);
+        self.ready_for_query |= frame.tag == b'Z';
+    }
+}
+
+/// Relays (or swallows, or replaces) the message at the front of the buffer, already judged
+/// by [`on_reply`] as `outcome`, auditing a stale refusal, and sends the local answers that
+/// follow it (`local_next`). `true`: the session must end.
+async fn relay_special(
+    shared: &Shared,
+    upstream: &mut FrameReader<UpstreamRead>,
+    client: &mut LazyWriter<ClientWrite>,
+    mut outcome: Outcome,
+    local_next: bool,
+) -> Result<bool, PostgresError> {
+    let Some(frame) = upstream.frame_at(0) else {
+        return Err(PostgresError::Protocol(
+            "a judged message left the read buffer".to_owned(),
+        ));
+    };
+    let tag = frame.tag;
+    if outcome.applied {
+        shared.gateway.sink.applied(Store::Postgres);
+    }
+    if let Some((info, fence)) = outcome.stale.take() {
+        let fence = fence.unwrap_or(0);
+        let policy = &shared.gateway.policy;
+        let target = format!("resource {}", info.token.resource());
+        let rejection = policy.stale(&info.token, fence, &target);
+        // A fence above every revision the authority issued is not the client's lost lock:
+        // the client gets the gateway's wording instead of the guard's.
+        if policy.fence_above_issued(fence) {
+            outcome.replace = Some(message::error_response(&ErrorFields {
+                severity: "ERROR",
+                code: sqlstate::STALE.to_owned(),
+                message: format!("fencegate: {}", rejection.detail),
+                detail: Some(format!("fence={fence}")),
+            }));
+        }
+        shared
+            .audit(&rejection, Some(&info.token), info.summary)
+            .await;
+    }
+    if outcome.forward {
+        let Some(frame) = upstream.frame_at(0) else {
+            return Err(PostgresError::Protocol(
+                "a judged message left the read buffer".to_owned(),
+            ));
+        };
+        let bytes = outcome.replace.as_deref().unwrap_or(frame.raw);
+        client
+            .put(bytes)
+            .await
+            .map_err(PostgresError::io("writing to the client"))?;
+        shared.answered(bytes);
+    }
+    upstream.consume();
+    if local_next && deliver_local(shared, client).await? {
+        return Ok(true);
+    }
+    if tag == b'Z' {
+        shared.maybe_settled();
+    }
+    Ok(false)
 }
 
 /// Sends the local answers at the front of the queue. `true`: the session must end.
