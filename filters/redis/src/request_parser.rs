@@ -5,10 +5,10 @@
 //! Accepts exactly what [`crate::frame::parse_request`] accepts (a proptest checks it); the
 //! caller removes `wire_len` bytes from the front of its buffer after each request.
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 
 use crate::error::FrameError;
-use crate::frame::{parse_i64, Limits, Request};
+use crate::frame::{parse_i64, Args, Limits, Request};
 
 /// The longest header line (`*<n>` or `$<n>`, or an inline command up to 64 KiB).
 const MAX_LINE: usize = 64 * 1024;
@@ -205,7 +205,7 @@ impl RequestParser {
 /// arena's block is shared by the requests copied into it: a new block is taken only when it
 /// is full while some of them are still alive, and a full block nobody uses any more is
 /// reused in place, so a busy connection allocates about once per block, not per request.
-fn arguments(buf: &[u8], ranges: &[std::ops::Range<usize>], arena: &mut BytesMut) -> Vec<Bytes> {
+fn arguments(buf: &[u8], ranges: &[std::ops::Range<usize>], arena: &mut BytesMut) -> Args {
     let total: usize = ranges.iter().map(|r| r.len()).sum();
     let mut own;
     let into = if total > ARENA / 2 {

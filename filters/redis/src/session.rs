@@ -43,7 +43,7 @@ use crate::command_table::CommandInfo;
 use crate::decide::{self, decide, Decision, Inputs};
 use crate::error::{FrameError, RedisError};
 use crate::fence_batch::{self, Run, Split};
-use crate::frame::{self, Frame, Request};
+use crate::frame::{self, Args, Frame, Request};
 use crate::gateway::Gateway;
 use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::request_parser::RequestParser;
@@ -372,7 +372,7 @@ impl FenceContext {
 struct FencedWrite {
     /// The request's number on this connection (the audit record's request id).
     request: u64,
-    args: Vec<Bytes>,
+    args: Args,
     keys: Keys,
     /// The request's size on the wire.
     bytes: usize,
