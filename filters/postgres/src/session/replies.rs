@@ -30,7 +30,7 @@ pub(super) async fn relay_replies(
         // and the flag stays set until `local_ready` is polled.
         // The messages are looked at and relayed where they were read, then dropped from the
         // buffer.
-        let frame = tokio::select! {
+        let whole = tokio::select! {
             biased;
             frame = upstream.next() => frame.inspect_err(|_| {
                 shared.gateway.sink.upstream_failed(Store::Postgres, UpstreamFailure::Error);
@@ -42,7 +42,7 @@ pub(super) async fn relay_replies(
                 continue;
             }
         };
-        if !frame {
+        if !whole {
             // The server is gone (or was told to go after a client protocol error): what the
             // gateway still owes the client (that error, say) is sent before closing.
             let owed: Vec<Bytes> = shared
@@ -65,7 +65,8 @@ pub(super) async fn relay_replies(
         // make one run, copied to the client and dropped from the buffer at once (issue 18's
         // profile: a poll of the loop, a lock, a copy and a drop per message); the run ends
         // before a message that needs more (a replacement, a swallowed guard reply, an audit)
-        // or after one that a local answer must follow. That message is then handled alone.
+        // or after one that a local answer must follow. That message is then handled alone. A
+        // local answer queued meanwhile is flagged by `local_queued` and sent on the next turn.
         let mut run = Run::default();
         let mut special = None;
         {
@@ -137,6 +138,7 @@ async fn relay_special(
     mut outcome: Outcome,
     local_next: bool,
 ) -> Result<bool, PostgresError> {
+    // Lent until it is relayed; nothing else reads or drops it meanwhile.
     let Some(frame) = upstream.frame_at(0) else {
         return Err(PostgresError::Protocol(
             "a judged message left the read buffer".to_owned(),
@@ -166,11 +168,6 @@ async fn relay_special(
             .await;
     }
     if outcome.forward {
-        let Some(frame) = upstream.frame_at(0) else {
-            return Err(PostgresError::Protocol(
-                "a judged message left the read buffer".to_owned(),
-            ));
-        };
         let bytes = outcome.replace.as_deref().unwrap_or(frame.raw);
         client
             .put(bytes)
