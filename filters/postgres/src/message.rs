@@ -89,19 +89,29 @@ pub fn parse_frame(buf: &mut BytesMut, max: usize) -> Result<Option<Frame>, Fram
 /// it is there; until then `Ok(None)`, with room reserved for the rest. An error for a length
 /// outside `4..=max`. Never panics on any input.
 fn frame_size(buf: &mut BytesMut, max: usize) -> Result<Option<usize>, FrameError> {
-    if buf.len() < 5 {
+    let Some(size) = announced_size(buf, max)? else {
+        return Ok(None);
+    };
+    if buf.len() < size {
+        buf.reserve(size - buf.len());
         return Ok(None);
     }
-    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    Ok(Some(size))
+}
+
+/// The size the typed frame at the front of `bytes` announces (tag, length and body), once its
+/// header is there, whether or not the rest is; an error for a length outside `4..=max`. The
+/// one place that bound is checked, for [`frame_size`] and [`FrameReader::frame_at`].
+fn announced_size(bytes: &[u8], max: usize) -> Result<Option<usize>, FrameError> {
+    let Some(header) = bytes.get(..5) else {
+        return Ok(None);
+    };
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
     if len < 4 || len > max {
         return Err(FrameError::BadLength {
             len: len as u64,
             max,
         });
-    }
-    if buf.len() < len + 1 {
-        buf.reserve(len + 1 - buf.len());
-        return Ok(None);
     }
     Ok(Some(len + 1))
 }
@@ -341,12 +351,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// [`FrameReader::next`] is what waits for the rest or reports the bad length. For judging
     /// every message already read in one go ([`FrameReader::front`], [`FrameReader::consume_bytes`]).
     pub fn frame_at(&self, offset: usize) -> Option<Frame<&[u8]>> {
-        let header = self.buffer.get(offset..offset.checked_add(5)?)?;
-        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-        if len < 4 || len > self.max {
-            return None;
-        }
-        let raw = self.buffer.get(offset..offset + 1 + len)?;
+        let rest = self.buffer.get(offset..)?;
+        let size = announced_size(rest, self.max).ok()??;
+        let raw = rest.get(..size)?;
         Some(Frame { tag: raw[0], raw })
     }
 

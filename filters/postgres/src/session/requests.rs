@@ -82,7 +82,7 @@ pub(super) async fn relay_requests(
             // Every message waiting for its answer holds an entry; a client that pipelines
             // without ever reading (the gateway answers some messages itself) must not grow it
             // forever.
-            let failed = if shared.lock().pending.len() >= MAX_PENDING {
+            let decided = if shared.lock().pending.len() >= MAX_PENDING {
                 let msg = format!(
                     "more than {MAX_PENDING} messages are waiting for their answers: read the replies"
                 );
@@ -94,7 +94,7 @@ pub(super) async fn relay_requests(
                 }
                 handle_request(&shared, &frame).await
             };
-            let outgoing = match failed {
+            let outgoing = match decided {
                 Ok(outgoing) => outgoing,
                 Err(e) => {
                     protocol_error(&shared, &e.to_string());
