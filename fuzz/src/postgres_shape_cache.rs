@@ -8,7 +8,7 @@
 //! shape the second answer comes from the cache; where it does not, both are parsed.
 
 use fencegate_postgres::classify::classify;
-use fencegate_postgres::classify_cache::ClassifyCache;
+use fencegate_postgres::classify_cache::{ClassifyCache, RecentShapes};
 
 /// Pieces of SQL glued together as the input says (with or without a space after each).
 const PIECES: &[&str] = &[
@@ -127,7 +127,9 @@ fn texts(data: &[u8]) -> (String, String) {
     (first, second)
 }
 
-/// The fuzz target's body.
+/// The fuzz target's body. Both ways into the cache: the shared entries alone (`classify`), and
+/// through a session's recent shapes (`classify_recent`), where the second text of a shape is
+/// found among them.
 pub fn check(data: &[u8]) {
     let (first, second) = texts(data);
     let cache = ClassifyCache::new(8);
@@ -142,4 +144,13 @@ pub fn check(data: &[u8]) {
         classify(&first),
         "{first:?} after {second:?}"
     );
+    let cache = ClassifyCache::new(8);
+    let mut recent = RecentShapes::default();
+    for (text, after) in [(&first, ""), (&second, first.as_str()), (&first, second.as_str())] {
+        assert_eq!(
+            cache.classify_recent(text, &mut recent),
+            classify(text),
+            "{text:?} after {after:?}, recent shapes"
+        );
+    }
 }

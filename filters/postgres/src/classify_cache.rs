@@ -116,7 +116,9 @@ fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
     // PostgreSQL ends a `--` comment at `\r` too, and `UESCAPE` changes how a `U&` identifier
     // or string ends: texts with either are not shaped (issue 12, bypass 5).
     // Settings that change lexing are judged on their value (a literal): never shaped.
-    if sql.contains('\r') || mentions_lexing(sql.as_bytes()) {
+    // (`memchr`'s SIMD search: std's `contains` goes a word at a time, about 100
+    // instructions for a `pgbench -S` query.)
+    if memchr::memchr(b'\r', sql.as_bytes()).is_some() || mentions_lexing(sql.as_bytes()) {
         return None;
     }
     let b = sql.as_bytes();
@@ -220,7 +222,14 @@ fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
                 None
             }
         };
+        // The key only grows here and at the end, so its bound is checked only there (once
+        // per byte, the check cost about 80 instructions per `pgbench -S` query): a text
+        // whose key would outgrow it is scanned to its end, no further than the parse that
+        // follows reads it anyway.
         if let Some((end, mark)) = literal_end {
+            if key.len() + (i - copied) + mark.len() > MAX_KEY_BYTES {
+                return None;
+            }
             key.extend_from_slice(&b[copied..i]);
             literals.push(Literal {
                 at: i,
@@ -231,9 +240,9 @@ fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
             copied = end;
             i = end;
         }
-        if key.len() + (i - copied) > MAX_KEY_BYTES {
-            return None;
-        }
+    }
+    if key.len() + (n - copied) > MAX_KEY_BYTES {
+        return None;
     }
     key.extend_from_slice(&b[copied..]);
     Some(())
@@ -265,6 +274,23 @@ impl Shape {
     }
 }
 
+impl Shape {
+    /// `statements` (offsets in the key) as this text's classification.
+    fn classified(&self, statements: &[Statement]) -> Classified {
+        Classified {
+            statements: statements
+                .iter()
+                .map(|s| Statement {
+                    start: self.text_offset(s.start),
+                    end: self.text_offset(s.end),
+                    ..s.clone()
+                })
+                .collect(),
+            parse_error: None,
+        }
+    }
+}
+
 /// Whether a classification may be reused for every text of the same shape.
 fn reusable(classified: &Classified) -> bool {
     classified.parse_error.is_none()
@@ -274,13 +300,48 @@ fn reusable(classified: &Classified) -> bool {
             .all(|s| !matches!(s.kind, Kind::SetToken(_)))
 }
 
-/// Statements by shape key, with offsets in the key.
-type Entries = HashMap<Box<[u8]>, Arc<[Statement]>>;
+/// Statements by shape key, with offsets in the key. Both shared ([`RecentShapes`] holds them
+/// too).
+type Entries = HashMap<Arc<[u8]>, Arc<[Statement]>>;
 
 /// Classifications by shape, shared by a gateway's sessions; bounded (cleared when full).
 pub struct ClassifyCache {
     entries: Mutex<Entries>,
     capacity: usize,
+}
+
+/// A shape's key and its statements, as the shared cache holds them.
+type Entry = (Arc<[u8]>, Arc<[Statement]>);
+
+/// How many shapes a session remembers in its [`RecentShapes`].
+const RECENT: usize = 4;
+
+/// The shapes one session classified last, each with its entry of the shared
+/// [`ClassifyCache`]: a session that repeats its statements (most do, with new values) finds
+/// them here by comparing keys, without hashing the key or taking the shared cache's lock
+/// (issue 18's profile: about 400 instructions per `pgbench -S` query). What a shape
+/// classifies as does not change, so an entry stays right after the shared cache drops it.
+/// Holds references, not copies: a few words per session.
+#[derive(Debug, Default)]
+pub struct RecentShapes {
+    slots: [Option<Entry>; RECENT],
+    /// The slot the next shape not found replaces.
+    next: usize,
+}
+
+impl RecentShapes {
+    fn find(&self, key: &[u8]) -> Option<&[Statement]> {
+        self.slots
+            .iter()
+            .flatten()
+            .find(|(k, _)| **k == *key)
+            .map(|(_, statements)| &**statements)
+    }
+
+    fn remember(&mut self, key: Arc<[u8]>, statements: Arc<[Statement]>) {
+        self.slots[self.next] = Some((key, statements));
+        self.next = (self.next + 1) % RECENT;
+    }
 }
 
 impl ClassifyCache {
@@ -292,8 +353,15 @@ impl ClassifyCache {
         }
     }
 
-    /// The same as [`classify`]`(sql)`, parsing only the first text of each shape.
+    /// The same as [`classify`]`(sql)`, parsing only the first text of each shape (no
+    /// session's recent shapes: for tests and one-off texts).
     pub fn classify(&self, sql: &str) -> Classified {
+        self.classify_recent(sql, &mut RecentShapes::default())
+    }
+
+    /// The same as [`classify`]`(sql)`, parsing only the first text of each shape, and
+    /// looking first among a session's `recent` shapes.
+    pub fn classify_recent(&self, sql: &str, recent: &mut RecentShapes) -> Classified {
         if self.capacity == 0 {
             return classify(sql);
         }
@@ -301,24 +369,19 @@ impl ClassifyCache {
         if shape_into(sql, &mut shape).is_none() {
             return classify(sql);
         }
+        if let Some(statements) = recent.find(&shape.key) {
+            return shape.classified(statements);
+        }
         let hit = self
             .entries
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(shape.key.as_slice())
-            .cloned();
-        if let Some(statements) = hit {
-            return Classified {
-                statements: statements
-                    .iter()
-                    .map(|s| Statement {
-                        start: shape.text_offset(s.start),
-                        end: shape.text_offset(s.end),
-                        ..s.clone()
-                    })
-                    .collect(),
-                parse_error: None,
-            };
+            .get_key_value(shape.key.as_slice())
+            .map(|(key, statements)| (key.clone(), statements.clone()));
+        if let Some((key, statements)) = hit {
+            let classified = shape.classified(&statements);
+            recent.remember(key, statements);
+            return classified;
         }
         let classified = classify(sql);
         if reusable(&classified) {
@@ -334,11 +397,15 @@ impl ClassifyCache {
                 })
                 .collect();
             if let Some(in_key) = in_key {
+                let (key, statements): (Arc<[u8]>, Arc<[Statement]>) =
+                    (shape.key.as_slice().into(), in_key.into());
                 let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
                 if entries.len() >= self.capacity {
                     entries.clear();
                 }
-                entries.insert(shape.key.as_slice().into(), in_key.into());
+                entries.insert(key.clone(), statements.clone());
+                drop(entries);
+                recent.remember(key, statements);
             }
         }
         classified
@@ -534,6 +601,59 @@ mod tests {
         );
     }
 
+    /// A key of up to `MAX_KEY_BYTES` is shaped, a byte more is not, wherever the last byte
+    /// comes from: a literal's mark, or the text after the last literal.
+    #[test]
+    fn the_key_bound_is_exact() {
+        // `1` is masked as a 2-byte mark: the key is one byte longer than the text.
+        let literal_last = |k: usize| format!("SELECT {} FROM t WHERE a = 1", "c".repeat(k));
+        let text_last = |k: usize| format!("SELECT 1 FROM t WHERE {} = a", "c".repeat(k));
+        for (sql, grows) in [(literal_last as fn(usize) -> String, 1), (text_last, 1)] {
+            let base = sql(0).len() + grows;
+            let at_bound = sql(MAX_KEY_BYTES - base);
+            let over = sql(MAX_KEY_BYTES - base + 1);
+            assert_eq!(shape(&at_bound).map(|s| s.key.len()), Some(MAX_KEY_BYTES));
+            assert_eq!(shape(&over), None);
+        }
+    }
+
+    /// A session's recent shape answers as a parse would, after the shared cache dropped it,
+    /// and without touching the shared cache.
+    #[test]
+    fn a_recent_shape_is_found_without_the_shared_cache() {
+        let cache = ClassifyCache::new(1);
+        let mut recent = RecentShapes::default();
+        let (read, write) = (
+            "SELECT abalance FROM pgbench_accounts WHERE aid = 1",
+            "UPDATE t SET a = 5 WHERE id = 1 /* fencing_token='fg1~7~job' */",
+        );
+        assert_eq!(cache.classify_recent(read, &mut recent), classify(read));
+        // Full: the shared cache is cleared and holds the write's shape alone.
+        assert_eq!(cache.classify_recent(write, &mut recent), classify(write));
+        let again = "SELECT abalance FROM pgbench_accounts WHERE aid = 987654";
+        assert_eq!(cache.classify_recent(again, &mut recent), classify(again));
+        let shared: Vec<Arc<[u8]>> = cache.entries.lock().unwrap().keys().cloned().collect();
+        assert_eq!(
+            shared,
+            vec![Arc::from(key(write).unwrap().as_bytes())],
+            "the read was answered from the recent shapes, not parsed and cached again"
+        );
+    }
+
+    /// A session remembers its last `RECENT` shapes, the oldest making room.
+    #[test]
+    fn recent_shapes_keep_the_last_few() {
+        let cache = ClassifyCache::new(64);
+        let mut recent = RecentShapes::default();
+        let text = |i: usize| format!("SELECT c{i} FROM t WHERE a = {i}");
+        for i in 0..=RECENT {
+            cache.classify_recent(&text(i), &mut recent);
+        }
+        let found = |i: usize| recent.find(key(&text(i)).unwrap().as_bytes()).is_some();
+        assert!(!found(0), "the oldest made room");
+        assert!((1..=RECENT).all(found));
+    }
+
     /// Two literals of the same class (so their texts have the same shape).
     fn literal() -> impl Strategy<Value = (String, String)> {
         let text = "[a-zA-Z0-9 ;/*$\"-]{0,12}";
@@ -575,6 +695,11 @@ mod tests {
             prop_assert!(shaped.is_some(), "{sql}");
             prop_assert_eq!(shaped, key(&warm));
             prop_assert_eq!(cache.classify(&sql), classify(&sql));
+            // And through a session's recent shapes, warmed by the other text.
+            let cache = ClassifyCache::new(8);
+            let mut recent = RecentShapes::default();
+            prop_assert_eq!(cache.classify_recent(&warm, &mut recent), classify(&warm));
+            prop_assert_eq!(cache.classify_recent(&sql, &mut recent), classify(&sql));
         }
     }
 }

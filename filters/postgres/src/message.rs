@@ -164,7 +164,7 @@ pub fn read_cstr(body: &mut &[u8]) -> Option<String> {
 
 /// [`read_cstr`], borrowed from the message.
 fn read_str<'a>(body: &mut &'a [u8]) -> Option<&'a str> {
-    let end = body.iter().position(|&b| b == 0)?;
+    let end = memchr::memchr(0, body)?;
     let text = std::str::from_utf8(&body[..end]).ok()?;
     *body = &body[end + 1..];
     Some(text)
@@ -253,6 +253,22 @@ pub fn error_response(fields: &ErrorFields) -> Bytes {
 /// Encodes a backend `ReadyForQuery` with transaction `status` (`I`, `T`, `E`).
 pub fn ready_for_query(status: u8) -> Bytes {
     typed(b'Z', &[status])
+}
+
+/// How many `ReadyForQuery` messages `bytes` (whole backend messages, back to back) holds; a
+/// cut-off message at the end is not counted.
+pub fn ready_for_query_count(bytes: &[u8]) -> u32 {
+    let mut count = 0;
+    let mut rest = bytes;
+    while let Some(header) = rest.get(..5) {
+        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+        let Some(next) = rest.get(1 + len.max(4)..) else {
+            break;
+        };
+        count += u32::from(header[0] == b'Z');
+        rest = next;
+    }
+    count
 }
 
 /// Encodes a backend `CommandComplete` with `tag`.
@@ -683,6 +699,29 @@ mod tests {
             }
             let mut buf = BytesMut::from(&bytes[..]);
             let _ = parse_startup(&mut buf);
+            prop_assert!(ready_for_query_count(&bytes) as usize <= bytes.len() / 5);
+        }
+
+        #[test]
+        fn ready_for_query_is_counted_per_whole_message(
+            tags in proptest::collection::vec((prop_oneof![Just(b'Z'), Just(b'D'), Just(b'C')], 0usize..9), 0..8),
+            cut in 0usize..120,
+        ) {
+            // The count over whole messages is the number of `Z` tags; over a prefix cut
+            // anywhere, the number of `Z` messages whole within it.
+            let mut all = Vec::new();
+            let mut ends = Vec::new();
+            for (tag, size) in &tags {
+                all.push(*tag);
+                all.extend_from_slice(&(*size as u32 + 4).to_be_bytes());
+                all.extend(std::iter::repeat_n(b'Z', *size));
+                ends.push((*tag, all.len()));
+            }
+            let whole = tags.iter().filter(|(t, _)| *t == b'Z').count() as u32;
+            prop_assert_eq!(ready_for_query_count(&all), whole);
+            let cut = cut.min(all.len());
+            let within = ends.iter().filter(|(t, end)| *t == b'Z' && *end <= cut).count() as u32;
+            prop_assert_eq!(ready_for_query_count(&all[..cut]), within);
         }
 
         #[test]

@@ -118,25 +118,20 @@ impl Shared {
         read_at.push_back(std::time::Instant::now());
     }
 
-    /// Reports the latency of the oldest open request, for each ReadyForQuery in `bytes` (one
-    /// or more whole messages on their way to the client).
-    fn answered(&self, bytes: &[u8]) {
-        let mut rest = bytes;
-        while rest.len() >= 5 {
-            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
-            if rest[0] == b'Z' {
-                let read_at = self
-                    .read_at
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .pop_front();
-                if let Some(read_at) = read_at {
-                    self.gateway
-                        .sink
-                        .request_done(Store::Postgres, read_at.elapsed());
-                }
+    /// Reports the latency of the oldest open request, for each of `ready` ReadyForQuery
+    /// messages just relayed (the reply loop counts them as it judges them: scanning the
+    /// relayed bytes again cost about 90 instructions per `pgbench -S` transaction).
+    fn answered(&self, ready: u32) {
+        if ready == 0 {
+            return;
+        }
+        let mut read_at = self.read_at.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..ready {
+            if let Some(read_at) = read_at.pop_front() {
+                self.gateway
+                    .sink
+                    .request_done(Store::Postgres, read_at.elapsed());
             }
-            rest = rest.get(1 + len..).unwrap_or_default();
         }
     }
 

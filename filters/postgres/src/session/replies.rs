@@ -87,12 +87,12 @@ pub(super) async fn relay_replies(
                 .put(bytes)
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
-            shared.answered(bytes);
+            shared.answered(run.ready_for_query);
             upstream.consume_bytes(run.bytes);
             for _ in 0..run.applied {
                 shared.gateway.sink.applied(Store::Postgres);
             }
-            if run.ready_for_query {
+            if run.ready_for_query > 0 {
                 shared.maybe_settled();
             }
         }
@@ -116,15 +116,15 @@ struct Run {
     bytes: usize,
     /// How many of them report a write applied.
     applied: u32,
-    /// One of them is a ReadyForQuery.
-    ready_for_query: bool,
+    /// How many of them are ReadyForQuery messages.
+    ready_for_query: u32,
 }
 
 impl Run {
     fn add(&mut self, frame: &Frame<&[u8]>, applied: bool) {
         self.bytes += frame.raw.len();
         self.applied += u32::from(applied);
-        self.ready_for_query |= frame.tag == b'Z';
+        self.ready_for_query += u32::from(frame.tag == b'Z');
     }
 }
 
@@ -173,7 +173,7 @@ async fn relay_special(
             .put(bytes)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
-        shared.answered(bytes);
+        shared.answered(message::ready_for_query_count(bytes));
     }
     upstream.consume();
     if local_next && deliver_local(shared, client).await? {
@@ -206,7 +206,7 @@ async fn deliver_local(
             .put(bytes)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
-        shared.answered(bytes);
+        shared.answered(message::ready_for_query_count(bytes));
     }
     if !out.is_empty() {
         client

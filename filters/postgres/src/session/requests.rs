@@ -13,6 +13,7 @@ use tokio::io::AsyncWriteExt;
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
 use crate::classify::{Classified, Kind};
+use crate::classify_cache::RecentShapes;
 use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
 use crate::lexing;
@@ -46,6 +47,7 @@ pub(super) async fn relay_requests(
     // One wait for the drain for the whole session, not a new one (and a new waiter in the
     // token's list) per message; polled only when it was woken, not once per message.
     let mut drained = PollOnWake::new(shared.drained());
+    let mut recent = RecentShapes::default();
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
@@ -92,7 +94,7 @@ pub(super) async fn relay_requests(
                 if matches!(frame.tag, b'Q' | b'S') {
                     shared.request_read();
                 }
-                handle_request(&shared, &frame).await
+                handle_request(&shared, &frame, &mut recent).await
             };
             let outgoing = match decided {
                 Ok(outgoing) => outgoing,
@@ -191,13 +193,17 @@ fn fatal(shared: &Shared, code: &str, message: String) {
 }
 
 /// Decides about one client message; returns the bytes to send upstream, in order.
-async fn handle_request(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
+async fn handle_request(
+    shared: &Shared,
+    frame: &Frame<&[u8]>,
+    recent: &mut RecentShapes,
+) -> Result<Outgoing, PostgresError> {
     let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
     match frame.tag {
-        b'Q' => handle_query(shared, frame).await,
+        b'Q' => handle_query(shared, frame, recent).await,
         b'P' => {
             let (name, sql) = message::parse_fields(frame).map_err(bad)?;
-            let classified = classify_now(shared, &sql);
+            let classified = classify_now(shared, recent, &sql);
             // `SET fencegate.token = '...'` is prepared without its value: the server answers
             // the same messages, and the token stays in the gateway (applied at Bind).
             let outgoing = match classified.statements.as_slice() {
@@ -273,7 +279,7 @@ async fn handle_request(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoin
 
 /// Classifies `sql`, unless the session's settings make the server lex it differently from the
 /// gateway's parser: then, on a protected database, it is one statement that is refused.
-fn classify_now(shared: &Shared, sql: &str) -> Classified {
+fn classify_now(shared: &Shared, recent: &mut RecentShapes, sql: &str) -> Classified {
     let hazard = if shared.protected {
         shared.lock().lexing.hazard()
     } else {
@@ -292,7 +298,7 @@ fn classify_now(shared: &Shared, sql: &str) -> Classified {
             }],
             parse_error: None,
         },
-        _ => shared.gateway.classified.classify(sql),
+        _ => shared.gateway.classified.classify_recent(sql, recent),
     }
 }
 
@@ -326,9 +332,13 @@ fn shorten(name: &str) -> String {
     name.chars().take(64).collect()
 }
 
-async fn handle_query(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
+async fn handle_query(
+    shared: &Shared,
+    frame: &Frame<&[u8]>,
+    recent: &mut RecentShapes,
+) -> Result<Outgoing, PostgresError> {
     let sql = message::query_text(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = classify_now(shared, sql);
+    let classified = classify_now(shared, recent, sql);
     // Only refusals and guards quote the summary: a relayed read does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
     let plan = {
