@@ -1,7 +1,7 @@
 //! One client connection relayed to one upstream connection (session mode). The only module of
 //! the crate that does I/O.
 //!
-//! Two loops per session, two futures of one task: `client -> upstream` reads the client's
+//! Two loops per session, two tasks on the session's thread: `client -> upstream` reads the client's
 //! messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing what
 //! replies each message will get onto a shared queue; `upstream -> client` reads the server's
 //! replies and uses that queue to swallow the guard's own replies, audit stale refusals
@@ -19,6 +19,8 @@ mod startup;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use atomic_waker::AtomicWaker;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
@@ -29,6 +31,7 @@ use fencegate_core::{
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::error::PostgresError;
 use crate::gateway::Gateway;
@@ -66,6 +69,8 @@ struct Shared {
     pub(super) state: Mutex<State>,
     /// A local answer was queued since the reply loop last looked (see [`Shared::local_queued`]).
     pub(super) local: AtomicBool,
+    /// The reply loop, while it waits for `local`.
+    pub(super) local_waker: AtomicWaker,
     pub(super) peer: SocketAddr,
     pub(super) user: String,
     pub(super) protected: bool,
@@ -90,19 +95,18 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Tells the reply loop that a local answer was queued. Only the request loop queues them,
-    /// and the session's `biased` select polls it before the reply loop in every poll of the
-    /// task, so the reply loop sees the flag in the same poll: no waker is needed (a `Notify`
-    /// cost a lock per poll of the waiting reply loop, and each notification woke the task
-    /// that was running).
+    /// Tells the reply loop that a local answer was queued, and wakes it (a flag and an
+    /// `AtomicWaker`: a `Notify` cost a lock per poll of the waiting reply loop).
     fn local_queued(&self) {
         self.local.store(true, Ordering::Release);
+        self.local_waker.wake();
     }
 
-    /// Ready once a local answer was queued since the last time it was ready. Registers no
-    /// waker: see [`Shared::local_queued`].
+    /// Ready once a local answer was queued since the last time it was ready.
     async fn local_ready(&self) {
-        std::future::poll_fn(|_| {
+        std::future::poll_fn(|cx| {
+            // Registered before the flag is read: a local answer queued in between wakes it.
+            self.local_waker.register(cx.waker());
             if self.local.swap(false, Ordering::AcqRel) {
                 Poll::Ready(())
             } else {
@@ -239,6 +243,7 @@ async fn session(
         gateway,
         state: Mutex::new(State::new(status, session_token, lexing)),
         local: AtomicBool::new(false),
+        local_waker: AtomicWaker::new(),
         peer,
         user,
         protected,
@@ -253,15 +258,21 @@ async fn session(
     let (stream, buffered) = client_read.into_parts();
     let (client_read, client_write) = fencegate_core::stream::split(stream);
     let client_read = FrameReader::with_buffer(client_read, buffered, max);
-    // Both directions are futures of this one task, not tasks of their own (issue 18's
-    // profile: a request read on one worker thread and its reply on the other cost a futex
-    // wake-up and a context switch per request). Each still runs until it ends, as two tasks
-    // would: neither waits for the other except through the sockets and the shared queue.
-    let replies =
-        replies::relay_replies(shared.clone(), upstream_read, LazyWriter::new(client_write));
+    // Each direction is a task of its own on this session's thread (a current-thread runtime:
+    // no wake-up crosses threads). As two futures of one task, every wake-up polled both, and
+    // the one still waiting on its socket polled its read, its idle timer and its select again
+    // for nothing (issue 18's profile of `pgbench -S`: 8 readiness checks and 4 idle-timer
+    // polls per transaction where 6 and 2 do). Each still runs until it ends, and neither waits
+    // for the other except through the sockets and the shared queue. The reply task is aborted
+    // if this one is dropped, and its panic ends the session at once, as it did in one task.
+    let mut replies = AbortOnDropHandle::new(tokio::spawn(replies::relay_replies(
+        shared.clone(),
+        upstream_read,
+        LazyWriter::new(client_write),
+    )));
     let requests =
         requests::relay_requests(shared.clone(), client_read, LazyWriter::new(upstream_write));
-    tokio::pin!(requests, replies);
+    tokio::pin!(requests);
     let (result, replies) = tokio::select! {
         biased;
         result = &mut requests => {
@@ -269,9 +280,25 @@ async fn session(
                 // Let the reply loop deliver what is queued (a protocol error, say), then stop.
                 shared.local_queued();
             }
-            (result, replies.await)
+            (result, joined(replies.await))
         }
-        replies = &mut replies => (requests.await, replies),
+        replies = &mut replies => {
+            let replies = joined(replies);
+            (requests.await, replies)
+        }
     };
     result.and(replies)
+}
+
+/// The reply task's result; its panic goes on in this task.
+fn joined(
+    joined: Result<Result<(), PostgresError>, tokio::task::JoinError>,
+) -> Result<(), PostgresError> {
+    match joined {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(PostgresError::Protocol(format!(
+            "the reply loop ended: {e}"
+        ))),
+    }
 }
