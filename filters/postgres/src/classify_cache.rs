@@ -319,7 +319,7 @@ const RECENT: usize = 4;
 /// The shapes one session classified last, each with its entry of the shared
 /// [`ClassifyCache`]: a session that repeats its statements (most do, with new values) finds
 /// them here by comparing keys, without hashing the key or taking the shared cache's lock
-/// (issue 18's profile: about 400 instructions per `pgbench -S` query). What a shape
+/// (issue 18's profile: about 300 instructions per `pgbench -S` query). What a shape
 /// classifies as does not change, so an entry stays right after the shared cache drops it.
 /// Holds references, not copies: a few words per session.
 #[derive(Debug, Default)]
