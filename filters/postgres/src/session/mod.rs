@@ -1,9 +1,9 @@
 //! One client connection relayed to one upstream connection (session mode). The only module of
 //! the crate that does I/O.
 //!
-//! Two loops per session, two tasks on the session's thread: `client -> upstream` reads the client's
-//! messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing what
-//! replies each message will get onto a shared queue; `upstream -> client` reads the server's
+//! Two loops per session, two tasks on the session's thread: `client -> upstream` reads the
+//! client's messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing
+//! what replies each message will get onto a shared queue; `upstream -> client` reads the server's
 //! replies and uses that queue to swallow the guard's own replies, audit stale refusals
 //! reported by the guard, and emit the gateway's local answers in order.
 //!
@@ -19,12 +19,11 @@ mod startup;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-
-use atomic_waker::AtomicWaker;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
+use atomic_waker::AtomicWaker;
 use fencegate_core::{
     Attempt, OpenConnection, OperationSummary, RejectReason, Rejection, Store, Token,
 };
