@@ -316,6 +316,12 @@ type Entry = (Arc<[u8]>, Arc<[Statement]>);
 /// How many shapes a session remembers in its [`RecentShapes`].
 const RECENT: usize = 4;
 
+/// The longest key a session remembers. An entry the shared cache dropped stays alive while a
+/// session remembers it, so this bounds what a connection can hold on its own: four keys of at
+/// most 256 bytes and the statements in them. A longer text's lexing costs far more than the
+/// lookup saved.
+const RECENT_KEY_BYTES: usize = 256;
+
 /// The shapes one session classified last, each with its entry of the shared
 /// [`ClassifyCache`]: a session that repeats its statements (most do, with new values) finds
 /// them here by comparing keys, without hashing the key or taking the shared cache's lock
@@ -339,6 +345,9 @@ impl RecentShapes {
     }
 
     fn remember(&mut self, key: Arc<[u8]>, statements: Arc<[Statement]>) {
+        if key.len() > RECENT_KEY_BYTES {
+            return;
+        }
         self.slots[self.next] = Some((key, statements));
         self.next = (self.next + 1) % RECENT;
     }
@@ -649,9 +658,17 @@ mod tests {
         for i in 0..=RECENT {
             cache.classify_recent(&text(i), &mut recent);
         }
-        let found = |i: usize| recent.find(key(&text(i)).unwrap().as_bytes()).is_some();
-        assert!(!found(0), "the oldest made room");
-        assert!((1..=RECENT).all(found));
+        let found = |recent: &RecentShapes, i: usize| {
+            recent.find(key(&text(i)).unwrap().as_bytes()).is_some()
+        };
+        assert!(!found(&recent, 0), "the oldest made room");
+        assert!((1..=RECENT).all(|i| found(&recent, i)));
+
+        // A long shape is not remembered (and takes no one's place).
+        let long = format!("SELECT {} FROM t WHERE a = 1", "c".repeat(RECENT_KEY_BYTES));
+        assert_eq!(cache.classify_recent(&long, &mut recent), classify(&long));
+        assert!(recent.find(key(&long).unwrap().as_bytes()).is_none());
+        assert!((1..=RECENT).all(|i| found(&recent, i)));
     }
 
     /// Two literals of the same class (so their texts have the same shape).
