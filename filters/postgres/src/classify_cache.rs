@@ -272,9 +272,7 @@ impl Shape {
             .sum();
         (offset as isize + shift) as usize
     }
-}
 
-impl Shape {
     /// `statements` (offsets in the key) as this text's classification.
     fn classified(&self, statements: &[Statement]) -> Classified {
         Classified {

@@ -256,16 +256,15 @@ pub fn ready_for_query(status: u8) -> Bytes {
 }
 
 /// How many `ReadyForQuery` messages `bytes` (whole backend messages, back to back) holds; a
-/// cut-off message at the end is not counted.
+/// cut-off message at the end, and anything after a bad length, is not counted.
 pub fn ready_for_query_count(bytes: &[u8]) -> u32 {
     let mut count = 0;
     let mut rest = bytes;
-    while let Some(header) = rest.get(..5) {
-        let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
-        let Some(next) = rest.get(1 + len.max(4)..) else {
+    while let Ok(Some(size)) = announced_size(rest, usize::MAX) {
+        let Some(next) = rest.get(size..) else {
             break;
         };
-        count += u32::from(header[0] == b'Z');
+        count += u32::from(rest[0] == b'Z');
         rest = next;
     }
     count
