@@ -26,6 +26,7 @@ pub mod frame;
 mod gateway;
 pub mod glob;
 mod hand_off;
+mod inbox;
 pub mod request_parser;
 pub mod rewrite;
 pub mod scope;

@@ -34,7 +34,7 @@ use fencegate_core::{
 };
 use tokio::io::{self, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{oneshot, Mutex};
 use tokio_util::sync::CancellationToken;
 
 use crate::buffer_keep::BufferKeep;
@@ -46,10 +46,11 @@ use crate::fence_batch::{self, Run, Split};
 use crate::frame::{self, Args, Frame, Request};
 use crate::gateway::Gateway;
 use crate::hand_off::{hand_off, Consumer, Producer};
+use crate::inbox::{self, Inbox, Outbox, Reply};
 use crate::request_parser::RequestParser;
 use crate::rewrite::{BatchedWrite, FenceCall, ScriptMode};
 use crate::scope;
-use crate::shared_upstream::{self, Inbox, Outbox, Reply, SharedConnection};
+use crate::shared_upstream::SharedConnection;
 use crate::sharing;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::text::lossy;
@@ -126,7 +127,7 @@ pub(crate) async fn run(
             (Sink::Own(write_half), Source::Own(read_half))
         }
         Link::Shared(connection) => {
-            let (outbox, inbox) = shared_upstream::inbox();
+            let (outbox, inbox) = inbox::inbox();
             (Sink::Shared { connection, outbox }, Source::Shared(inbox))
         }
     };
@@ -760,8 +761,12 @@ impl Reader {
                 started = tokio::time::Instant::now();
             }
             if !batch.upstream.is_empty() {
-                let upstream = self.upstream.clone();
-                let mut up = upstream.lock().await;
+                // Not contended but while the writer retries a write: no waiter queued per
+                // batch (issue 18).
+                let mut up = match self.upstream.try_lock() {
+                    Ok(up) => up,
+                    Err(_) => self.upstream.lock().await,
+                };
                 let sent = up.sent;
                 if let Sink::Shared { connection, .. } = &mut up.sink {
                     // Gone while nothing of this session was in flight (Redis restarted, or
@@ -1781,8 +1786,8 @@ impl Writer {
             if let Source::Shared(inbox) = &mut self.upstream {
                 match inbox.try_recv() {
                     Ok(reply) => return shared_reply(Some(reply)),
-                    Err(mpsc::error::TryRecvError::Disconnected) => return shared_reply(None),
-                    Err(mpsc::error::TryRecvError::Empty) => {}
+                    Err(inbox::Empty::Forever) => return shared_reply(None),
+                    Err(inbox::Empty::Now) => {}
                 }
             } else {
                 while let Some((frame, raw)) = self.parse_upstream()? {

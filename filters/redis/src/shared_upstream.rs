@@ -16,102 +16,22 @@
 //! changed the connection's state after all.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{PollOnWake, RunQueueYield, Signal};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RedisConfig;
 use crate::error::RedisError;
 use crate::frame::{self, Frame, Limits};
+use crate::inbox::Outbox;
 use crate::sharing;
 use crate::stream::{self, Connection, ReadHalf, WriteHalf};
 use crate::upstream::{self, Upstream};
-
-/// One reply for a session, or why the shared connection is gone.
-pub(crate) type Reply = Result<(Frame, Bytes), Arc<str>>;
-
-/// Where a session receives its replies.
-pub(crate) struct Inbox {
-    rx: mpsc::UnboundedReceiver<Reply>,
-    backlog: Arc<Backlog>,
-}
-
-/// The sending side of a session's [`Inbox`].
-#[derive(Clone)]
-pub(crate) struct Outbox {
-    tx: mpsc::UnboundedSender<Reply>,
-    backlog: Arc<Backlog>,
-}
-
-/// Reply bytes in a session's inbox, bounded by [`sharing::LARGEST_SHARED_BACKLOG`].
-#[derive(Default)]
-struct Backlog {
-    bytes: AtomicUsize,
-    /// Went over the bound: the session's replies are dropped from then on.
-    over: AtomicBool,
-}
-
-/// A session's inbox and the outbox the shared connection sends its replies to.
-pub(crate) fn inbox() -> (Outbox, Inbox) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let backlog = Arc::new(Backlog::default());
-    (
-        Outbox {
-            tx,
-            backlog: backlog.clone(),
-        },
-        Inbox { rx, backlog },
-    )
-}
-
-impl Inbox {
-    fn taken(&self, reply: Reply) -> Reply {
-        if let Ok((_, raw)) = &reply {
-            self.backlog.bytes.fetch_sub(raw.len(), Ordering::Relaxed);
-        }
-        reply
-    }
-
-    /// The next reply if one is there.
-    pub(crate) fn try_recv(&mut self) -> Result<Reply, mpsc::error::TryRecvError> {
-        self.rx.try_recv().map(|reply| self.taken(reply))
-    }
-
-    /// The next reply; `None` when the shared connection is gone.
-    pub(crate) async fn recv(&mut self) -> Option<Reply> {
-        let reply = self.rx.recv().await?;
-        Some(self.taken(reply))
-    }
-}
-
-impl Outbox {
-    /// Hands `reply` to the session unless its unread replies would go over the bound; then it
-    /// is told why, once, and its replies are dropped from then on.
-    fn send(&self, reply: (Frame, Bytes)) {
-        let backlog = &self.backlog;
-        if backlog.over.load(Ordering::Relaxed) {
-            return;
-        }
-        let queued = backlog.bytes.load(Ordering::Relaxed);
-        if queued > 0 && queued + reply.1.len() > sharing::LARGEST_SHARED_BACKLOG {
-            backlog.over.store(true, Ordering::Relaxed);
-            let why = format!(
-                "the client left over {} bytes of replies unread",
-                sharing::LARGEST_SHARED_BACKLOG
-            );
-            let _ = self.tx.send(Err(why.into()));
-            return;
-        }
-        backlog.bytes.fetch_add(reply.1.len(), Ordering::Relaxed);
-        // A session that is gone no longer wants its replies; the order still counts them.
-        let _ = self.tx.send(Ok(reply));
-    }
-}
 
 /// How much room a read of replies has at least.
 const READ_ROOM: usize = 16 * 1024;
@@ -177,14 +97,14 @@ impl SharedConnection {
                     "the shared connection is gone: {why}"
                 )));
             }
-            if to.backlog.over.load(Ordering::Relaxed) {
+            if to.is_over() {
                 return Err(RedisError::Upstream(
                     "the client left too many replies unread on a shared connection".into(),
                 ));
             }
             queue.out.extend_from_slice(bytes);
             match queue.routes.back_mut() {
-                Some(last) if last.to.tx.same_channel(&to.tx) => last.count += requests,
+                Some(last) if last.to.same_inbox(to) => last.count += requests,
                 _ => queue.routes.push_back(Route {
                     to: to.clone(),
                     count: requests,
@@ -198,18 +118,23 @@ impl SharedConnection {
     /// Waits until the requests not yet written are under [`sharing::LARGEST_SHARED_QUEUE`]
     /// (or the connection failed: [`SharedConnection::submit`] then says so).
     pub(crate) async fn room(&self) {
-        loop {
+        // Nearly always there is room: a waiter is registered only when there was none (a
+        // waiter registered and removed per batch took the `Notify`'s lock twice, issue 18).
+        while !self.has_room() {
             let written = self.written.notified();
             tokio::pin!(written);
             written.as_mut().enable();
-            {
-                let queue = self.lock();
-                if queue.closed.is_some() || queue.out.len() < sharing::LARGEST_SHARED_QUEUE {
-                    return;
-                }
+            // Checked again once registered: the writer may have taken the queue in between.
+            if self.has_room() {
+                return;
             }
             written.await;
         }
+    }
+
+    fn has_room(&self) -> bool {
+        let queue = self.lock();
+        queue.closed.is_some() || queue.out.len() < sharing::LARGEST_SHARED_QUEUE
     }
 
     /// Whether the connection failed (or the gateway stopped): it takes no more requests.
@@ -240,21 +165,23 @@ impl SharedConnection {
             );
         }
         for (to, why) in routes {
-            let _ = to.tx.send(Err(why));
+            to.fail(why);
         }
         self.queued.notify();
         self.written.notify_waiters();
     }
 
-    /// Hands parsed replies to their sessions, in order.
+    /// Hands parsed replies to their sessions, in order: each session's run of them at once.
     fn route(&self, replies: &mut Vec<(Frame, Bytes)>) -> Result<(), &'static str> {
         let mut queue = self.lock();
-        for reply in replies.drain(..) {
+        let mut replies = replies.drain(..);
+        while replies.len() > 0 {
             let Some(route) = queue.routes.front_mut() else {
                 return Err("Redis sent a reply no request asked for");
             };
-            route.to.send(reply);
-            route.count -= 1;
+            let run = route.count.min(replies.len() as u64);
+            route.to.send(replies.by_ref().take(run as usize));
+            route.count -= run;
             if route.count == 0 {
                 queue.routes.pop_front();
             }
