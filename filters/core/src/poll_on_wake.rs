@@ -5,8 +5,9 @@
 //! `CancellationToken` wait or a `Notify`, then takes a lock and re-registers its waker on every
 //! request although nothing happened (issue 18's profile of the PostgreSQL hop). Wrapped in a
 //! [`PollOnWake`], the rare future is polled once, and again only when its own waker fired; in
-//! between a poll costs an atomic swap and the outer waker's registration, as in
-//! `futures::future::Shared`'s notifier.
+//! between a poll costs an atomic load and a comparison of wakers: the outer waker is
+//! registered again only when it changed or a wake took it (registering it on every poll took
+//! two compare-and-swaps, issue 18).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,6 +25,9 @@ pub struct PollOnWake<F> {
     gate: Arc<Gate>,
     /// The waker the inner future is polled with: it opens the gate.
     waker: Waker,
+    /// The outer waker the gate holds, unless a wake took it since: then `gate.woken` is set
+    /// (a wake sets it before it takes the waker).
+    registered: Option<Waker>,
 }
 
 /// Whether the inner future was woken since its last poll, and the task to wake then.
@@ -54,6 +58,7 @@ impl<F: Future<Output = ()>> PollOnWake<F> {
             inner: Some(Box::pin(inner)),
             waker: Waker::from(gate.clone()),
             gate,
+            registered: None,
         }
     }
 }
@@ -66,17 +71,31 @@ impl<F: Future<Output = ()>> Future for PollOnWake<F> {
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(());
         };
-        // Register before reading the flag: a wake in between then wakes this task again.
-        this.gate.task.register(cx.waker());
-        if !this.gate.woken.swap(false, Ordering::AcqRel) {
-            return Poll::Pending;
-        }
-        match inner.as_mut().poll(&mut Context::from_waker(&this.waker)) {
-            Poll::Ready(()) => {
-                this.inner = None;
-                Poll::Ready(())
+        loop {
+            if !this
+                .registered
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                this.gate.task.register(cx.waker());
+                this.registered = Some(cx.waker().clone());
             }
-            Poll::Pending => Poll::Pending,
+            // Registered before the flag is read: a wake after this read finds the waker.
+            if !this.gate.woken.load(Ordering::Acquire)
+                || !this.gate.woken.swap(false, Ordering::AcqRel)
+            {
+                return Poll::Pending;
+            }
+            // The wake that set the flag took the registered waker.
+            this.registered = None;
+            match inner.as_mut().poll(&mut Context::from_waker(&this.waker)) {
+                Poll::Ready(()) => {
+                    this.inner = None;
+                    return Poll::Ready(());
+                }
+                // Registered again before returning, in the next turn.
+                Poll::Pending => {}
+            }
         }
     }
 }
@@ -149,11 +168,34 @@ mod tests {
 
         probe.done.store(true, Ordering::SeqCst);
         probe.wake();
+        assert_eq!(
+            task.0.load(Ordering::SeqCst),
+            2,
+            "the waker a wake took was registered again"
+        );
         assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Ready(()));
         assert_eq!(probe.polls.load(Ordering::SeqCst), 3);
         // Fused: ready again without polling the finished future.
         assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Ready(()));
         assert_eq!(probe.polls.load(Ordering::SeqCst), 3);
+    }
+
+    /// Polled by another task than before (a new waker): a wake reaches that one.
+    #[test]
+    fn a_new_outer_waker_is_registered() {
+        let probe = Arc::new(Probe::default());
+        let (first, second) = (Arc::new(Task::default()), Arc::new(Task::default()));
+        let mut gated = PollOnWake::new(probe.clone().wait());
+        for task in [&first, &second] {
+            let waker = Waker::from(Arc::clone(task));
+            assert_eq!(
+                Pin::new(&mut gated).poll(&mut Context::from_waker(&waker)),
+                Poll::Pending
+            );
+        }
+        probe.wake();
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
     }
 
     /// As the sessions use it: a branch of a `select!` loop that ends once the token is
