@@ -8,6 +8,10 @@
 //! between a poll costs an atomic load and a comparison of wakers: the outer waker is
 //! registered again only when it changed or a wake took it (registering it on every poll took
 //! two compare-and-swaps, issue 18).
+//!
+//! The same holds for a busy future that shares its task with another: the Redis session's
+//! reader and writer are two futures of one task, and every wake-up for the writer (a reply
+//! came) polled the reader's socket, timers and drain wait for nothing, once per request.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,8 +21,8 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use atomic_waker::AtomicWaker;
 
-/// Wraps a future of `()` so that it is polled only when it was woken (and on the first poll).
-/// Once it completed, every later poll is ready at once.
+/// Wraps a future so that it is polled only when it was woken (and on the first poll). Once it
+/// completed, it stays pending: in a `select!` loop its branch is not taken twice.
 pub struct PollOnWake<F> {
     /// `None` once it completed.
     inner: Option<Pin<Box<F>>>,
@@ -47,7 +51,7 @@ impl Wake for Gate {
     }
 }
 
-impl<F: Future<Output = ()>> PollOnWake<F> {
+impl<F: Future> PollOnWake<F> {
     /// Wraps `inner`; it is polled on the first poll.
     pub fn new(inner: F) -> Self {
         let gate = Arc::new(Gate {
@@ -63,13 +67,13 @@ impl<F: Future<Output = ()>> PollOnWake<F> {
     }
 }
 
-impl<F: Future<Output = ()>> Future for PollOnWake<F> {
-    type Output = ();
+impl<F: Future> Future for PollOnWake<F> {
+    type Output = F::Output;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.get_mut();
         let Some(inner) = this.inner.as_mut() else {
-            return Poll::Ready(());
+            return Poll::Pending;
         };
         loop {
             if !this
@@ -89,9 +93,9 @@ impl<F: Future<Output = ()>> Future for PollOnWake<F> {
             // The wake that set the flag took the registered waker.
             this.registered = None;
             match inner.as_mut().poll(&mut Context::from_waker(&this.waker)) {
-                Poll::Ready(()) => {
+                Poll::Ready(output) => {
                     this.inner = None;
-                    return Poll::Ready(());
+                    return Poll::Ready(output);
                 }
                 // Registered again before returning, in the next turn.
                 Poll::Pending => {}
@@ -175,8 +179,8 @@ mod tests {
         );
         assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Ready(()));
         assert_eq!(probe.polls.load(Ordering::SeqCst), 3);
-        // Fused: ready again without polling the finished future.
-        assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Ready(()));
+        // Terminated: pending from then on, without polling the finished future.
+        assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
         assert_eq!(probe.polls.load(Ordering::SeqCst), 3);
     }
 

@@ -199,9 +199,13 @@ pub(crate) async fn run(
     // ([`hand_off`]): `biased`, the reader is polled first and the writer second in every
     // poll, so the writer sees in the same poll whatever the reader queued (a waker would
     // wake this running task, which tokio turns into a wake-up of a parked worker thread per
-    // request). When the writer ends first, the reader is dropped with it.
+    // request). When the writer ends first, the reader is dropped with it. The reader is
+    // polled only when one of its own wakers fired (a request came, a timer, a wait of its
+    // own ended): a wake-up for the writer, one per request, polled its socket, its timers and
+    // its drain wait for nothing (issue 18). The writer is polled in every poll, as the slot
+    // queue's contract asks.
     let result = {
-        let reader = reader.run();
+        let reader = PollOnWake::new(reader.run());
         let writer = writer.run();
         tokio::pin!(reader, writer);
         tokio::select! {
