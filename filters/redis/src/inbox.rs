@@ -288,6 +288,31 @@ mod tests {
         assert_eq!(inbox.try_recv().err(), Some(Empty::Now));
     }
 
+    /// The shared connection's reader counts every reply it hands over as delivered: a send
+    /// must take them all from the run, kept or not, or the rest would go to the next session.
+    #[test]
+    fn a_send_takes_every_reply_of_its_run_kept_or_not() {
+        let (outbox, mut inbox) = inbox();
+        let mut run = vec![reply(sharing::LARGEST_SHARED_BACKLOG), reply(2), reply(3)].into_iter();
+        outbox.send(run.by_ref().take(2));
+        assert_eq!(run.len(), 1, "an over-the-bound reply was taken too");
+        outbox.send(run.by_ref().take(1));
+        assert_eq!(
+            run.len(),
+            0,
+            "a reply for a session over the bound was taken too"
+        );
+        drop(inbox.try_recv());
+        drop(inbox);
+        let mut run = vec![reply(1), reply(1)].into_iter();
+        outbox.send(run.by_ref());
+        assert_eq!(
+            run.len(),
+            0,
+            "replies for a session that is gone were taken too"
+        );
+    }
+
     #[test]
     fn nothing_is_kept_for_a_session_that_is_gone() {
         let (outbox, inbox) = inbox();
