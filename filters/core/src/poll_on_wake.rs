@@ -5,9 +5,13 @@
 //! `CancellationToken` wait or a `Notify`, then takes a lock and re-registers its waker on every
 //! request although nothing happened (issue 18's profile of the PostgreSQL hop). Wrapped in a
 //! [`PollOnWake`], the rare future is polled once, and again only when its own waker fired; in
-//! between a poll costs an atomic load and a comparison of wakers: the outer waker is
-//! registered again only when it changed or a wake took it (registering it on every poll took
-//! two compare-and-swaps, issue 18).
+//! between a poll costs an atomic swap and the outer waker's registration, as in
+//! `futures::future::Shared`'s notifier.
+//!
+//! The registration is made on every poll, on purpose: a wake sets the flag and then takes the
+//! registered waker, two steps another thread can be between, so a poll that skipped the
+//! registration because its waker "was still registered" could find the gate empty after a
+//! late take, and every later wake would be lost (found in review, issue 18).
 //!
 //! The same holds for a busy future that shares its task with another: the Redis session's
 //! reader and writer are two futures of one task, and every wake-up for the writer (a reply
@@ -29,9 +33,6 @@ pub struct PollOnWake<F> {
     gate: Arc<Gate>,
     /// The waker the inner future is polled with: it opens the gate.
     waker: Waker,
-    /// The outer waker the gate holds, unless a wake took it since: then `gate.woken` is set
-    /// (a wake sets it before it takes the waker).
-    registered: Option<Waker>,
 }
 
 /// Whether the inner future was woken since its last poll, and the task to wake then.
@@ -62,7 +63,6 @@ impl<F: Future> PollOnWake<F> {
             inner: Some(Box::pin(inner)),
             waker: Waker::from(gate.clone()),
             gate,
-            registered: None,
         }
     }
 }
@@ -75,31 +75,18 @@ impl<F: Future> Future for PollOnWake<F> {
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Pending;
         };
-        loop {
-            if !this
-                .registered
-                .as_ref()
-                .is_some_and(|w| w.will_wake(cx.waker()))
-            {
-                this.gate.task.register(cx.waker());
-                this.registered = Some(cx.waker().clone());
+        // Register before reading the flag: a wake in between then wakes this task again.
+        this.gate.task.register(cx.waker());
+        if !this.gate.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        // A wake during this poll sets the flag and wakes the task registered above.
+        match inner.as_mut().poll(&mut Context::from_waker(&this.waker)) {
+            Poll::Ready(output) => {
+                this.inner = None;
+                Poll::Ready(output)
             }
-            // Registered before the flag is read: a wake after this read finds the waker.
-            if !this.gate.woken.load(Ordering::Acquire)
-                || !this.gate.woken.swap(false, Ordering::AcqRel)
-            {
-                return Poll::Pending;
-            }
-            // The wake that set the flag took the registered waker.
-            this.registered = None;
-            match inner.as_mut().poll(&mut Context::from_waker(&this.waker)) {
-                Poll::Ready(output) => {
-                    this.inner = None;
-                    return Poll::Ready(output);
-                }
-                // Registered again before returning, in the next turn.
-                Poll::Pending => {}
-            }
+            Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -200,6 +187,29 @@ mod tests {
         probe.wake();
         assert_eq!(first.0.load(Ordering::SeqCst), 0);
         assert_eq!(second.0.load(Ordering::SeqCst), 1);
+    }
+
+    /// A wake is two steps (set the flag, take and wake the registered waker) that another
+    /// thread can be between while this task polls: here played in that order by hand. After
+    /// the late take, the next poll must register again, or the gate stays empty and every
+    /// later wake is lost.
+    #[test]
+    fn a_wake_split_by_a_poll_loses_no_later_wake() {
+        let probe = Arc::new(Probe::default());
+        let task = Arc::new(Task::default());
+        let waker = Waker::from(task.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut gated = PollOnWake::new(probe.clone().wait());
+        assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
+
+        gated.gate.woken.store(true, Ordering::Release);
+        assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
+        gated.gate.task.wake();
+        assert_eq!(task.0.load(Ordering::SeqCst), 1);
+        assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
+
+        probe.wake();
+        assert_eq!(task.0.load(Ordering::SeqCst), 2, "a later wake was lost");
     }
 
     /// As the sessions use it: a branch of a `select!` loop that ends once the token is

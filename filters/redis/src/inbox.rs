@@ -21,6 +21,9 @@ use bytes::Bytes;
 use crate::frame::Frame;
 use crate::sharing;
 
+/// The most replies' room an empty inbox keeps.
+const KEPT_ROOM: usize = 64;
+
 /// One reply for a session, or why the shared connection is gone.
 pub(crate) type Reply = Result<(Frame, Bytes), Arc<str>>;
 
@@ -88,6 +91,11 @@ impl State {
         let reply = self.replies.pop_front()?;
         if let Ok((_, raw)) = &reply {
             self.bytes -= raw.len();
+        }
+        // A burst's room is given back once it is read (a deque does not shrink by itself;
+        // thousands of replies' worth kept per quiet session would add up).
+        if self.replies.is_empty() && self.replies.capacity() > KEPT_ROOM {
+            self.replies = VecDeque::new();
         }
         Some(reply)
     }
@@ -311,6 +319,18 @@ mod tests {
             0,
             "replies for a session that is gone were taken too"
         );
+    }
+
+    #[tokio::test]
+    async fn room_for_a_burst_is_given_back_once_read() {
+        let (outbox, mut inbox) = inbox();
+        outbox.send((0..1000).map(|_| reply(1)));
+        for _ in 0..999 {
+            len(inbox.try_recv().expect("queued"));
+        }
+        assert!(outbox.shared.lock().replies.capacity() >= 1000);
+        len(inbox.recv().await.expect("queued"));
+        assert!(outbox.shared.lock().replies.capacity() <= KEPT_ROOM);
     }
 
     #[test]
