@@ -8,14 +8,14 @@
 //! between a poll costs an atomic swap and the outer waker's registration, as in
 //! `futures::future::Shared`'s notifier.
 //!
+//! The same holds for a busy future that shares its task with another: the Redis session's
+//! reader and writer are two futures of one task, and every wake-up for the writer (a reply
+//! came) polled the reader's socket, timers and drain wait for nothing, once per request.
+//!
 //! The registration is made on every poll, on purpose: a wake sets the flag and then takes the
 //! registered waker, two steps another thread can be between, so a poll that skipped the
 //! registration because its waker "was still registered" could find the gate empty after a
 //! late take, and every later wake would be lost (found in review, issue 18).
-//!
-//! The same holds for a busy future that shares its task with another: the Redis session's
-//! reader and writer are two futures of one task, and every wake-up for the writer (a reply
-//! came) polled the reader's socket, timers and drain wait for nothing, once per request.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -138,13 +138,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_inner_future_is_polled_only_after_it_was_woken() {
+    /// A gated probe, and the outer task that polls it (its waker counts the wakes).
+    fn gated() -> (
+        Arc<Probe>,
+        Arc<Task>,
+        Waker,
+        PollOnWake<impl Future<Output = ()>>,
+    ) {
         let probe = Arc::new(Probe::default());
         let task = Arc::new(Task::default());
         let waker = Waker::from(task.clone());
+        let gated = PollOnWake::new(probe.clone().wait());
+        (probe, task, waker, gated)
+    }
+
+    #[test]
+    fn the_inner_future_is_polled_only_after_it_was_woken() {
+        let (probe, task, waker, mut gated) = gated();
         let mut cx = Context::from_waker(&waker);
-        let mut gated = PollOnWake::new(probe.clone().wait());
         for _ in 0..5 {
             assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
         }
@@ -195,11 +206,8 @@ mod tests {
     /// later wake is lost.
     #[test]
     fn a_wake_split_by_a_poll_loses_no_later_wake() {
-        let probe = Arc::new(Probe::default());
-        let task = Arc::new(Task::default());
-        let waker = Waker::from(task.clone());
+        let (probe, task, waker, mut gated) = gated();
         let mut cx = Context::from_waker(&waker);
-        let mut gated = PollOnWake::new(probe.clone().wait());
         assert_eq!(Pin::new(&mut gated).poll(&mut cx), Poll::Pending);
 
         gated.gate.woken.store(true, Ordering::Release);

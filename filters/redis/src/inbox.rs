@@ -84,6 +84,30 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The next reply, or why there is none. `senders` is read under the lock: the last
+    /// outbox's drop takes the lock before it wakes the receiver.
+    fn next(&self, state: &mut State) -> Result<Reply, Empty> {
+        if let Some(reply) = state.take() {
+            return Ok(reply);
+        }
+        if self.senders.load(Ordering::Acquire) == 0 {
+            return Err(Empty::Forever);
+        }
+        Err(Empty::Now)
+    }
+
+    /// Changes the state under the lock, then wakes a waiting receiver outside it.
+    fn then_wake(&self, change: impl FnOnce(&mut State)) {
+        let waker = {
+            let mut state = self.lock();
+            change(&mut state);
+            state.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
 }
 
 impl State {
@@ -104,32 +128,24 @@ impl State {
 impl Inbox {
     /// The next reply if one is there.
     pub(crate) fn try_recv(&mut self) -> Result<Reply, Empty> {
-        let mut state = self.shared.lock();
-        if let Some(reply) = state.take() {
-            return Ok(reply);
-        }
-        if self.shared.senders.load(Ordering::Acquire) == 0 {
-            return Err(Empty::Forever);
-        }
-        Err(Empty::Now)
+        self.shared.next(&mut self.shared.lock())
     }
 
     /// The next reply; `None` when every outbox is gone and nothing is left.
     pub(crate) async fn recv(&mut self) -> Option<Reply> {
         poll_fn(|cx| {
             let mut state = self.shared.lock();
-            if let Some(reply) = state.take() {
-                return Poll::Ready(Some(reply));
+            match self.shared.next(&mut state) {
+                Ok(reply) => Poll::Ready(Some(reply)),
+                Err(Empty::Forever) => Poll::Ready(None),
+                Err(Empty::Now) => {
+                    match &mut state.waker {
+                        Some(waker) if waker.will_wake(cx.waker()) => {}
+                        waker => *waker = Some(cx.waker().clone()),
+                    }
+                    Poll::Pending
+                }
             }
-            // Read under the lock: the last outbox's drop takes it before it wakes.
-            if self.shared.senders.load(Ordering::Acquire) == 0 {
-                return Poll::Ready(None);
-            }
-            match &mut state.waker {
-                Some(waker) if waker.will_wake(cx.waker()) => {}
-                waker => *waker = Some(cx.waker().clone()),
-            }
-            Poll::Pending
         })
         .await
     }
@@ -160,8 +176,7 @@ impl Outbox {
     /// unread replies over the bound (unless nothing is unread: one reply of any size always
     /// goes through) is not queued; the session is told why, once, and gets no more.
     pub(crate) fn send(&self, replies: impl IntoIterator<Item = (Frame, Bytes)>) {
-        let waker = {
-            let mut state = self.shared.lock();
+        self.shared.then_wake(|state| {
             // Every reply is taken from `replies`, kept or not: the caller counts them as
             // delivered. A session that is gone no longer wants its replies.
             for reply in replies {
@@ -181,26 +196,16 @@ impl Outbox {
                 state.bytes += len;
                 state.replies.push_back(Ok(reply));
             }
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        });
     }
 
     /// Tells the session why the shared connection is gone.
     pub(crate) fn fail(&self, why: Arc<str>) {
-        let waker = {
-            let mut state = self.shared.lock();
-            if state.gone {
-                return;
+        self.shared.then_wake(|state| {
+            if !state.gone {
+                state.replies.push_back(Err(why));
             }
-            state.replies.push_back(Err(why));
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        });
     }
 }
 
@@ -217,10 +222,7 @@ impl Drop for Outbox {
     fn drop(&mut self) {
         if self.shared.senders.fetch_sub(1, Ordering::AcqRel) == 1 {
             // The last one: a waiting receiver learns that nothing more comes.
-            let waker = self.shared.lock().waker.take();
-            if let Some(waker) = waker {
-                waker.wake();
-            }
+            self.shared.then_wake(|_| {});
         }
     }
 }
