@@ -1,11 +1,12 @@
 //! One client connection relayed to one upstream connection (session mode). The only module of
 //! the crate that does I/O.
 //!
-//! Two loops per session, two tasks on the session's thread: `client -> upstream` reads the
-//! client's messages, decides (through the pure [`crate::rewrite`]) and forwards them, pushing
-//! what replies each message will get onto a shared queue; `upstream -> client` reads the server's
-//! replies and uses that queue to swallow the guard's own replies, audit stale refusals
-//! reported by the guard, and emit the gateway's local answers in order.
+//! Two loops per session, each a task on the session's thread (the session's own task only
+//! joins them): `client -> upstream` reads the client's messages, decides (through the pure
+//! [`crate::rewrite`]) and forwards them, pushing what replies each message will get onto a
+//! shared queue; `upstream -> client` reads the server's replies and uses that queue to swallow
+//! the guard's own replies, audit stale refusals reported by the guard, and emit the gateway's
+//! local answers in order.
 //!
 //! - [`startup`]: the startup packet, TLS, cancels and the relayed authentication.
 //! - [`pending`]: PURE: the queue of replies each forwarded message will get, the statement
