@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fencegate_core::Token;
+use smallvec::SmallVec;
 
 use crate::classify::MAX_FENCED_ARGS;
 use crate::frame::{self, Frame, Limits};
+use crate::rewrite::FenceToken;
 
 /// The most writes in one call: Redis serves nobody else while the call runs.
 pub const MAX_WRITES: usize = 64;
@@ -24,20 +25,22 @@ pub const MAX_ARGS: usize = MAX_FENCED_ARGS;
 #[derive(Debug)]
 pub struct Run<W> {
     /// Shared with the session (and each write's reply context), not copied per write.
-    token: Arc<Token>,
+    token: Arc<FenceToken>,
     resp3: bool,
-    writes: Vec<W>,
+    /// Inline while the run holds one write: an unpipelined fenced write makes a run of one,
+    /// and a `Vec` was an allocation and a free per write (issue 18).
+    writes: SmallVec<[W; 1]>,
     bytes: usize,
     args: usize,
 }
 
 impl<W> Run<W> {
     /// An empty run for writes under `token`, whose client speaks RESP3 or not.
-    pub fn new(token: Arc<Token>, resp3: bool) -> Self {
+    pub fn new(token: Arc<FenceToken>, resp3: bool) -> Self {
         Self {
             token,
             resp3,
-            writes: Vec::new(),
+            writes: SmallVec::new(),
             bytes: 0,
             args: 0,
         }
@@ -45,7 +48,7 @@ impl<W> Run<W> {
 
     /// Whether a write under `token` with `args` arguments plus keys and `bytes` request bytes
     /// may join: same token, same protocol, within the caps. An empty run admits any one write.
-    pub fn admits(&self, token: &Token, resp3: bool, args: usize, bytes: usize) -> bool {
+    pub fn admits(&self, token: &FenceToken, resp3: bool, args: usize, bytes: usize) -> bool {
         *self.token == *token
             && self.resp3 == resp3
             && (self.writes.is_empty()
@@ -62,7 +65,7 @@ impl<W> Run<W> {
     }
 
     /// The token, the protocol and the writes.
-    pub fn into_parts(self) -> (Arc<Token>, bool, Vec<W>) {
+    pub fn into_parts(self) -> (Arc<FenceToken>, bool, SmallVec<[W; 1]>) {
         (self.token, self.resp3, self.writes)
     }
 }
@@ -157,15 +160,15 @@ fn shape(frame: &Frame) -> String {
 
 #[cfg(test)]
 mod tests {
-    use fencegate_core::{Resource, Revision};
+    use fencegate_core::{Resource, Revision, Token};
 
     use super::*;
 
-    fn token(revision: u64) -> Token {
-        Token::new(
+    fn token(revision: u64) -> FenceToken {
+        FenceToken::new(Token::new(
             Resource::new("job").unwrap(),
             Revision::new(revision).unwrap(),
-        )
+        ))
     }
 
     fn split_wire(wire: &[u8], writes: usize, resp3: bool) -> Result<Vec<String>, String> {
@@ -287,6 +290,9 @@ mod tests {
         run.push(1, MAX_ARGS - 10, 0);
         assert!(!run.admits(&token(7), false, 8, 0), "arguments");
         let (t, resp3, writes) = run.into_parts();
-        assert_eq!((t, resp3, writes), (Arc::new(token(7)), false, vec![0, 1]));
+        assert_eq!(
+            (t, resp3, writes.into_vec()),
+            (Arc::new(token(7)), false, vec![0, 1])
+        );
     }
 }

@@ -84,6 +84,129 @@ pub fn batch_script_source() -> String {
     format!("{BATCH_LUA}\nreturn fencegate_fence_batch(KEYS, ARGV)\n")
 }
 
+/// A token as fence calls carry it: the arguments that depend only on the token (the fence
+/// key, the resource, the revision) are encoded once, when the client sends `FENCE`, instead of
+/// for every write (twelve small copies and a number formatted per call, issue 18). Built only
+/// by [`FenceToken::new`], from the token itself, so the encoding cannot disagree with it.
+#[derive(Debug)]
+pub struct FenceToken {
+    token: Token,
+    /// The three arguments, encoded one after the other.
+    wire: Box<[u8]>,
+    /// Where the fence key argument ends and the resource argument ends in `wire`.
+    ends: [usize; 2],
+}
+
+impl FenceToken {
+    /// `token` with its arguments encoded.
+    pub fn new(token: Token) -> Self {
+        let resource = token.resource().as_str().as_bytes();
+        let mut wire = BytesMut::new();
+        frame::encode_argument(
+            &[FENCE_KEY_PREFIX.as_bytes(), b"{", resource, b"}"],
+            &mut wire,
+        );
+        let key_end = wire.len();
+        frame::encode_argument(&[resource], &mut wire);
+        let resource_end = wire.len();
+        frame::encode_argument(
+            &[itoa::Buffer::new()
+                .format(token.revision().get())
+                .as_bytes()],
+            &mut wire,
+        );
+        Self {
+            token,
+            wire: wire.to_vec().into_boxed_slice(),
+            ends: [key_end, resource_end],
+        }
+    }
+
+    /// The token.
+    pub fn token(&self) -> &Token {
+        &self.token
+    }
+
+    fn fence_key(&self) -> &[u8] {
+        &self.wire[..self.ends[0]]
+    }
+
+    fn resource(&self) -> &[u8] {
+        &self.wire[self.ends[0]..self.ends[1]]
+    }
+
+    fn revision(&self) -> &[u8] {
+        &self.wire[self.ends[1]..]
+    }
+}
+
+/// Equal when the tokens are (the encoding follows from the token).
+impl PartialEq for FenceToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.token == other.token
+    }
+}
+
+impl Eq for FenceToken {}
+
+/// A fence token is read as the token it carries.
+impl std::ops::Deref for FenceToken {
+    type Target = Token;
+
+    fn deref(&self) -> &Token {
+        &self.token
+    }
+}
+
+/// One argument of a fence call, as [`FenceCall::each`] hands it out.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg<'p> {
+    /// Made of these pieces, in order.
+    Pieces(&'p [&'p [u8]]),
+    /// Already encoded as a RESP bulk string: a constant (the command, the function's name, a
+    /// small count) or a part of the token ([`FenceToken`]). One copy instead of a header, the
+    /// value and the line end (issue 18).
+    Wire(&'p [u8]),
+}
+
+/// The constant arguments of fence calls, encoded as RESP bulk strings (a test checks each
+/// against the name it encodes).
+mod wire {
+    pub(super) const FENCE: &[u8] = b"$15\r\nFENCEGATE.FENCE\r\n";
+    pub(super) const FENCE_BATCH: &[u8] = b"$21\r\nFENCEGATE.FENCE_BATCH\r\n";
+    pub(super) const FCALL: &[u8] = b"$5\r\nFCALL\r\n";
+    pub(super) const EVALSHA: &[u8] = b"$7\r\nEVALSHA\r\n";
+    /// [`super::FUNCTION_NAME`].
+    pub(super) const FUNCTION: &[u8] = b"$18\r\nfencegate_fence_v1\r\n";
+    /// [`super::BATCH_FUNCTION_NAME`].
+    pub(super) const BATCH_FUNCTION: &[u8] = b"$24\r\nfencegate_fence_batch_v1\r\n";
+}
+
+/// The counts 0 to 9 encoded as RESP bulk strings: the number of keys, the protocol, a batch's
+/// write and argument counts are nearly always one digit.
+const DIGIT: [&[u8]; 10] = [
+    b"$1\r\n0\r\n",
+    b"$1\r\n1\r\n",
+    b"$1\r\n2\r\n",
+    b"$1\r\n3\r\n",
+    b"$1\r\n4\r\n",
+    b"$1\r\n5\r\n",
+    b"$1\r\n6\r\n",
+    b"$1\r\n7\r\n",
+    b"$1\r\n8\r\n",
+    b"$1\r\n9\r\n",
+];
+
+/// The value of a bulk string `wire` (`$<n>\r\n<value>\r\n`): what follows the first line
+/// end, without the last.
+fn wire_value(wire: &[u8]) -> &[u8] {
+    let start = wire
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .map_or(0, |at| at + 2);
+    &wire[start.min(wire.len())..wire.len().saturating_sub(2).max(start)]
+}
+
 /// A fence call, described rather than built: [`FenceCall::encode`] writes it upstream with no
 /// allocation (issue 18: the call's `Vec`, the fence key, resource and revision formatted into
 /// strings, and a clone of each argument were most of a fenced write's allocations);
@@ -92,7 +215,7 @@ pub fn batch_script_source() -> String {
 #[derive(Debug, Clone, Copy)]
 pub struct FenceCall<'a> {
     mode: &'a ScriptMode,
-    token: &'a Token,
+    token: &'a FenceToken,
     writes: &'a [BatchedWrite<'a>],
     resp3: bool,
     batch: bool,
@@ -103,7 +226,7 @@ impl<'a> FenceCall<'a> {
     /// `resp3` selects the reply protocol inside the script.
     pub fn single(
         mode: &'a ScriptMode,
-        token: &'a Token,
+        token: &'a FenceToken,
         write: &'a BatchedWrite<'a>,
         resp3: bool,
     ) -> Self {
@@ -120,7 +243,7 @@ impl<'a> FenceCall<'a> {
     /// `fence_batch.lua` for the argument layout). Every write's keys are declared.
     pub fn batch(
         mode: &'a ScriptMode,
-        token: &'a Token,
+        token: &'a FenceToken,
         writes: &'a [BatchedWrite<'a>],
         resp3: bool,
     ) -> Self {
@@ -148,54 +271,67 @@ impl<'a> FenceCall<'a> {
         false
     }
 
-    /// Hands each argument, in order, to `argument` as the pieces it is made of.
-    pub fn each(&self, mut argument: impl FnMut(&[&[u8]])) {
-        let (command, script): (&[u8], Option<&[u8]>) = match (self.mode, self.batch) {
-            (ScriptMode::Module, false) => (b"FENCEGATE.FENCE", None),
-            (ScriptMode::Module, true) => (b"FENCEGATE.FENCE_BATCH", None),
-            (ScriptMode::Function, false) => (b"FCALL", Some(FUNCTION_NAME.as_bytes())),
-            (ScriptMode::Function, true) => (b"FCALL", Some(BATCH_FUNCTION_NAME.as_bytes())),
-            (ScriptMode::Script { sha, .. }, false) => (b"EVALSHA", Some(sha.as_bytes())),
+    /// Hands each argument, in order, to `argument`.
+    pub fn each(&self, mut argument: impl FnMut(Arg<'_>)) {
+        let (command, script): (&'static [u8], Option<Arg>) = match (self.mode, self.batch) {
+            (ScriptMode::Module, false) => (wire::FENCE, None),
+            (ScriptMode::Module, true) => (wire::FENCE_BATCH, None),
+            (ScriptMode::Function, false) => (wire::FCALL, Some(Arg::Wire(wire::FUNCTION))),
+            (ScriptMode::Function, true) => (wire::FCALL, Some(Arg::Wire(wire::BATCH_FUNCTION))),
+            (ScriptMode::Script { sha, .. }, false) => {
+                (wire::EVALSHA, Some(Arg::Pieces(&[sha.as_bytes()])))
+            }
             (ScriptMode::Script { batch_sha, .. }, true) => {
-                (b"EVALSHA", Some(batch_sha.as_bytes()))
+                (wire::EVALSHA, Some(Arg::Pieces(&[batch_sha.as_bytes()])))
             }
         };
-        argument(&[command]);
+        argument(Arg::Wire(command));
         if let Some(script) = script {
-            argument(&[script]);
+            argument(script);
         }
         let mut number = itoa::Buffer::new();
+        let mut count = |n: usize, argument: &mut dyn FnMut(Arg<'_>)| match DIGIT.get(n) {
+            Some(wire) => argument(Arg::Wire(wire)),
+            None => argument(Arg::Pieces(&[number.format(n).as_bytes()])),
+        };
         let keys: usize = self.writes.iter().map(|w| w.keys.len()).sum();
-        argument(&[number.format(keys + 1).as_bytes()]);
-        let resource = self.token.resource().as_str().as_bytes();
-        argument(&[FENCE_KEY_PREFIX.as_bytes(), b"{", resource, b"}"]);
+        count(keys + 1, &mut argument);
+        argument(Arg::Wire(self.token.fence_key()));
         for key in self.writes.iter().flat_map(|w| w.keys) {
-            argument(&[key]);
+            argument(Arg::Pieces(&[key]));
         }
-        argument(&[resource]);
-        argument(&[number.format(self.token.revision().get()).as_bytes()]);
-        argument(&[if self.resp3 { b"3" } else { b"2" }]);
+        argument(Arg::Wire(self.token.resource()));
+        argument(Arg::Wire(self.token.revision()));
+        argument(Arg::Wire(DIGIT[if self.resp3 { 3 } else { 2 }]));
         if self.batch {
-            argument(&[number.format(self.writes.len()).as_bytes()]);
+            count(self.writes.len(), &mut argument);
             for write in self.writes {
-                argument(&[number.format(write.args.len()).as_bytes()]);
+                count(write.args.len(), &mut argument);
             }
         }
         for arg in self.writes.iter().flat_map(|w| w.args) {
-            argument(&[arg]);
+            argument(Arg::Pieces(&[arg]));
         }
     }
 
     /// Appends the call to `out` as a RESP command.
     pub fn encode(&self, out: &mut BytesMut) {
         frame::encode_command_header(self.len(), out);
-        self.each(|pieces| frame::encode_argument(pieces, out));
+        self.each(|arg| match arg {
+            Arg::Pieces(pieces) => frame::encode_argument(pieces, out),
+            Arg::Wire(wire) => out.extend_from_slice(wire),
+        });
     }
 
     /// The call's arguments.
     pub fn args(&self) -> Vec<Bytes> {
         let mut args = Vec::with_capacity(self.len());
-        self.each(|pieces| args.push(Bytes::from(pieces.concat())));
+        self.each(|arg| {
+            args.push(match arg {
+                Arg::Pieces(pieces) => Bytes::from(pieces.concat()),
+                Arg::Wire(wire) => Bytes::copy_from_slice(wire_value(wire)),
+            })
+        });
         args
     }
 }
@@ -209,7 +345,8 @@ pub fn rewrite(
     keys: &[Bytes],
     resp3: bool,
 ) -> Vec<Bytes> {
-    FenceCall::single(mode, token, &BatchedWrite { args, keys }, resp3).args()
+    let token = FenceToken::new(token.clone());
+    FenceCall::single(mode, &token, &BatchedWrite { args, keys }, resp3).args()
 }
 
 /// One write of a batch: the original command and its keys.
@@ -229,7 +366,7 @@ pub fn rewrite_batch(
     writes: &[BatchedWrite],
     resp3: bool,
 ) -> Vec<Bytes> {
-    FenceCall::batch(mode, token, writes, resp3).args()
+    FenceCall::batch(mode, &FenceToken::new(token.clone()), writes, resp3).args()
 }
 
 #[cfg(test)]
@@ -306,11 +443,94 @@ mod tests {
         };
         for mode in [ScriptMode::Module, ScriptMode::Function, script] {
             for resp3 in [false, true] {
-                encoded_is_built(FenceCall::single(&mode, &token(), &one, resp3));
-                encoded_is_built(FenceCall::single(&mode, &token(), &bin, resp3));
-                encoded_is_built(FenceCall::batch(&mode, &token(), &two, resp3));
-                encoded_is_built(FenceCall::batch(&mode, &token(), &writes, resp3));
+                encoded_is_built(FenceCall::single(
+                    &mode,
+                    &FenceToken::new(token()),
+                    &one,
+                    resp3,
+                ));
+                encoded_is_built(FenceCall::single(
+                    &mode,
+                    &FenceToken::new(token()),
+                    &bin,
+                    resp3,
+                ));
+                encoded_is_built(FenceCall::batch(
+                    &mode,
+                    &FenceToken::new(token()),
+                    &two,
+                    resp3,
+                ));
+                encoded_is_built(FenceCall::batch(
+                    &mode,
+                    &FenceToken::new(token()),
+                    &writes,
+                    resp3,
+                ));
             }
+        }
+    }
+
+    /// Each constant is the encoding of the name or count it stands for; the function names
+    /// are the ones loaded.
+    #[test]
+    fn constant_wires_encode_their_values() {
+        let encoded = |value: &[u8]| {
+            let mut out = BytesMut::new();
+            frame::encode_argument(&[value], &mut out);
+            out
+        };
+        for (wire, value) in [
+            (wire::FENCE, "FENCEGATE.FENCE"),
+            (wire::FENCE_BATCH, "FENCEGATE.FENCE_BATCH"),
+            (wire::FCALL, "FCALL"),
+            (wire::EVALSHA, "EVALSHA"),
+            (wire::FUNCTION, FUNCTION_NAME),
+            (wire::BATCH_FUNCTION, BATCH_FUNCTION_NAME),
+        ] {
+            assert_eq!(wire, &encoded(value.as_bytes())[..], "{value}");
+            assert_eq!(wire_value(wire), value.as_bytes());
+        }
+        for (n, wire) in DIGIT.iter().enumerate() {
+            assert_eq!(*wire, &encoded(n.to_string().as_bytes())[..], "{n}");
+            assert_eq!(wire_value(wire), n.to_string().as_bytes());
+        }
+    }
+
+    /// The token's encoded arguments are the fence key, the resource and the revision, for
+    /// any revision width and resource length (two-digit and three-digit headers) and every
+    /// character a resource may hold.
+    #[test]
+    fn a_fence_token_encodes_its_own_arguments() {
+        let longest = "r".repeat(Resource::MAX_LEN);
+        for (resource, revision) in [
+            ("a", 1),
+            ("billing:2026-09-28", 12),
+            ("x/y.z_A-9:", 1_000_000_007),
+            (longest.as_str(), u64::MAX >> 1),
+        ] {
+            let token = Token::new(
+                Resource::new(resource).unwrap(),
+                Revision::new(revision).unwrap(),
+            );
+            let fenced = FenceToken::new(token.clone());
+            assert_eq!(fenced.token(), &token);
+            let value = |wire: &[u8]| String::from_utf8(wire_value(wire).to_vec()).unwrap();
+            assert_eq!(
+                value(fenced.fence_key()),
+                format!("fencegate:fence:{{{resource}}}")
+            );
+            assert_eq!(value(fenced.resource()), resource);
+            assert_eq!(value(fenced.revision()), revision.to_string());
+            let mut whole = BytesMut::new();
+            for part in [
+                format!("fencegate:fence:{{{resource}}}"),
+                resource.to_owned(),
+                revision.to_string(),
+            ] {
+                frame::encode_argument(&[part.as_bytes()], &mut whole);
+            }
+            assert_eq!(&fenced.wire[..], &whole[..]);
         }
     }
 

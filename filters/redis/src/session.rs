@@ -48,7 +48,7 @@ use crate::gateway::Gateway;
 use crate::hand_off::{hand_off, Consumer, Producer};
 use crate::inbox::{self, Inbox, Outbox, Reply};
 use crate::request_parser::RequestParser;
-use crate::rewrite::{BatchedWrite, FenceCall, ScriptMode};
+use crate::rewrite::{BatchedWrite, FenceCall, FenceToken, ScriptMode};
 use crate::scope;
 use crate::shared_upstream::SharedConnection;
 use crate::sharing;
@@ -338,7 +338,7 @@ struct BatchContext {
     /// The writes, in request order, to audit if the store refuses them.
     writes: Vec<FencedWrite>,
     /// The token they ran under.
-    token: Arc<Token>,
+    token: Arc<FenceToken>,
     /// How the call was made, to make it again after a reload.
     mode: ScriptMode,
     /// Whether the client speaks RESP3 (how a null reply is written).
@@ -357,7 +357,7 @@ struct FenceContext {
     /// The write, to audit if the store refuses it.
     write: FencedWrite,
     /// The token it ran under.
-    token: Arc<Token>,
+    token: Arc<FenceToken>,
     /// How the call was made, to make it again after a reload.
     mode: ScriptMode,
     resp3: bool,
@@ -394,7 +394,7 @@ impl FencedWrite {
 
 struct Multi {
     /// The token in force at `MULTI`: every queued command then runs under the fence.
-    token: Option<Arc<Token>>,
+    token: Option<Arc<FenceToken>>,
     /// A queued command was refused: `EXEC` becomes `DISCARD` and answers `EXECABORT`.
     dirty: bool,
     /// Commands queued, for the audit summary.
@@ -414,7 +414,7 @@ struct Reader {
     slots: Producer<Slot>,
     resp3: Arc<AtomicBool>,
     /// The token `FENCE` set; shared (not copied) with each fenced write in flight.
-    token: Option<Arc<Token>>,
+    token: Option<Arc<FenceToken>>,
     multi: Option<Multi>,
     /// The user of the last successful `AUTH`/`HELLO ... AUTH` (set by the writer, which sees
     /// the reply).
@@ -565,7 +565,13 @@ impl Batch {
     }
 
     /// Adds a fenced write to the run, closing the run first when the write cannot join it.
-    fn fenced(&mut self, mode: &ScriptMode, token: &Arc<Token>, resp3: bool, write: FencedWrite) {
+    fn fenced(
+        &mut self,
+        mode: &ScriptMode,
+        token: &Arc<FenceToken>,
+        resp3: bool,
+        write: FencedWrite,
+    ) {
         let size = write.args.len() + write.keys.len();
         let bytes = write.bytes;
         if self
@@ -585,7 +591,7 @@ impl Batch {
     fn fenced_alone(
         &mut self,
         mode: &ScriptMode,
-        token: Arc<Token>,
+        token: Arc<FenceToken>,
         write: FencedWrite,
         resp3: bool,
     ) {
@@ -615,7 +621,8 @@ impl Batch {
         self.send_call(&FenceCall::batch(&mode, &token, &batched, resp3));
         self.slots.push(Slot::Upstream(Expect::FencedBatch(Box::new(
             BatchContext {
-                writes,
+                // Several writes: already on the heap, taken as they are.
+                writes: writes.into_vec(),
                 token,
                 mode,
                 resp3,
@@ -1085,7 +1092,7 @@ impl Reader {
         let inputs = Inputs {
             command,
             config: &self.config.1,
-            token: self.token.as_deref(),
+            token: self.token.as_deref().map(FenceToken::token),
             fences_at_risk: risk.as_deref(),
         };
         match decide(&inputs, args) {
@@ -1223,7 +1230,7 @@ impl Reader {
             match self.gateway.policy.check(&text, None) {
                 Ok(token) => {
                     tracing::debug!(conn = self.id, resource = %token.resource(), revision = %token.revision(), "token set");
-                    self.token = Some(Arc::new(token));
+                    self.token = Some(Arc::new(FenceToken::new(token)));
                     Frame::simple("OK")
                 }
                 Err(e) => {
@@ -1290,7 +1297,7 @@ impl Reader {
             .unwrap_or_default();
         let token = self.token.clone();
         let event = self
-            .attempt(request, &keys, token.as_deref())
+            .attempt(request, &keys, token.as_deref().map(FenceToken::token))
             .refused(&Rejection::new(reason, detail));
 
         if within {
