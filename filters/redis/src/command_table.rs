@@ -20,8 +20,10 @@ pub struct CommandTable {
     commands: Commands,
 }
 
-/// Looked up once per request: a fast hasher (a random seed per table; see Cargo.toml).
-type Commands = HashMap<String, CommandInfo, foldhash::fast::RandomState>;
+/// Looked up once per request: a fast hasher (a random seed per table; see Cargo.toml). Keyed by
+/// the name's bytes, so a request's name is looked up as it came, lower-cased, without a UTF-8
+/// check (about 54 instructions per request, issue 18).
+type Commands = HashMap<Box<[u8]>, CommandInfo, foldhash::fast::RandomState>;
 
 /// One command's arity, flags and key positions.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,14 +161,13 @@ impl CommandTable {
             let lower = &mut short[..first.len()];
             lower.copy_from_slice(first);
             lower.make_ascii_lowercase();
-            let lower = std::str::from_utf8(lower).ok()?;
-            let info = self.commands.get(lower)?;
+            let info = self.commands.get(&*lower)?;
             if !info.container {
                 return Some(info);
             }
         }
         let name = String::from_utf8_lossy(first).to_ascii_lowercase();
-        let info = self.commands.get(&name)?;
+        let info = self.commands.get(name.as_bytes())?;
         if !info.container {
             return Some(info);
         }
@@ -178,7 +179,7 @@ impl CommandTable {
                     "{name}|{}",
                     String::from_utf8_lossy(sub).to_ascii_lowercase()
                 );
-                self.commands.get(&full)
+                self.commands.get(full.as_bytes())
             }
         }
     }
@@ -219,7 +220,7 @@ fn add_entry(commands: &mut Commands, entry: &Frame) -> Result<(), RedisError> {
             && flags.iter().any(|f| f == "movablekeys"),
         key_specs,
     };
-    commands.insert(name, info);
+    commands.insert(name.into_bytes().into_boxed_slice(), info);
     for sub in subcommands {
         add_entry(commands, sub)?;
     }
