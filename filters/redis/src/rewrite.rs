@@ -441,32 +441,13 @@ mod tests {
             args: &binary,
             keys: &binary[1..2],
         };
+        let token = FenceToken::new(token());
         for mode in [ScriptMode::Module, ScriptMode::Function, script] {
             for resp3 in [false, true] {
-                encoded_is_built(FenceCall::single(
-                    &mode,
-                    &FenceToken::new(token()),
-                    &one,
-                    resp3,
-                ));
-                encoded_is_built(FenceCall::single(
-                    &mode,
-                    &FenceToken::new(token()),
-                    &bin,
-                    resp3,
-                ));
-                encoded_is_built(FenceCall::batch(
-                    &mode,
-                    &FenceToken::new(token()),
-                    &two,
-                    resp3,
-                ));
-                encoded_is_built(FenceCall::batch(
-                    &mode,
-                    &FenceToken::new(token()),
-                    &writes,
-                    resp3,
-                ));
+                encoded_is_built(FenceCall::single(&mode, &token, &one, resp3));
+                encoded_is_built(FenceCall::single(&mode, &token, &bin, resp3));
+                encoded_is_built(FenceCall::batch(&mode, &token, &two, resp3));
+                encoded_is_built(FenceCall::batch(&mode, &token, &writes, resp3));
             }
         }
     }
