@@ -40,13 +40,7 @@ impl SessionThreads {
         let stop = CancellationToken::new();
         let mut handles = Vec::with_capacity(count);
         for i in 0..count {
-            // I/O and timers only: a session spawns no process and handles no signal (the node's
-            // runtime does), and with them enabled every park also polled the process and signal
-            // drivers (about 60 instructions each time, issue 18's profile).
-            let runtime = Builder::new_current_thread()
-                .enable_io()
-                .enable_time()
-                .build()?;
+            let runtime = Builder::new_current_thread().enable_all().build()?;
             handles.push(runtime.handle().clone());
             let stop = stop.clone();
             std::thread::Builder::new()
