@@ -92,7 +92,7 @@ pub fn batch_script_source() -> String {
 pub struct FenceToken {
     token: Token,
     /// The three arguments, encoded one after the other.
-    wire: Box<[u8]>,
+    wire: Bytes,
     /// Where the fence key argument ends and the resource argument ends in `wire`.
     ends: [usize; 2],
 }
@@ -117,7 +117,7 @@ impl FenceToken {
         );
         Self {
             token,
-            wire: wire.to_vec().into_boxed_slice(),
+            wire: wire.freeze(),
             ends: [key_end, resource_end],
         }
     }
