@@ -398,13 +398,24 @@ async fn the_fence_function_is_reloaded_after_a_flush() {
 /// Sends `FENCE token` and `n` pairs of `SET p:<i> <i>`, `INCR p:count` in one write on a raw
 /// connection and returns the replies after FENCE's.
 fn raw_pipeline(gw: &RedisGateway, token: &str, n: usize) -> Vec<Frame> {
-    use std::io::{Read, Write};
-    let mut request = Vec::new();
-    let mut push = |args: Vec<String>| request.extend_from_slice(&Frame::command(args).to_bytes());
-    push(vec!["FENCE".into(), token.into()]);
+    let mut commands = vec![vec!["FENCE".to_owned(), token.to_owned()]];
     for i in 0..n {
-        push(vec!["SET".into(), format!("p:{i}"), i.to_string()]);
-        push(vec!["INCR".into(), "p:count".into()]);
+        commands.push(vec!["SET".into(), format!("p:{i}"), i.to_string()]);
+        commands.push(vec!["INCR".into(), "p:count".into()]);
+    }
+    let mut frames = raw_exchange(gw, commands);
+    assert_eq!(frames[0], Frame::simple("OK"));
+    frames.split_off(1)
+}
+
+/// Sends `commands` in one write on a raw connection (so the gateway reads them together) and
+/// returns one reply per command.
+fn raw_exchange(gw: &RedisGateway, commands: Vec<Vec<String>>) -> Vec<Frame> {
+    use std::io::{Read, Write};
+    let expected = commands.len();
+    let mut request = Vec::new();
+    for args in commands {
+        request.extend_from_slice(&Frame::command(args).to_bytes());
     }
     let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
@@ -414,7 +425,7 @@ fn raw_pipeline(gw: &RedisGateway, token: &str, n: usize) -> Vec<Frame> {
         std::thread::spawn(move || s.write_all(&request).unwrap())
     };
     let (mut buf, mut frames, mut chunk) = (Vec::new(), Vec::new(), [0u8; 65536]);
-    while frames.len() < 2 * n + 1 {
+    while frames.len() < expected {
         let got = s.read(&mut chunk).unwrap();
         assert!(got > 0, "gateway closed after {} replies", frames.len());
         buf.extend_from_slice(&chunk[..got]);
@@ -424,6 +435,65 @@ fn raw_pipeline(gw: &RedisGateway, token: &str, n: usize) -> Vec<Frame> {
         }
     }
     writer.join().unwrap();
-    assert_eq!(frames[0], Frame::simple("OK"));
-    frames.split_off(1)
+    frames
+}
+
+/// A connection that changes its token mid-pipeline is judged under each token in turn: the
+/// writes sent after `FENCE` of a lower token are refused by the store, the runs of fenced
+/// writes (one batch call per run) never mix two tokens, and going back to the higher token
+/// writes again. The gateway encodes each token's part of the fence call once, at `FENCE`: this
+/// is the test that a write never goes out with the previous token's encoding.
+#[tokio::test]
+async fn a_token_changed_mid_pipeline_fences_the_writes_after_it() {
+    let gw = RedisGateway::start("", &[]);
+    let mut direct = connect(&gw.redis.url()).await;
+    let command = |args: &[&str]| -> Vec<String> { args.iter().map(|a| a.to_string()).collect() };
+    let replies = raw_exchange(
+        &gw,
+        vec![
+            command(&["FENCE", "fg1~12~billing"]),
+            command(&["SET", "t:a", "twelve"]),
+            command(&["SET", "t:b", "twelve"]),
+            command(&["FENCE", "fg1~7~billing"]),
+            command(&["SET", "t:a", "seven"]),
+            command(&["SET", "t:b", "seven"]),
+            command(&["SET", "t:c", "seven"]),
+            command(&["FENCE", "fg1~12~billing"]),
+            command(&["SET", "t:c", "twelve"]),
+        ],
+    );
+    let ok = Frame::simple("OK");
+    assert_eq!(
+        &replies[..4],
+        [ok.clone(), ok.clone(), ok.clone(), ok.clone()]
+    );
+    for refused in &replies[4..7] {
+        let text = format!("{refused:?}");
+        assert!(
+            matches!(refused, Frame::Error(_))
+                && text.contains("FENCED billing token 7 is below fence 12"),
+            "{text}"
+        );
+    }
+    assert_eq!(&replies[7..], [ok.clone(), ok]);
+    for (key, value) in [("t:a", "twelve"), ("t:b", "twelve"), ("t:c", "twelve")] {
+        let v: String = cmd(&mut direct, &["GET", key]).await.unwrap();
+        assert_eq!(v, value, "{key}");
+    }
+    let fence_value: String = cmd(&mut direct, &["GET", "fencegate:fence:{billing}"])
+        .await
+        .unwrap();
+    assert_eq!(fence_value, "12");
+    let records = gw.stale_records();
+    assert_eq!(
+        records.len(),
+        3,
+        "one audit record per refused write: {records:#?}"
+    );
+    for r in &records {
+        assert_eq!(
+            (r["revision"].as_u64(), r["fence"].as_u64()),
+            (Some(7), Some(12))
+        );
+    }
 }
