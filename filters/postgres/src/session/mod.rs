@@ -76,9 +76,6 @@ struct Shared {
     pub(super) protected: bool,
     pub(super) conn: u64,
     pub(super) requests: std::sync::atomic::AtomicU64,
-    /// When each simple query or Sync was read, oldest first: the ReadyForQuery that answers
-    /// it gives the request's latency.
-    pub(super) read_at: Mutex<std::collections::VecDeque<std::time::Instant>>,
     /// The node is draining: end the session at its next idle ReadyForQuery.
     pub(super) shutdown: CancellationToken,
     /// Woken by the reply loop after each ReadyForQuery it relayed or local answer it sent, once
@@ -116,25 +113,20 @@ impl Shared {
         .await;
     }
 
-    /// Notes that a request (Query or Sync) was read now.
-    fn request_read(&self) {
-        let mut read_at = self.read_at.lock().unwrap_or_else(|e| e.into_inner());
-        read_at.push_back(std::time::Instant::now());
-    }
-
-    /// Reports the latency of the oldest open request, for each of `ready` ReadyForQuery
-    /// messages just relayed (the reply loop counts them as it judges them: scanning the
-    /// relayed bytes again cost about 90 instructions per `pgbench -S` transaction).
-    fn answered(&self, ready: u32) {
+    /// Reports the latency of the oldest open requests (their read times in `state`), for
+    /// each of `ready` ReadyForQuery messages just judged for relaying (the reply loop counts
+    /// them as it judges them: scanning the relayed bytes again cost about 90 instructions per
+    /// `pgbench -S` transaction). Under the lock the caller already holds, with one clock read.
+    fn answered(&self, state: &mut State, ready: u32) {
         if ready == 0 {
             return;
         }
-        let mut read_at = self.read_at.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
         for _ in 0..ready {
-            if let Some(read_at) = read_at.pop_front() {
+            if let Some(read_at) = state.read_at.pop_front() {
                 self.gateway
                     .sink
-                    .request_done(Store::Postgres, read_at.elapsed());
+                    .request_done(Store::Postgres, now.saturating_duration_since(read_at));
             }
         }
     }
@@ -249,7 +241,6 @@ async fn session(
         protected,
         conn,
         requests: std::sync::atomic::AtomicU64::new(0),
-        read_at: Mutex::default(),
         shutdown,
         settled: Notify::new(),
         draining: AtomicBool::new(false),

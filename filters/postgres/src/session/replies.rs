@@ -80,6 +80,7 @@ pub(super) async fn relay_replies(
                 }
                 run.add(&frame, outcome.applied);
             }
+            shared.answered(&mut state, run.ready_for_query);
         }
         if run.bytes > 0 {
             let bytes = upstream.front(run.bytes);
@@ -87,7 +88,6 @@ pub(super) async fn relay_replies(
                 .put(bytes)
                 .await
                 .map_err(PostgresError::io("writing to the client"))?;
-            shared.answered(run.ready_for_query);
             upstream.consume_bytes(run.bytes);
             for _ in 0..run.applied {
                 shared.gateway.sink.applied(Store::Postgres);
@@ -173,7 +173,7 @@ async fn relay_special(
             .put(bytes)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
-        shared.answered(message::ready_for_query_count(bytes));
+        shared.answered(&mut shared.lock(), message::ready_for_query_count(bytes));
     }
     upstream.consume();
     if local_next && deliver_local(shared, client).await? {
@@ -194,19 +194,21 @@ async fn deliver_local(
     let mut close = false;
     {
         let mut state = shared.lock();
+        let mut ready = 0;
         while let Some(Expect::Local { .. }) = state.pending.front() {
             if let Some(Expect::Local { bytes, close: c }) = state.pending.pop_front() {
+                ready += message::ready_for_query_count(&bytes);
                 out.push(bytes);
                 close |= c;
             }
         }
+        shared.answered(&mut state, ready);
     }
     for bytes in &out {
         client
             .put(bytes)
             .await
             .map_err(PostgresError::io("writing to the client"))?;
-        shared.answered(message::ready_for_query_count(bytes));
     }
     if !out.is_empty() {
         client

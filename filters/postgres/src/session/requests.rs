@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use fencegate_core::{OperationSummary, PollOnWake, RejectReason, Rejection, Token};
@@ -23,8 +24,14 @@ use crate::sqlstate;
 use crate::tls::ClientRead;
 use crate::upstream::UpstreamWrite;
 
-/// The most messages that may wait for their answers in one session.
+/// The most messages that may wait for their answers in one session (checked at least every
+/// [`CHECK_EVERY`] messages, each of which queues at most six: the bound may be passed by less
+/// than a hundred).
 const MAX_PENDING: usize = 262_144;
+
+/// How many messages may be decided between two checks of [`MAX_PENDING`]: a check is a lock,
+/// and every Query and Sync takes it anyway (to note when it was read).
+const CHECK_EVERY: u32 = 16;
 
 /// What one client message sends upstream, in order.
 enum Outgoing {
@@ -61,6 +68,7 @@ pub(super) async fn relay_requests(
     // token's list) per message; polled only when it was woken, not once per message.
     let mut drained = PollOnWake::new(shared.drained());
     let mut recent = RecentShapes::default();
+    let mut unchecked = 0;
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
@@ -93,20 +101,28 @@ pub(super) async fn relay_requests(
         // drop per message); a message that sends anything else first sends the run before it.
         let mut run = 0;
         let mut terminate = false;
+        // The requests read together were read at one time: one clock read for them all.
+        let mut read_now = None;
         while let Some(frame) = client.frame_at(run) {
             // Every message waiting for its answer holds an entry; a client that pipelines
             // without ever reading (the gateway answers some messages itself) must not grow it
             // forever.
-            let decided = if shared.lock().pending.len() >= MAX_PENDING {
+            let request = matches!(frame.tag, b'Q' | b'S');
+            unchecked += 1;
+            let admitted = if request || unchecked >= CHECK_EVERY {
+                unchecked = 0;
+                let read_at = request.then(|| *read_now.get_or_insert_with(Instant::now));
+                admit(&shared, read_at)
+            } else {
+                true
+            };
+            let decided = if !admitted {
                 let msg = format!(
                     "more than {MAX_PENDING} messages are waiting for their answers: read the replies"
                 );
                 Err(PostgresError::Protocol(msg))
             } else {
                 terminate = frame.tag == b'X';
-                if matches!(frame.tag, b'Q' | b'S') {
-                    shared.request_read();
-                }
                 // Only a Query, a Bind and a FunctionCall may wait (for an audit record), so
                 // only they are futures; the rest are decided by a plain function (a future
                 // built for every message cost about 130 instructions each, issue 18).
@@ -174,6 +190,17 @@ pub(super) async fn relay_requests(
         .map_err(PostgresError::io("writing upstream"))?;
     let _ = upstream.shutdown().await;
     Ok(())
+}
+
+/// Whether fewer than [`MAX_PENDING`] answers are waiting; if so, notes when a request (a
+/// Query or Sync) was read, under the same lock.
+fn admit(shared: &Shared, read_at: Option<Instant>) -> bool {
+    let mut state = shared.lock();
+    if state.pending.len() >= MAX_PENDING {
+        return false;
+    }
+    state.read_at.extend(read_at);
+    true
 }
 
 /// A frontend Terminate message: the server ends the backend cleanly.
@@ -544,6 +571,9 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
         if classified.statements.iter().any(|s| s.may_end_transaction) {
             state.pass_ended();
         }
+        if matches!(decision, Decision::Pass) {
+            state.pending.push_back(Expect::Bind(Role::Client));
+        }
         // Only a refusal quotes the token presented (as the session had it when it was sent).
         let hint = matches!(decision, Decision::Refuse(_)).then(|| {
             classified
@@ -557,10 +587,8 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
     // Only guards and refusals quote the summary: a relayed Bind does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
     match decision {
-        Decision::Pass => {
-            shared.lock().pending.push_back(Expect::Bind(Role::Client));
-            Ok(Outgoing::Message)
-        }
+        // Queued under the decision's lock.
+        Decision::Pass => Ok(Outgoing::Message),
         Decision::Guard(token) => {
             let info = GuardInfo {
                 token: token.clone(),
