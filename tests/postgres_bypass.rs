@@ -34,6 +34,8 @@ async fn items(direct: &Client) -> i64 {
 /// A bare v3 protocol client, for message sequences no driver sends.
 struct Raw {
     stream: TcpStream,
+    /// Messages held to be written at once ([`Raw::hold`]).
+    held: Option<Vec<u8>>,
 }
 
 impl Raw {
@@ -54,7 +56,7 @@ impl Raw {
         body.push(0);
         let mut msg = ((body.len() + 4) as u32).to_be_bytes().to_vec();
         msg.extend_from_slice(&body);
-        let mut raw = Self { stream };
+        let mut raw = Self { stream, held: None };
         raw.stream.write_all(&msg).unwrap();
         let error = raw.until_ready();
         (raw, error)
@@ -64,7 +66,21 @@ impl Raw {
         let mut msg = vec![tag];
         msg.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
         msg.extend_from_slice(body);
-        self.stream.write_all(&msg).unwrap();
+        match &mut self.held {
+            Some(held) => held.extend_from_slice(&msg),
+            None => self.stream.write_all(&msg).unwrap(),
+        }
+    }
+
+    /// Holds the messages sent from now on until [`Raw::release`] writes them in one go: the
+    /// gateway reads them together, before any reply to them can come back.
+    fn hold(&mut self) {
+        self.held = Some(Vec::new());
+    }
+
+    fn release(&mut self) {
+        let held = self.held.take().unwrap_or_default();
+        self.stream.write_all(&held).unwrap();
     }
 
     fn parse(&mut self, name: &str, sql: &str) {
@@ -186,6 +202,56 @@ async fn cursors_and_prepared_statements_are_inspected() {
     raw.sync();
     assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
     assert_eq!(items(&direct).await, 3);
+}
+
+/// SQL that drops a statement the protocol prepared (`DEALLOCATE`, `DISCARD ALL`) and prepares
+/// its name again for a write, while a token is held: a Bind of that name after the token is
+/// gone must be judged by what the server now binds, not by the Parse the gateway saw, also when
+/// that Parse is confirmed only after the SQL was sent. The tables have no triggers here: the
+/// gateway alone stands between the Bind and the DELETE.
+#[tokio::test(flavor = "multi_thread")]
+async fn sql_that_prepares_a_name_again_does_not_hide_a_write() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let start = || Raw::start(gw.port, &[("user", "postgres"), ("database", "postgres")]).0;
+    let query = |raw: &mut Raw, sql: &str| {
+        raw.send(b'Q', format!("{sql}\0").as_bytes());
+        raw.until_ready()
+    };
+    for drop in ["DEALLOCATE p", "DEALLOCATE ALL", "DISCARD ALL"] {
+        let mut raw = start();
+        raw.parse("p", "SELECT 1");
+        raw.bind_execute("", "p");
+        raw.sync();
+        assert_eq!(raw.until_ready(), None, "a read binds without a token");
+        assert_eq!(query(&mut raw, drop), None);
+        assert_eq!(query(&mut raw, "SET fencegate.token = 'fg1~5~job'"), None);
+        assert_eq!(query(&mut raw, "PREPARE p AS DELETE FROM items"), None);
+        assert_eq!(query(&mut raw, "RESET fencegate.token"), None);
+        raw.bind_execute("", "p");
+        raw.sync();
+        assert_eq!(raw.until_ready().as_deref(), Some("FG002"), "after {drop}");
+        assert_eq!(items(&direct).await, 3, "after {drop}");
+    }
+    // The Parse is still unanswered when the SQL that replaces its name goes out.
+    let mut raw = start();
+    raw.hold();
+    raw.send(b'Q', b"SET fencegate.token = 'fg1~5~job'\0");
+    raw.parse("q", "SELECT 1");
+    raw.sync();
+    raw.send(b'Q', b"DEALLOCATE q; PREPARE q AS DELETE FROM items\0");
+    raw.send(b'Q', b"RESET fencegate.token\0");
+    raw.release();
+    for answer in ["SET", "Parse", "DEALLOCATE; PREPARE", "RESET"] {
+        assert_eq!(raw.until_ready(), None, "{answer}");
+    }
+    // Everything above is answered, the Parse's confirmation included.
+    raw.bind_execute("", "q");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
+    assert_eq!(items(&direct).await, 3);
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 4)]);
 }
 
 /// Bypass 3: a Parse the server skipped after an error must not change what the unnamed

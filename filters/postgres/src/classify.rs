@@ -54,6 +54,20 @@ pub struct Statement {
     /// and the like commit at once outside a transaction block. True for anything but queries,
     /// DML and session settings, and where unknown; after one, the next write is guarded again.
     pub may_end_transaction: bool,
+    /// The session's prepared statements it creates or drops in SQL, outside the protocol's
+    /// Parse and Close (whose effect the gateway follows itself).
+    pub forgets: Option<Forget>,
+}
+
+/// Prepared statements a statement creates or drops in SQL: what the gateway knew of them from
+/// the protocol no longer holds (a name deallocated and prepared again in SQL binds something
+/// else). Names are the server's: `PREPARE P` prepares `p`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Forget {
+    /// `PREPARE name` or `DEALLOCATE name`.
+    Name(String),
+    /// `DEALLOCATE ALL`, `DISCARD ALL`, or a text the gateway's parser cannot read.
+    All,
 }
 
 /// A message's statements: one inline, the usual case, so a classification reused from the
@@ -216,6 +230,7 @@ pub fn classify(sql: &str) -> Classified {
                     targets: Vec::new(),
                     comment_token: comments(sql).into_iter().map(|(_, t)| t).next(),
                     may_end_transaction: true,
+                    forgets: Some(Forget::All),
                 }],
                 parse_error: Some(e.to_string()),
             }
@@ -257,6 +272,7 @@ pub fn classify(sql: &str) -> Classified {
             targets,
             comment_token,
             may_end_transaction: may_end_transaction(node),
+            forgets: forgets(node),
         });
     }
     Classified {
@@ -337,6 +353,19 @@ fn transaction_command(t: &protobuf::TransactionStmt, text: &str) -> String {
             "BEGIN" | "START" => "TRANSACTION".to_owned(),
             word => word.to_owned(),
         },
+    }
+}
+
+/// See [`Statement::forgets`].
+fn forgets(node: Option<&NodeEnum>) -> Option<Forget> {
+    match node? {
+        NodeEnum::PrepareStmt(p) => Some(Forget::Name(p.name.clone())),
+        NodeEnum::DeallocateStmt(d) if d.isall || d.name.is_empty() => Some(Forget::All),
+        NodeEnum::DeallocateStmt(d) => Some(Forget::Name(d.name.clone())),
+        NodeEnum::DiscardStmt(d) if d.target == protobuf::DiscardMode::DiscardAll as i32 => {
+            Some(Forget::All)
+        }
+        _ => None,
     }
 }
 
@@ -577,6 +606,43 @@ mod tests {
             .into_iter()
             .map(|s| s.kind)
             .collect()
+    }
+
+    /// The statements that create or drop prepared statements in SQL, with the server's
+    /// names (folded unless quoted); a text the parser cannot read may be any of them.
+    #[test]
+    fn sql_that_changes_prepared_statements_is_recognized() {
+        let forgets = |sql: &str| -> Vec<Option<Forget>> {
+            classify(sql)
+                .statements
+                .into_iter()
+                .map(|s| s.forgets)
+                .collect()
+        };
+        let name = |n: &str| Some(Forget::Name(n.to_owned()));
+        assert_eq!(forgets("PREPARE P AS SELECT 1"), [name("p")]);
+        assert_eq!(
+            forgets("PREPARE \"P\"(int) AS DELETE FROM t WHERE id = $1"),
+            [name("P")]
+        );
+        assert_eq!(forgets("DEALLOCATE p"), [name("p")]);
+        assert_eq!(forgets("DEALLOCATE PREPARE \"x y\""), [name("x y")]);
+        assert_eq!(forgets("DEALLOCATE ALL"), [Some(Forget::All)]);
+        assert_eq!(forgets("DEALLOCATE PREPARE ALL"), [Some(Forget::All)]);
+        assert_eq!(forgets("DISCARD ALL"), [Some(Forget::All)]);
+        assert_eq!(
+            forgets("SELECT 1; DEALLOCATE a; DISCARD PLANS"),
+            [None, name("a"), None]
+        );
+        assert_eq!(
+            forgets("DISCARD TEMP; EXECUTE p; SELECT 'DEALLOCATE ALL'"),
+            [None, None, None]
+        );
+        assert_eq!(
+            forgets("DEALLOCATE ALL ALL"),
+            [Some(Forget::All)],
+            "does not parse"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use fencegate_core::{OperationSummary, Token};
 use smallvec::smallvec;
 
-use crate::classify::{Classified, Kind};
+use crate::classify::{Classified, Forget, Kind};
 use crate::lexing::Lexing;
 use crate::message::{self, ErrorFields, Frame};
 use crate::sqlstate;
@@ -139,6 +139,12 @@ pub(super) struct State {
     last_bound: Option<(String, Arc<Classified>)>,
     /// The latest unconfirmed Parse or Close per name.
     pub(super) inflight: HashMap<String, Inflight>,
+    /// Names forgotten ([`State::forget`]) while a Parse or Close of them was in flight, with
+    /// the number of the last such change: a confirmation of it, coming after the SQL that
+    /// forgot the name, must not bring the old meaning back. Dropped once that change is done.
+    forgotten: HashMap<String, u64>,
+    /// Every change numbered up to this one was sent before a [`Forget::All`].
+    forgotten_all: u64,
     /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
     pub(super) segment: u64,
     /// Numbers statement changes.
@@ -166,6 +172,8 @@ impl State {
             statements: HashMap::new(),
             last_bound: None,
             inflight: HashMap::new(),
+            forgotten: HashMap::new(),
+            forgotten_all: 0,
             segment: 0,
             next_seq: 0,
             read_at: VecDeque::new(),
@@ -196,7 +204,13 @@ impl State {
 
     /// The server confirmed `change` (`true`) or skipped it (`false`).
     pub(super) fn change_done(&mut self, change: &StatementChange, confirmed: bool) {
-        if confirmed {
+        let forgotten = self.forgotten.get(&change.name).copied();
+        if forgotten == Some(change.seq) {
+            self.forgotten.remove(&change.name);
+        }
+        let forgotten =
+            change.seq <= self.forgotten_all || forgotten.is_some_and(|s| change.seq <= s);
+        if confirmed && !forgotten {
             self.last_bound = None;
             match &change.parsed {
                 Some(parsed) => {
@@ -216,6 +230,28 @@ impl State {
         }
     }
 
+    /// A statement that creates or drops prepared statements in SQL is sent now: until a Parse
+    /// sent after it, the names it touches bind what the gateway cannot see, so a Bind of one
+    /// is judged a write ([`unknown_statement`]). A Parse or Close of them still in flight was
+    /// sent before it: its confirmation changes nothing here.
+    pub(super) fn forget(&mut self, forget: &Forget) {
+        self.last_bound = None;
+        match forget {
+            Forget::All => {
+                self.statements.clear();
+                self.inflight.clear();
+                self.forgotten.clear();
+                self.forgotten_all = self.next_seq;
+            }
+            Forget::Name(name) => {
+                self.statements.remove(name);
+                if let Some(inflight) = self.inflight.remove(name) {
+                    self.forgotten.insert(name.clone(), inflight.seq);
+                }
+            }
+        }
+    }
+
     /// An expected reply that will never come (the server skipped the message).
     pub(super) fn skipped(&mut self, expect: Expect) {
         if let Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) = expect {
@@ -226,7 +262,8 @@ impl State {
     /// What a Bind of `name` sent now will bind, as far as the gateway can tell: a Parse sent in
     /// this Sync segment either succeeds or makes the server skip this Bind too; one from an
     /// earlier segment may have been skipped, so the more dangerous of the two counts. A name
-    /// the gateway never saw confirmed (a SQL `PREPARE`, a skipped Parse) is a write.
+    /// the gateway never saw confirmed (a SQL `PREPARE`, a skipped Parse) or forgot
+    /// ([`State::forget`]) is a write.
     pub(super) fn bound(&mut self, name: &str) -> Arc<Classified> {
         // With nothing in flight, what a name binds is what the server confirmed.
         let settled = self.inflight.is_empty();
@@ -336,6 +373,7 @@ pub(super) fn unknown_statement(name: &str) -> Classified {
             targets: Vec::new(),
             comment_token: None,
             may_end_transaction: true,
+            forgets: None,
         }],
         parse_error: Some(format!(
             "prepared statement {name:?} is not known to the gateway"
@@ -727,6 +765,62 @@ mod tests {
         let change = s.change_sent("a".to_owned(), None);
         s.skipped(Expect::Close(Role::Client, Some(change)));
         assert!(!s.bound("a").has_write());
+    }
+
+    /// SQL that drops or creates prepared statements: their names bind what the gateway cannot
+    /// see, and a Parse or Close of them still in flight cannot bring the old meaning back.
+    #[test]
+    fn names_forgotten_in_sql_are_writes_until_parsed_again() {
+        use crate::classify::{classify, Forget};
+        let mut s = state();
+        let parse = |s: &mut State, name: &str, sql: &str| {
+            let change = s.change_sent(name.to_owned(), Some(classify(sql)));
+            s.pending
+                .push_back(Expect::Parse(Role::Client, Some(change)));
+        };
+        let confirmed = |s: &mut State| relay(s, &[frame(b'1', b"")]);
+        parse(&mut s, "a", "SELECT 1");
+        parse(&mut s, "b", "SELECT 1");
+        confirmed(&mut s);
+        confirmed(&mut s);
+        assert!(!s.bound("a").has_write());
+        s.forget(&Forget::Name("a".to_owned()));
+        assert!(
+            s.bound("a").has_write(),
+            "deallocated and maybe prepared again"
+        );
+        assert!(!s.bound("b").has_write(), "another name is untouched");
+        // Parsed again after the SQL: known again once confirmed.
+        parse(&mut s, "a", "SELECT 1");
+        confirmed(&mut s);
+        assert!(!s.bound("a").has_write());
+
+        // A Parse in flight when the SQL is sent: its confirmation comes later and changes
+        // nothing, for one name and for all of them.
+        parse(&mut s, "a", "SELECT 2");
+        parse(&mut s, "a", "SELECT 3");
+        s.forget(&Forget::Name("a".to_owned()));
+        confirmed(&mut s);
+        confirmed(&mut s);
+        assert!(
+            s.bound("a").has_write(),
+            "confirmed after the SQL that forgot it"
+        );
+        assert!(
+            s.forgotten.is_empty(),
+            "kept only while its changes are in flight"
+        );
+        parse(&mut s, "b", "SELECT 2");
+        s.forget(&Forget::All);
+        parse(&mut s, "c", "SELECT 1");
+        confirmed(&mut s);
+        confirmed(&mut s);
+        assert!(s.bound("b").has_write(), "in flight before DISCARD ALL");
+        assert!(!s.bound("c").has_write(), "parsed after it");
+        // A remembered Bind is forgotten too.
+        assert!(!s.bound("c").has_write());
+        s.forget(&Forget::Name("c".to_owned()));
+        assert!(s.bound("c").has_write());
     }
 
     fn token() -> Token {

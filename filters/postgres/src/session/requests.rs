@@ -349,6 +349,7 @@ fn classify_now(shared: &Shared, recent: &mut RecentShapes, sql: &str) -> Classi
                 targets: Vec::new(),
                 comment_token: None,
                 may_end_transaction: true,
+                forgets: None,
             }],
             parse_error: None,
         },
@@ -416,6 +417,13 @@ async fn handle_query(
         .iter()
         .rfind(|s| s.kind == Kind::TransactionControl);
     let mut state = shared.lock();
+    for forget in classified
+        .statements
+        .iter()
+        .filter_map(|s| s.forgets.as_ref())
+    {
+        state.forget(forget);
+    }
     if let Some(control) = last_control {
         state.control_sent(begins(control));
     }
@@ -538,6 +546,13 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
         let mut state = shared.lock();
         let classified = state.bound(statement);
         let mut decision = Decision::Pass;
+        for forget in classified
+            .statements
+            .iter()
+            .filter_map(|s| s.forgets.as_ref())
+        {
+            state.forget(forget);
+        }
         for s in &classified.statements {
             match &s.kind {
                 Kind::SetToken(value) => {
