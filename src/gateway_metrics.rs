@@ -92,7 +92,7 @@ impl GatewayMetrics {
         );
         registry.register(
             "gateway_request_duration_seconds",
-            "Time from reading a client request to writing its answer (redis: a command; postgres: a query or Sync until ReadyForQuery; s3: an HTTP request)",
+            "Time from reading a client request to writing its answer (redis: a command; postgres: a query, Sync or function call until its ReadyForQuery; s3: an HTTP request)",
             self.requests.clone(),
         );
         registry.register(

@@ -534,6 +534,33 @@ async fn postgres_and_s3_gateways_count_connections_and_requests() {
     .await;
     println!("postgres: 3 queries counted, the connection gauge back to 0 once the client left");
 
+    // A pipeline of a Query, a fast-path FunctionCall (`version()`, OID 89) and a Query: three
+    // requests, each answered by its own ReadyForQuery.
+    let mut call = 89i32.to_be_bytes().to_vec();
+    call.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    let mut bytes = support::postgres_server::message(b'Q', b"SELECT 1\0");
+    bytes.extend(support::postgres_server::message(b'F', &call));
+    bytes.extend(support::postgres_server::message(b'Q', b"SELECT 2\0"));
+    let replies = support::postgres_server::pipeline_replies(pg.port, "", &bytes);
+    assert_eq!(replies.matches('Z').count(), 3, "{replies}");
+    let text = scrape_until(
+        &pg.node,
+        "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}",
+        |v| v >= 6.0,
+    )
+    .await;
+    assert_eq!(
+        sample(
+            &text,
+            "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}"
+        ),
+        Some(6.0),
+        "{text}"
+    );
+    println!(
+        "postgres: a pipelined Query, FunctionCall and Query counted as three requests ({replies})"
+    );
+
     // S3: each HTTP request is one request; none stays open.
     let s3 = support::s3_gateway::S3Node::start();
     let results = s3.run(serde_json::json!([

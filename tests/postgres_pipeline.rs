@@ -9,12 +9,10 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use support::postgres_server::{cli, code, message, statement, PgGateway};
+use support::postgres_server::{cli, code, message, pipeline_replies as run, statement, PgGateway};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, NoTls, Statement};
 
@@ -30,68 +28,6 @@ fn pipeline(parts: &[&str]) -> Vec<u8> {
         .iter()
         .flat_map(|p| if *p == "|" { sync() } else { statement(p) })
         .collect()
-}
-
-/// Logs in as postgres (trust) on `port` with the startup `options`, sends `bytes` at once and
-/// returns the reply tags (notices and parameter reports left out) up to the ReadyForQuery of
-/// its last Sync or simple Query, each ReadyForQuery with its status (`Z` + `I`/`T`/`E`).
-fn run(port: u16, options: &str, bytes: &[u8]) -> String {
-    // Each Sync and each simple Query ends with a ReadyForQuery.
-    let mut syncs = 0;
-    let mut rest = bytes;
-    while rest.len() >= 5 {
-        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
-        syncs += usize::from(matches!(rest[0], b'S' | b'Q'));
-        rest = &rest[(1 + len).min(rest.len())..];
-    }
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut body = b"\0\x03\0\0user\0postgres\0database\0postgres\0options\0".to_vec();
-    body.extend_from_slice(options.as_bytes());
-    body.extend_from_slice(b"\0\0");
-    let mut startup = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-    startup.extend_from_slice(&body);
-    s.write_all(&startup).unwrap();
-    let (mut tags, mut ready, mut buf) = (String::new(), 0, Vec::new());
-    loop {
-        let mut chunk = [0u8; 8192];
-        let n = s.read(&mut chunk).unwrap();
-        assert!(n > 0, "closed early; tags so far {tags}");
-        buf.extend_from_slice(&chunk[..n]);
-        while buf.len() >= 5 {
-            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-            if buf.len() < len + 1 {
-                break;
-            }
-            let frame: Vec<u8> = buf.drain(..len + 1).collect();
-            match frame[0] {
-                b'Z' if ready == 0 => {
-                    ready = 1;
-                    s.write_all(bytes).unwrap();
-                }
-                b'Z' => {
-                    tags.push('Z');
-                    tags.push(char::from(frame[5]));
-                    ready += 1;
-                    if ready > syncs {
-                        return tags;
-                    }
-                }
-                b'E' if ready > 0 => {
-                    // The SQLSTATE, so that refusals can be told apart.
-                    let code = frame[5..]
-                        .split(|b| *b == 0)
-                        .find_map(|f| f.strip_prefix(b"C"))
-                        .map(|c| String::from_utf8_lossy(c).into_owned())
-                        .unwrap_or_default();
-                    tags.push_str(&format!("E({code})"));
-                }
-                b'N' | b'S' => {}
-                tag if ready > 0 => tags.push(char::from(tag)),
-                _ => {}
-            }
-        }
-    }
 }
 
 /// A gateway in front of a PostgreSQL with table `items` protected for resource `job`, and a

@@ -30,7 +30,7 @@ use crate::upstream::UpstreamWrite;
 const MAX_PENDING: usize = 262_144;
 
 /// How many messages may be decided between two checks of [`MAX_PENDING`]: a check is a lock,
-/// and every Query and Sync takes it anyway (to note when it was read).
+/// and every Query, Sync and FunctionCall takes it anyway (to note when it was read).
 const CHECK_EVERY: u32 = 16;
 
 /// What one client message sends upstream, in order.
@@ -107,7 +107,8 @@ pub(super) async fn relay_requests(
             // Every message waiting for its answer holds an entry; a client that pipelines
             // without ever reading (the gateway answers some messages itself) must not grow it
             // forever.
-            let request = matches!(frame.tag, b'Q' | b'S');
+            // Each of these gets one ReadyForQuery, which ends the request.
+            let request = matches!(frame.tag, b'Q' | b'S' | b'F');
             unchecked += 1;
             let admitted = if request || unchecked >= CHECK_EVERY {
                 unchecked = 0;
@@ -193,7 +194,7 @@ pub(super) async fn relay_requests(
 }
 
 /// Whether fewer than [`MAX_PENDING`] answers are waiting; if so, notes when a request (a
-/// Query or Sync) was read, under the same lock.
+/// Query, Sync or FunctionCall) was read, under the same lock.
 fn admit(shared: &Shared, read_at: Option<Instant>) -> bool {
     let mut state = shared.lock();
     if state.pending.len() >= MAX_PENDING {
