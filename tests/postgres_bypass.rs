@@ -325,6 +325,25 @@ async fn settings_that_change_lexing_are_refused() {
     assert_eq!(err, None);
     raw.send(b'Q', b"SELECT 1\0");
     assert_eq!(raw.until_ready().as_deref(), Some("FG006"));
+    // The setting named in Unicode escapes, which no word search of the text finds: the shape
+    // cache gave `TO 'off'` the answer it had for `TO 'on'`, and the trick pipelined right
+    // behind it was judged before the server reported the new setting.
+    let (mut raw, err) = Raw::start(gw.port, &[("user", "postgres"), ("database", "postgres")]);
+    assert_eq!(err, None);
+    let set = r#"SET U&"\0073tandard_conforming_strings" TO "#;
+    raw.send(b'Q', format!("{set}'on'\0").as_bytes());
+    assert_eq!(raw.until_ready(), None, "the way back is accepted");
+    raw.hold();
+    raw.send(b'Q', format!("{set}'off'\0").as_bytes());
+    raw.send(b'Q', format!("{trick}\0").as_bytes());
+    raw.release();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG006"));
+    assert_eq!(
+        raw.until_ready(),
+        None,
+        "the trick, read as the server still reads it"
+    );
+    assert_eq!(items(&direct).await, 3);
 }
 
 /// A read, then a write whose text the shape cache before f576d60 gave the read's shape: the

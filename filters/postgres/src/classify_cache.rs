@@ -9,8 +9,9 @@
 //! texts with the same shape classify alike, up to offsets, which are mapped through the
 //! literals' lengths. The shape is taken by a deliberately small lexer that only masks what it
 //! is sure is a literal and gives up (no caching: a full parse) on anything it does not fully
-//! understand: escape strings and other prefixed literals (`E'..'`, `U&'..'`, `B'..'`), dollar
-//! quotes, backslashes in strings, nested comments, exponents, NUL bytes. Results that depend on a
+//! understand: escape strings and other prefixed literals (`E'..'`, `U&'..'`, `B'..'`),
+//! Unicode-escaped identifiers (`U&".."`), dollar quotes, backslashes in strings, nested
+//! comments, exponents, NUL bytes. Results that depend on a
 //! literal value (`SET fencegate.token = '...'`) or failed to parse are never cached.
 
 use std::collections::HashMap;
@@ -187,6 +188,11 @@ fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
                 None
             }
             b'"' => {
+                // `U&"..."` spells its name in escapes: `U&"\0063lient_encoding"` is
+                // `client_encoding` to the server, which no word search of the text finds.
+                if i >= 2 && b[i - 1] == b'&' && b[i - 2] | 0x20 == b'u' {
+                    return None;
+                }
                 let mut j = i + 1;
                 loop {
                     match at(j)? {
@@ -441,6 +447,9 @@ mod tests {
     fn carriage_returns_and_uescape_are_not_shaped() {
         assert_eq!(shape("SELECT 1 -- x\rDELETE FROM t"), None);
         assert_eq!(shape("SELECT U&\"d!0061t\" UESCAPE '!' FROM t"), None);
+        assert_eq!(shape("SELECT U&\"d\\0061t\" FROM t"), None);
+        assert_eq!(shape("SELECT u&\"t\" FROM t"), None);
+        assert!(shape("SELECT \"u\"&\"t\" FROM t").is_some(), "no U& prefix");
         assert_eq!(shape("SET client_encoding = 'UTF8'"), None);
         assert_eq!(shape("set names 'x'"), None);
         let cache = ClassifyCache::new(16);
@@ -681,7 +690,50 @@ mod tests {
         ]
     }
 
+    /// A setting that changes lexing, named with Unicode escapes for any of its letters.
+    fn escaped_setting() -> impl Strategy<Value = String> {
+        let names = prop_oneof![Just("client_encoding"), Just("standard_conforming_strings"),];
+        (names, proptest::collection::vec(any::<bool>(), 27)).prop_map(|(name, escape)| {
+            name.chars()
+                .zip(escape)
+                .map(|(c, e)| {
+                    if e {
+                        format!("\\{:04x}", c as u32)
+                    } else {
+                        c.to_string()
+                    }
+                })
+                .collect()
+        })
+    }
+
     proptest! {
+        /// A session setting that changes how the server lexes SQL is judged on its value:
+        /// however its name is spelled, the cache never gives one value's answer to another.
+        #[test]
+        fn lexing_settings_are_judged_on_their_value_however_named(
+            name in escaped_setting(),
+            prefix in prop_oneof![Just("U&"), Just("u&")],
+            statement in 0usize..3,
+        ) {
+            let statements = [
+                "SET {name} TO {value}",
+                "SET SESSION {name} = {value}; SELECT 1",
+                "SELECT set_config('x', 'y', false); SET LOCAL {name} TO {value}",
+            ];
+            let sql = |value: &str| {
+                statements[statement]
+                    .replace("{name}", &format!("{prefix}\"{name}\""))
+                    .replace("{value}", value)
+            };
+            let cache = ClassifyCache::new(8);
+            let mut recent = RecentShapes::default();
+            for value in ["'UTF8'", "'on'", "'SJIS'", "'off'", "'BIG5'"] {
+                let sql = sql(value);
+                prop_assert_eq!(cache.classify_recent(&sql, &mut recent), classify(&sql), "{}", sql);
+            }
+        }
+
         /// Whatever literals fill a template, a cached answer equals a fresh parse.
         #[test]
         fn cached_equals_parsed(
