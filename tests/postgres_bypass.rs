@@ -344,6 +344,80 @@ async fn settings_that_change_lexing_are_refused() {
         "the trick, read as the server still reads it"
     );
     assert_eq!(items(&direct).await, 3);
+    // A session that started with the setting off and took the way back: RESET goes back to
+    // the start, and the trick pipelined behind it was judged before the server said so.
+    let (mut raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("options", "-c standard_conforming_strings=off"),
+        ],
+    );
+    assert_eq!(err, None);
+    raw.send(b'Q', b"SET standard_conforming_strings = on\0");
+    assert_eq!(raw.until_ready(), None);
+    raw.send(b'Q', b"SELECT 1\0");
+    assert_eq!(raw.until_ready(), None, "on again: statements are judged");
+    raw.hold();
+    raw.send(b'Q', b"RESET standard_conforming_strings\0");
+    raw.send(b'Q', format!("{trick}\0").as_bytes());
+    raw.release();
+    assert_eq!(raw.until_ready(), None, "RESET");
+    assert_eq!(
+        raw.until_ready().as_deref(),
+        Some("FG006"),
+        "judged before the answer"
+    );
+    assert_eq!(items(&direct).await, 3);
+}
+
+/// Statements that look like reads to a parse but write, lock or run something on the server,
+/// each sent without a token: refused, nothing changed, each audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_only_looks_like_a_read_is_refused() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let c = connect(&gw.dsn("postgres")).await;
+    // `/*/` opens a second comment level: the shape cache closed the comment there, so the
+    // write had the shape of the read before it.
+    c.simple_query("SELECT 1 /*/*/ 'x' */ */").await.unwrap();
+    let e = c
+        .simple_query("SELECT 1 /*/*/ '*/ */; DELETE FROM items --' */ */")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    // EXPLAIN without ANALYZE still evaluates an EXECUTE's parameters.
+    c.simple_query("PREPARE p(bigint) AS SELECT $1")
+        .await
+        .unwrap();
+    let e = c
+        .simple_query("EXPLAIN EXECUTE p(setval('s', 1000))")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    // COPY to a program runs it on the server (the test's role is a superuser).
+    let marker = std::env::temp_dir().join(format!("fencegate-copy-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let copy = format!("COPY (SELECT 1) TO PROGRAM 'touch {}'", marker.display());
+    let e = c.simple_query(&copy).await.unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    // Row locks are written, and would block the lock's next holder.
+    let e = c
+        .simple_query("SELECT * FROM items FOR UPDATE")
+        .await
+        .unwrap_err();
+    assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(items(&direct).await, 3);
+    let sequence: i64 = direct
+        .query_one("SELECT last_value FROM s", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(sequence, 1);
+    assert!(!marker.exists(), "the program ran");
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 4)]);
 }
 
 /// A read, then a write whose text the shape cache before f576d60 gave the read's shape: the

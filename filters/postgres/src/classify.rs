@@ -330,14 +330,22 @@ fn classify_statement(
         | NodeEnum::ListenStmt(_)
         | NodeEnum::UnlistenStmt(_) => (Kind::Read, Vec::new()),
         NodeEnum::SelectStmt(select) if select.into_clause.is_none() => read_unless(text, whole),
+        // Without ANALYZE nothing runs but what planning runs: an `EXECUTE`'s parameters and
+        // the functions the planner folds (a user's IMMUTABLE function may write). So the whole
+        // tree is walked, and an explained write counts as one.
         NodeEnum::ExplainStmt(explain) if !explain_analyzes(&explain.options) => {
-            (Kind::Read, Vec::new())
+            read_unless(text, whole)
         }
         NodeEnum::DeclareCursorStmt(_) | NodeEnum::PrepareStmt(_) => read_unless(text, whole),
-        NodeEnum::CopyStmt(copy) if !copy.is_from && copy.relation.is_some() => {
-            (Kind::Read, Vec::new())
+        // Only `TO STDOUT` is a read: `TO 'file'` writes a file and `TO PROGRAM` runs a command
+        // on the server (either could reach the data by another way).
+        NodeEnum::CopyStmt(copy)
+            if copy.is_from || copy.is_program || !copy.filename.is_empty() =>
+        {
+            (Kind::Write, targets(text, whole))
         }
-        NodeEnum::CopyStmt(copy) if !copy.is_from => read_unless(text, whole),
+        NodeEnum::CopyStmt(copy) if copy.relation.is_some() => (Kind::Read, Vec::new()),
+        NodeEnum::CopyStmt(_) => read_unless(text, whole),
         _ => (Kind::Write, targets(text, whole)),
     }
 }
@@ -469,6 +477,10 @@ impl TreeFacts {
                                 self.targets.push(target);
                             }
                         }
+                        // `FOR UPDATE`/`FOR SHARE` at any depth locks rows: written to the rows
+                        // and the WAL, and a fenced-out holder's locks block the new holder
+                        // (PostgreSQL refuses them in a read-only transaction too).
+                        "LockingClause" => self.writes = true,
                         "FuncCall" => {
                             let name = child
                                 .get("funcname")
@@ -653,8 +665,9 @@ mod tests {
         );
         assert_eq!(kinds("select count(*) from t"), vec![Kind::Read]);
         assert_eq!(kinds("SHOW search_path"), vec![Kind::Read]);
-        assert_eq!(kinds("EXPLAIN DELETE FROM t"), vec![Kind::Read]);
+        assert_eq!(kinds("EXPLAIN SELECT lower(a) FROM t"), vec![Kind::Read]);
         assert_eq!(kinds("COPY t TO STDOUT"), vec![Kind::Read]);
+        assert_eq!(kinds("COPY (SELECT 1) TO STDOUT"), vec![Kind::Read]);
         assert_eq!(kinds("SET work_mem = '4MB'"), vec![Kind::Read]);
     }
 
@@ -674,6 +687,21 @@ mod tests {
             "SELECT my_func()",
             "SELECT nextval('s')",
             "EXPLAIN ANALYZE DELETE FROM t",
+            // Planning runs an EXECUTE's parameters and folds functions; an explained write
+            // fails closed.
+            "EXPLAIN EXECUTE p(setval('s', 1000))",
+            "EXPLAIN SELECT my_func()",
+            "EXPLAIN DELETE FROM t",
+            // A file written or a program run by the server.
+            "COPY t TO '/tmp/x'",
+            "COPY (SELECT 1) TO PROGRAM 'touch /tmp/x'",
+            "COPY t TO PROGRAM 'cat > /dev/null'",
+            // Row locks, at any depth.
+            "SELECT * FROM t FOR UPDATE",
+            "SELECT * FROM t FOR NO KEY UPDATE SKIP LOCKED",
+            "SELECT * FROM (SELECT * FROM t FOR SHARE) s",
+            "WITH l AS (SELECT * FROM t FOR KEY SHARE) SELECT 1",
+            "DECLARE c CURSOR FOR SELECT * FROM t FOR UPDATE",
             "DO $$ BEGIN END $$",
             "this is not sql",
         ] {

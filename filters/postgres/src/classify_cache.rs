@@ -205,12 +205,18 @@ fn shape_into(sql: &str, shape: &mut Shape) -> Option<()> {
                 None
             }
             b'/' if at(i + 1) == Some(b'*') => {
-                let rest = &sql[i + 2..];
-                let close = rest.find("*/")?;
-                if rest[..close].contains("/*") {
-                    return None;
+                // Left to right, as the server's lexer reads it: a `/` and a `*` open a nested
+                // comment before that `*` can close one (`/*/` opens a second level; a search
+                // for the first `*/` took its `*` as a close). Nested comments are not shaped.
+                let mut j = i + 2;
+                loop {
+                    match (at(j)?, at(j + 1)) {
+                        (b'/', Some(b'*')) => return None,
+                        (b'*', Some(b'/')) => break,
+                        _ => j += 1,
+                    }
                 }
-                i += 2 + close + 2;
+                i = j + 2;
                 None
             }
             b'-' if at(i + 1) == Some(b'-') => {
@@ -450,6 +456,13 @@ mod tests {
         assert_eq!(shape("SELECT U&\"d\\0061t\" FROM t"), None);
         assert_eq!(shape("SELECT u&\"t\" FROM t"), None);
         assert!(shape("SELECT \"u\"&\"t\" FROM t").is_some(), "no U& prefix");
+        // `/*/` opens a second level: the text after it is still comment to the server.
+        assert_eq!(shape("SELECT 1 /*/*/ 'x' */ */"), None);
+        assert!(
+            shape("SELECT 1 /*/ 'x' */").is_some(),
+            "a lone slash inside"
+        );
+        assert!(shape("SELECT 1 /**/ 'x'").is_some());
         assert_eq!(shape("SET client_encoding = 'UTF8'"), None);
         assert_eq!(shape("set names 'x'"), None);
         let cache = ClassifyCache::new(16);
@@ -688,6 +701,36 @@ mod tests {
             ("[a-z]{0,3}", "[a-z]{0,3}")
                 .prop_map(|(a, b)| (format!("'{a}''{a}'"), format!("'{b}''{b}'"))),
         ]
+    }
+
+    /// Whatever a comment holds, a cached answer equals a fresh parse. Every comment body of up
+    /// to five of `/`, `*` and a space (they open, close and share the characters of comment
+    /// delimiters: `/*/` opens a second level), then a string that, wherever the server thinks
+    /// the comment still runs, ends it and writes, warmed with a harmless string of the same
+    /// shape, and closers after it so that the harmless text parses whatever the depth.
+    #[test]
+    fn comments_never_let_a_cached_answer_differ() {
+        let mut bodies = vec![String::new()];
+        let mut last = bodies.clone();
+        for _ in 0..5 {
+            last = last
+                .iter()
+                .flat_map(|b| ["/", "*", " "].map(|c| format!("{b}{c}")))
+                .collect();
+            bodies.extend(last.iter().cloned());
+        }
+        for body in &bodies {
+            for closers in 0..4 {
+                let closers = " */".repeat(closers);
+                let fill = |lit: &str| format!("SELECT 1 /*{body}*/ {lit}{closers}");
+                for evil in ["'*/ */; DELETE FROM t; --'", "'*/; DELETE FROM t; --'"] {
+                    let cache = ClassifyCache::new(8);
+                    for sql in [fill("'x'"), fill(evil)] {
+                        assert_eq!(cache.classify(&sql), classify(&sql), "{sql}");
+                    }
+                }
+            }
+        }
     }
 
     /// A setting that changes lexing, named with Unicode escapes for any of its letters.

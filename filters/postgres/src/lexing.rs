@@ -39,6 +39,13 @@ pub fn unsafe_encoding(encoding: &str) -> bool {
 pub struct Lexing {
     non_conforming: bool,
     encoding: Option<String>,
+    /// A hazard was reported at some point (at startup: a role or database default, a startup
+    /// option). The server can go back to such a value without a statement that sets it: `RESET`
+    /// and `SET ... TO DEFAULT` go back to the session's start, `ROLLBACK` (or an error in an
+    /// implicit transaction) undoes the `SET` that left it, a function may set it. Its report
+    /// comes before the ReadyForQuery that answers the statement, so the gateway knows the
+    /// setting again once that answer is in, and not before.
+    was_hazardous: bool,
 }
 
 impl Lexing {
@@ -56,6 +63,20 @@ impl Lexing {
             }
             _ => {}
         }
+        self.was_hazardous |= self.non_conforming || self.encoding.is_some();
+    }
+
+    /// Why a statement sent now cannot be classified safely, if it cannot. `answered`: every
+    /// request sent before it has its answer (no earlier statement may still change a setting
+    /// unseen).
+    pub fn hazard_now(&self, answered: bool) -> Option<String> {
+        self.hazard().or_else(|| {
+            (self.was_hazardous && !answered).then(|| {
+                "this session has had settings that make the server read SQL differently from the gateway, and the \
+                 statements before this one may bring them back: wait for each answer before sending the next statement"
+                    .to_owned()
+            })
+        })
     }
 
     /// Why statements cannot be classified safely now, if they cannot.
@@ -112,5 +133,27 @@ mod tests {
         ));
         l.observe(b"garbage");
         assert_eq!(l.hazard(), None);
+    }
+
+    #[test]
+    fn a_session_that_had_a_hazard_is_judged_only_between_answers() {
+        let mut l = Lexing::default();
+        assert_eq!(
+            l.hazard_now(false),
+            None,
+            "never hazardous: pipelining is fine"
+        );
+        l.observe(b"client_encoding\0SJIS\0");
+        assert!(l.hazard_now(true).unwrap().contains("SJIS"));
+        l.observe(b"client_encoding\0UTF8\0");
+        assert_eq!(
+            l.hazard_now(true),
+            None,
+            "every answer in: the setting is known"
+        );
+        assert!(l
+            .hazard_now(false)
+            .unwrap()
+            .contains("wait for each answer"));
     }
 }

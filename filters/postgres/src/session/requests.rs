@@ -336,7 +336,8 @@ async fn handle_function_call(
 /// gateway's parser: then, on a protected database, it is one statement that is refused.
 fn classify_now(shared: &Shared, recent: &mut RecentShapes, sql: &str) -> Classified {
     let hazard = if shared.protected {
-        shared.lock().lexing.hazard()
+        let state = shared.lock();
+        state.lexing.hazard_now(state.pending.is_empty())
     } else {
         None
     };
