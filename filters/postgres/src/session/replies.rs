@@ -8,7 +8,7 @@ use bytes::Bytes;
 use fencegate_core::{Store, UpstreamFailure};
 use tokio::io::AsyncWriteExt;
 
-use super::pending::{on_reply, Expect, Outcome};
+use super::pending::{on_reply, Expect, Outcome, Special};
 use super::Shared;
 use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
@@ -148,7 +148,8 @@ async fn relay_special(
     if outcome.applied {
         shared.gateway.sink.applied(Store::Postgres);
     }
-    if let Some((info, fence)) = outcome.stale.take() {
+    let Special { mut replace, stale } = outcome.special.take().map(|s| *s).unwrap_or_default();
+    if let Some((info, fence)) = stale {
         let fence = fence.unwrap_or(0);
         let policy = &shared.gateway.policy;
         let target = format!("resource {}", info.token.resource());
@@ -156,7 +157,7 @@ async fn relay_special(
         // A fence above every revision the authority issued is not the client's lost lock:
         // the client gets the gateway's wording instead of the guard's.
         if policy.fence_above_issued(fence) {
-            outcome.replace = Some(message::error_response(&ErrorFields {
+            replace = Some(message::error_response(&ErrorFields {
                 severity: "ERROR",
                 code: sqlstate::STALE.to_owned(),
                 message: format!("fencegate: {}", rejection.detail),
@@ -168,7 +169,7 @@ async fn relay_special(
             .await;
     }
     if outcome.forward {
-        let bytes = outcome.replace.as_deref().unwrap_or(frame.raw);
+        let bytes = replace.as_deref().unwrap_or(frame.raw);
         client
             .put(bytes)
             .await
