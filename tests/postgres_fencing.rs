@@ -805,53 +805,7 @@ async fn a_transaction_is_guarded_once_before_its_first_write() {
 /// statements after the error are skipped, the implicit transaction rolls back).
 #[tokio::test(flavor = "multi_thread")]
 async fn single_sync_pipeline_with_an_error_matches_the_server() {
-    use support::postgres_server::{message, statement};
-    /// Logs in (trust), sends the pipeline, returns the reply tags up to ReadyForQuery.
-    fn run(port: u16, options: &str, pipeline: &[u8]) -> String {
-        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut body = b"\0\x03\0\0user\0postgres\0database\0postgres\0".to_vec();
-        if !options.is_empty() {
-            body.extend_from_slice(b"options\0");
-            body.extend_from_slice(options.as_bytes());
-            body.push(0);
-        }
-        body.push(0);
-        let mut startup = ((body.len() + 4) as u32).to_be_bytes().to_vec();
-        startup.extend_from_slice(&body);
-        s.write_all(&startup).unwrap();
-        let mut tags = String::new();
-        let mut ready = 0;
-        let mut sent = false;
-        let mut buf = Vec::new();
-        loop {
-            let mut chunk = [0u8; 8192];
-            let n = s.read(&mut chunk).unwrap();
-            assert!(n > 0, "closed early; tags so far {tags}");
-            buf.extend_from_slice(&chunk[..n]);
-            while buf.len() >= 5 {
-                let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-                if buf.len() < len + 1 {
-                    break;
-                }
-                let tag = buf[0];
-                buf.drain(..len + 1);
-                if tag == b'Z' {
-                    ready += 1;
-                    if ready == 1 {
-                        s.write_all(pipeline).unwrap();
-                        sent = true;
-                        continue;
-                    }
-                    tags.push('Z');
-                    return tags;
-                }
-                if sent && !matches!(tag, b'N' | b'S') {
-                    tags.push(char::from(tag));
-                }
-            }
-        }
-    }
+    use support::postgres_server::{message, pipeline_replies as run, statement};
     let gw = PgGateway::start("", &[]);
     gw.pg
         .psql_as("postgres", "CREATE TABLE uniq (k int PRIMARY KEY)");
@@ -866,7 +820,7 @@ async fn single_sync_pipeline_with_an_error_matches_the_server() {
         &format!("-c fencegate.token={}", tok(1)),
         &pipeline,
     );
-    assert_eq!(direct, "12C12EZ");
+    assert_eq!(direct, "12C12E(23505)ZI");
     assert_eq!(through, direct);
     // Nothing of the pipeline committed, either way.
     assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM uniq"), "1");
@@ -884,7 +838,7 @@ async fn single_sync_pipeline_with_an_error_matches_the_server() {
         &format!("-c fencegate.token={}", tok(1)),
         &ok_pipeline,
     );
-    assert_eq!(stale, "1EZ");
+    assert_eq!(stale, "1E(FG001)ZI");
     assert_eq!(gw.pg.psql_as("postgres", "SELECT count(*) FROM uniq"), "1");
     assert_eq!(stale_records(&gw).len(), 1);
 }
