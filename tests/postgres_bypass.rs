@@ -93,7 +93,7 @@ impl Raw {
         self.send(b'P', &b);
     }
 
-    fn bind_execute(&mut self, portal: &str, statement: &str) {
+    fn bind(&mut self, portal: &str, statement: &str) {
         let mut b = Vec::new();
         for s in [portal, statement] {
             b.extend_from_slice(s.as_bytes());
@@ -101,7 +101,31 @@ impl Raw {
         }
         b.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
         self.send(b'B', &b);
+    }
+
+    fn bind_execute(&mut self, portal: &str, statement: &str) {
+        self.bind(portal, statement);
         self.execute(portal);
+    }
+
+    /// Reads until a message tagged `tag` (or the end); returns the tags read, `tag` included.
+    fn until_tag(&mut self, tag: u8) -> String {
+        let mut tags = String::new();
+        loop {
+            let mut head = [0u8; 5];
+            if self.stream.read_exact(&mut head).is_err() {
+                return tags;
+            }
+            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
+            let mut body = vec![0u8; len];
+            self.stream.read_exact(&mut body).unwrap();
+            if !matches!(head[0], b'N' | b'S') {
+                tags.push(char::from(head[0]));
+            }
+            if head[0] == tag {
+                return tags;
+            }
+        }
     }
 
     fn execute(&mut self, portal: &str) {
@@ -251,7 +275,33 @@ async fn sql_that_prepares_a_name_again_does_not_hide_a_write() {
     raw.sync();
     assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
     assert_eq!(items(&direct).await, 3);
-    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 4)]);
+    // The SQL is bound before a Parse of the same name and executed after it: what the Parse
+    // made is dropped and replaced when the segment runs.
+    let mut raw = start();
+    assert_eq!(query(&mut raw, "SET fencegate.token = 'fg1~5~job'"), None);
+    raw.parse("s1", "DEALLOCATE r");
+    raw.parse("s2", "PREPARE r AS DELETE FROM items");
+    raw.bind("a", "s1");
+    raw.bind("b", "s2");
+    raw.parse("r", "SELECT 1");
+    raw.execute("a");
+    raw.execute("b");
+    raw.sync();
+    assert_eq!(raw.until_ready(), None);
+    assert_eq!(query(&mut raw, "RESET fencegate.token"), None);
+    raw.bind_execute("", "r");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("FG002"));
+    assert_eq!(items(&direct).await, 3);
+    // Names the server cuts to 63 bytes: two the gateway would keep apart are one to the
+    // server, so they are refused (the session ends).
+    let mut raw = start();
+    let long = |c: char| format!("{}{c}", "a".repeat(63));
+    raw.parse(&long('1'), "SELECT 1");
+    raw.sync();
+    assert_eq!(raw.until_ready().as_deref(), Some("08P01"));
+    assert_eq!(items(&direct).await, 3);
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 5)]);
 }
 
 /// Bypass 3: a Parse the server skipped after an error must not change what the unnamed
@@ -369,6 +419,27 @@ async fn settings_that_change_lexing_are_refused() {
         Some("FG006"),
         "judged before the answer"
     );
+    assert_eq!(items(&direct).await, 3);
+    // The same RESET in the extended protocol with a Flush: its CommandComplete comes back and
+    // nothing is waiting for an answer, but the setting is reported only at the next
+    // ReadyForQuery.
+    let (mut raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("options", "-c standard_conforming_strings=off"),
+        ],
+    );
+    assert_eq!(err, None);
+    raw.send(b'Q', b"SET standard_conforming_strings = on\0");
+    assert_eq!(raw.until_ready(), None);
+    raw.parse("", "RESET standard_conforming_strings");
+    raw.bind_execute("", "");
+    raw.send(b'H', b"");
+    assert_eq!(raw.until_tag(b'C'), "12C");
+    raw.send(b'Q', format!("{trick}\0").as_bytes());
+    assert_eq!(raw.until_ready().as_deref(), Some("FG006"), "after a Flush");
     assert_eq!(items(&direct).await, 3);
 }
 

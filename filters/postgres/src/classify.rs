@@ -333,7 +333,11 @@ fn classify_statement(
         // Without ANALYZE nothing runs but what planning runs: an `EXECUTE`'s parameters and
         // the functions the planner folds (a user's IMMUTABLE function may write). So the whole
         // tree is walked, and an explained write counts as one.
-        NodeEnum::ExplainStmt(explain) if !explain_analyzes(&explain.options) => {
+        // `EXPLAIN EXECUTE p` plans a statement this text does not show (its planning folds
+        // the statement's functions): a write, as `EXECUTE p` is.
+        NodeEnum::ExplainStmt(explain)
+            if !explain_analyzes(&explain.options) && !explains_execute(explain) =>
+        {
             read_unless(text, whole)
         }
         NodeEnum::DeclareCursorStmt(_) | NodeEnum::PrepareStmt(_) => read_unless(text, whole),
@@ -364,12 +368,33 @@ fn transaction_command(t: &protobuf::TransactionStmt, text: &str) -> String {
     }
 }
 
-/// See [`Statement::forgets`].
+fn explains_execute(explain: &protobuf::ExplainStmt) -> bool {
+    matches!(
+        explain.query.as_ref().and_then(|q| q.node.as_ref()),
+        Some(NodeEnum::ExecuteStmt(_))
+    )
+}
+
+/// The longest name the server tells apart: it compares only the first `NAMEDATALEN - 1` bytes
+/// of a prepared statement's name.
+pub const MAX_NAME_BYTES: usize = 63;
+
+/// See [`Statement::forgets`]. `DO` and `CALL` run code that may prepare or deallocate in
+/// dynamic SQL (`EXECUTE 'DEALLOCATE p'`): all names. A name the server may have cut to
+/// [`MAX_NAME_BYTES`] (at a character, for SQL identifiers) could stand for several: all names.
 fn forgets(node: Option<&NodeEnum>) -> Option<Forget> {
+    let name = |n: &str| {
+        if n.len() >= MAX_NAME_BYTES {
+            Forget::All
+        } else {
+            Forget::Name(n.to_owned())
+        }
+    };
     match node? {
-        NodeEnum::PrepareStmt(p) => Some(Forget::Name(p.name.clone())),
+        NodeEnum::DoStmt(_) | NodeEnum::CallStmt(_) => Some(Forget::All),
+        NodeEnum::PrepareStmt(p) => Some(name(&p.name)),
         NodeEnum::DeallocateStmt(d) if d.isall || d.name.is_empty() => Some(Forget::All),
-        NodeEnum::DeallocateStmt(d) => Some(Forget::Name(d.name.clone())),
+        NodeEnum::DeallocateStmt(d) => Some(name(&d.name)),
         NodeEnum::DiscardStmt(d) if d.target == protobuf::DiscardMode::DiscardAll as i32 => {
             Some(Forget::All)
         }
@@ -655,6 +680,21 @@ mod tests {
             [Some(Forget::All)],
             "does not parse"
         );
+        assert_eq!(
+            forgets("DO $$ BEGIN EXECUTE 'DEALLOCATE p'; END $$"),
+            [Some(Forget::All)]
+        );
+        assert_eq!(forgets("CALL proc()"), [Some(Forget::All)]);
+        let long = "p".repeat(MAX_NAME_BYTES);
+        assert_eq!(
+            forgets(&format!("DEALLOCATE {long}")),
+            [Some(Forget::All)],
+            "may be cut"
+        );
+        assert_eq!(
+            forgets(&format!("DEALLOCATE {}", &long[1..])),
+            [name(&long[1..])]
+        );
     }
 
     #[test]
@@ -690,6 +730,8 @@ mod tests {
             // Planning runs an EXECUTE's parameters and folds functions; an explained write
             // fails closed.
             "EXPLAIN EXECUTE p(setval('s', 1000))",
+            "EXPLAIN EXECUTE p(7)",
+            "EXPLAIN (COSTS OFF) EXECUTE p",
             "EXPLAIN SELECT my_func()",
             "EXPLAIN DELETE FROM t",
             // A file written or a program run by the server.

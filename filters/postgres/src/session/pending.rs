@@ -145,6 +145,10 @@ pub(super) struct State {
     forgotten: HashMap<String, u64>,
     /// Every change numbered up to this one was sent before a [`Forget::All`].
     forgotten_all: u64,
+    /// What the statements bound since the last Sync or Query forget: they run at their
+    /// Execute, which may follow a Parse of the same name, so they forget again when the
+    /// segment ends ([`State::forget_bound`]).
+    bound_forgets: Vec<Forget>,
     /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
     pub(super) segment: u64,
     /// Numbers statement changes.
@@ -174,6 +178,7 @@ impl State {
             inflight: HashMap::new(),
             forgotten: HashMap::new(),
             forgotten_all: 0,
+            bound_forgets: Vec::new(),
             segment: 0,
             next_seq: 0,
             read_at: VecDeque::new(),
@@ -249,6 +254,26 @@ impl State {
                     self.forgotten.insert(name.clone(), inflight.seq);
                 }
             }
+        }
+    }
+
+    /// A Bind of a statement that forgets (`forget`) is sent now: it forgets now and once more
+    /// when the Sync or Query that ends its segment is sent, by which time its Execute (and any
+    /// Parse sent before it) has gone out.
+    pub(super) fn forget_bound(&mut self, forget: &Forget) {
+        self.forget(forget);
+        if !self.bound_forgets.contains(&Forget::All) && !self.bound_forgets.contains(forget) {
+            if *forget == Forget::All {
+                self.bound_forgets.clear();
+            }
+            self.bound_forgets.push(forget.clone());
+        }
+    }
+
+    /// The segment ends: the statements bound in it have been executed, if at all.
+    fn segment_ended(&mut self) {
+        for forget in std::mem::take(&mut self.bound_forgets) {
+            self.forget(&forget);
         }
     }
 
@@ -346,6 +371,7 @@ impl State {
 
     /// A Sync is sent now.
     pub(super) fn sync_sent(&mut self) {
+        self.segment_ended();
         self.segment += 1;
         self.scope += 1;
         self.pending.push_back(Expect::Sync { epoch: self.epoch });
@@ -354,6 +380,7 @@ impl State {
     /// A simple Query or function call whose replies are told apart by `parts` is sent now
     /// (transaction control in it already counted).
     pub(super) fn query_sent(&mut self, parts: VecDeque<Role>) {
+        self.segment_ended();
         self.scope += 1;
         self.pending.push_back(Expect::Query {
             parts,

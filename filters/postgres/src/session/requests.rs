@@ -13,7 +13,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
-use crate::classify::{Classified, Kind};
+use crate::classify::{Classified, Kind, MAX_NAME_BYTES};
 use crate::classify_cache::RecentShapes;
 use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
@@ -69,6 +69,10 @@ pub(super) async fn relay_requests(
     let mut drained = PollOnWake::new(shared.drained());
     let mut recent = RecentShapes::default();
     let mut unchecked = 0;
+    // An extended-protocol message was sent since the last Sync or Query: what it did (a
+    // setting reset, say) may reach the client before any ReadyForQuery, with Flush, and the
+    // server reports settings only before a ReadyForQuery.
+    let mut unsynced = false;
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
@@ -127,12 +131,18 @@ pub(super) async fn relay_requests(
                 // Only a Query, a Bind and a FunctionCall may wait (for an audit record), so
                 // only they are futures; the rest are decided by a plain function (a future
                 // built for every message cost about 130 instructions each, issue 18).
-                match frame.tag {
-                    b'Q' => handle_query(&shared, &frame, &mut recent).await,
+                let decided = match frame.tag {
+                    b'Q' => handle_query(&shared, &frame, &mut recent, unsynced).await,
                     b'B' => handle_bind(&shared, &frame).await,
                     b'F' => handle_function_call(&shared, &frame).await,
-                    _ => decide_now(&shared, &frame, &mut recent),
-                }
+                    _ => decide_now(&shared, &frame, &mut recent, unsynced),
+                };
+                unsynced = match frame.tag {
+                    b'S' | b'Q' => false,
+                    b'P' | b'B' | b'D' | b'E' | b'C' | b'H' => true,
+                    _ => unsynced,
+                };
+                decided
             };
             let outgoing = match decided {
                 Ok(outgoing) => outgoing,
@@ -249,12 +259,14 @@ fn decide_now(
     shared: &Shared,
     frame: &Frame<&[u8]>,
     recent: &mut RecentShapes,
+    unsynced: bool,
 ) -> Result<Outgoing, PostgresError> {
     let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
     match frame.tag {
         b'P' => {
             let (name, sql) = message::parse_fields(frame).map_err(bad)?;
-            let classified = classify_now(shared, recent, &sql);
+            name_fits(shared, &name)?;
+            let classified = classify_now(shared, recent, &sql, unsynced);
             // `SET fencegate.token = '...'` is prepared without its value: the server answers
             // the same messages, and the token stays in the gateway (applied at Bind).
             let outgoing = match classified.statements.as_slice() {
@@ -291,6 +303,9 @@ fn decide_now(
         }
         b'C' => {
             let (kind, name) = message::target_fields(frame).map_err(bad)?;
+            if kind == b'S' {
+                name_fits(shared, &name)?;
+            }
             let mut state = shared.lock();
             let change = (kind == b'S').then(|| state.change_sent(name, None));
             state.pending.push_back(Expect::Close(Role::Client, change));
@@ -332,12 +347,33 @@ async fn handle_function_call(
     Ok(refuse_simple(shared, &rejection))
 }
 
+/// A prepared statement's name the gateway can follow: the server tells names apart only by
+/// their first [`MAX_NAME_BYTES`] bytes, so two longer names the gateway keeps apart could be one
+/// statement to the server (a read parsed under one, a write under the other).
+fn name_fits(shared: &Shared, name: &str) -> Result<(), PostgresError> {
+    if shared.protected && name.len() > MAX_NAME_BYTES {
+        return Err(PostgresError::Protocol(format!(
+            "a prepared statement's name is {} bytes; the server compares only the first {MAX_NAME_BYTES}, so names this long are refused on a protected database: use shorter names",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Classifies `sql`, unless the session's settings make the server lex it differently from the
 /// gateway's parser: then, on a protected database, it is one statement that is refused.
-fn classify_now(shared: &Shared, recent: &mut RecentShapes, sql: &str) -> Classified {
+/// `unsynced`: an extended-protocol message was sent since the last Sync or Query.
+fn classify_now(
+    shared: &Shared,
+    recent: &mut RecentShapes,
+    sql: &str,
+    unsynced: bool,
+) -> Classified {
     let hazard = if shared.protected {
         let state = shared.lock();
-        state.lexing.hazard_now(state.pending.is_empty())
+        state
+            .lexing
+            .hazard_now(state.pending.is_empty() && !unsynced)
     } else {
         None
     };
@@ -393,9 +429,10 @@ async fn handle_query(
     shared: &Shared,
     frame: &Frame<&[u8]>,
     recent: &mut RecentShapes,
+    unsynced: bool,
 ) -> Result<Outgoing, PostgresError> {
     let sql = message::query_text(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = classify_now(shared, recent, sql);
+    let classified = classify_now(shared, recent, sql, unsynced);
     // Only refusals and guards quote the summary: a relayed read does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
     let plan = {
@@ -544,6 +581,7 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Outgoing {
 async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
     let (_portal, statement) =
         message::bind_fields(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
+    name_fits(shared, statement)?;
     let (decision, classified, token_hint) = {
         let mut state = shared.lock();
         let classified = state.bound(statement);
@@ -553,7 +591,7 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
             .iter()
             .filter_map(|s| s.forgets.as_ref())
         {
-            state.forget(forget);
+            state.forget_bound(forget);
         }
         for s in &classified.statements {
             match &s.kind {
