@@ -396,17 +396,21 @@ async fn settings_that_change_lexing_are_refused() {
     assert_eq!(items(&direct).await, 3);
     // A session that started with the setting off and took the way back: RESET goes back to
     // the start, and the trick pipelined behind it was judged before the server said so.
-    let (mut raw, err) = Raw::start(
-        gw.port,
-        &[
-            ("user", "postgres"),
-            ("database", "postgres"),
-            ("options", "-c standard_conforming_strings=off"),
-        ],
-    );
-    assert_eq!(err, None);
-    raw.send(b'Q', b"SET standard_conforming_strings = on\0");
-    assert_eq!(raw.until_ready(), None);
+    let way_back = || {
+        let (mut raw, err) = Raw::start(
+            gw.port,
+            &[
+                ("user", "postgres"),
+                ("database", "postgres"),
+                ("options", "-c standard_conforming_strings=off"),
+            ],
+        );
+        assert_eq!(err, None);
+        raw.send(b'Q', b"SET standard_conforming_strings = on\0");
+        assert_eq!(raw.until_ready(), None);
+        raw
+    };
+    let mut raw = way_back();
     raw.send(b'Q', b"SELECT 1\0");
     assert_eq!(raw.until_ready(), None, "on again: statements are judged");
     raw.hold();
@@ -423,17 +427,7 @@ async fn settings_that_change_lexing_are_refused() {
     // The same RESET in the extended protocol with a Flush: its CommandComplete comes back and
     // nothing is waiting for an answer, but the setting is reported only at the next
     // ReadyForQuery.
-    let (mut raw, err) = Raw::start(
-        gw.port,
-        &[
-            ("user", "postgres"),
-            ("database", "postgres"),
-            ("options", "-c standard_conforming_strings=off"),
-        ],
-    );
-    assert_eq!(err, None);
-    raw.send(b'Q', b"SET standard_conforming_strings = on\0");
-    assert_eq!(raw.until_ready(), None);
+    let mut raw = way_back();
     raw.parse("", "RESET standard_conforming_strings");
     raw.bind_execute("", "");
     raw.send(b'H', b"");
