@@ -2,7 +2,7 @@
 //! message means for the session: relay it, swallow it (the guard's own replies), audit a stale
 //! refusal, confirm a prepared statement. No I/O here; the two relay loops share a [`State`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -147,8 +147,10 @@ pub(super) struct State {
     forgotten_all: u64,
     /// What the statements bound since the last Sync or Query forget: they run at their
     /// Execute, which may follow a Parse of the same name, so they forget again when the
-    /// segment ends ([`State::forget_bound`]).
-    bound_forgets: Vec<Forget>,
+    /// segment ends ([`State::forget_bound`]). A set: a segment may bind many.
+    bound_forgets: HashSet<String>,
+    /// A statement bound since the last Sync or Query forgets all names.
+    bound_forgets_all: bool,
     /// Bumped by every Sync sent: after an error the server skips messages up to the next Sync.
     pub(super) segment: u64,
     /// Numbers statement changes.
@@ -178,7 +180,8 @@ impl State {
             inflight: HashMap::new(),
             forgotten: HashMap::new(),
             forgotten_all: 0,
-            bound_forgets: Vec::new(),
+            bound_forgets: HashSet::new(),
+            bound_forgets_all: false,
             segment: 0,
             next_seq: 0,
             read_at: VecDeque::new(),
@@ -262,18 +265,28 @@ impl State {
     /// Parse sent before it) has gone out.
     pub(super) fn forget_bound(&mut self, forget: &Forget) {
         self.forget(forget);
-        if !self.bound_forgets.contains(&Forget::All) && !self.bound_forgets.contains(forget) {
-            if *forget == Forget::All {
+        match forget {
+            Forget::All => {
+                self.bound_forgets_all = true;
                 self.bound_forgets.clear();
             }
-            self.bound_forgets.push(forget.clone());
+            Forget::Name(name) if !self.bound_forgets_all => {
+                self.bound_forgets.insert(name.clone());
+            }
+            Forget::Name(_) => {}
         }
     }
 
     /// The segment ends: the statements bound in it have been executed, if at all.
     fn segment_ended(&mut self) {
-        for forget in std::mem::take(&mut self.bound_forgets) {
-            self.forget(&forget);
+        if std::mem::take(&mut self.bound_forgets_all) {
+            self.forget(&Forget::All);
+        }
+        // Checked first: every Sync and Query comes here, and a fresh set costs a key.
+        if !self.bound_forgets.is_empty() {
+            for name in std::mem::take(&mut self.bound_forgets) {
+                self.forget(&Forget::Name(name));
+            }
         }
     }
 
@@ -859,6 +872,31 @@ mod tests {
         assert!(!s.bound("c").has_write());
         s.forget(&Forget::Name("c".to_owned()));
         assert!(s.bound("c").has_write());
+    }
+
+    /// What a segment's Binds forget is kept as a set (a segment may bind many: a list was
+    /// searched once per Bind) and forgotten again when the segment ends.
+    #[test]
+    fn a_segment_forgets_again_at_its_end() {
+        use crate::classify::{classify, Forget};
+        let mut s = state();
+        for i in 0..10_000 {
+            s.forget_bound(&Forget::Name(format!("n{}", i % 5_000)));
+        }
+        assert_eq!(s.bound_forgets.len(), 5_000);
+        // A Parse of a forgotten name sent after its Bind: voided when the segment ends.
+        let change = s.change_sent("n1".to_owned(), Some(classify("SELECT 1")));
+        s.pending
+            .push_back(Expect::Parse(Role::Client, Some(change)));
+        s.sync_sent();
+        assert!(s.bound_forgets.is_empty());
+        relay(&mut s, &[frame(b'1', b"")]);
+        assert!(s.bound("n1").has_write(), "voided at the Sync");
+        s.forget_bound(&Forget::All);
+        s.forget_bound(&Forget::Name("x".to_owned()));
+        assert!(s.bound_forgets_all && s.bound_forgets.is_empty());
+        s.query_sent(VecDeque::new());
+        assert!(!s.bound_forgets_all);
     }
 
     fn token() -> Token {
