@@ -89,6 +89,11 @@ impl Classified {
     pub fn has_write(&self) -> bool {
         self.statements.iter().any(|s| s.kind == Kind::Write)
     }
+
+    /// What its statements do to the session's prepared statements in SQL, in order.
+    pub fn forgets(&self) -> impl Iterator<Item = &Forget> {
+        self.statements.iter().filter_map(|s| s.forgets.as_ref())
+    }
 }
 
 /// Functions that only read (a `SELECT` calling anything else counts as a write).

@@ -155,9 +155,10 @@ pub(super) struct State {
     pub(super) segment: u64,
     /// Numbers statement changes.
     pub(super) next_seq: u64,
-    /// When each simple Query, Sync or FunctionCall was read, oldest first: the ReadyForQuery that answers it
-    /// gives the request's latency. Here rather than behind a lock of its own, as both loops
-    /// hold this state's lock where they note and take them (two locks per transaction less).
+    /// When each simple Query, Sync or FunctionCall was read, oldest first: the ReadyForQuery
+    /// that answers it gives the request's latency. Here rather than behind a lock of its own,
+    /// as both loops hold this state's lock where they note and take them (two locks per
+    /// transaction less).
     pub(super) read_at: VecDeque<Instant>,
 }
 

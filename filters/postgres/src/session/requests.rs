@@ -456,11 +456,7 @@ async fn handle_query(
         .iter()
         .rfind(|s| s.kind == Kind::TransactionControl);
     let mut state = shared.lock();
-    for forget in classified
-        .statements
-        .iter()
-        .filter_map(|s| s.forgets.as_ref())
-    {
+    for forget in classified.forgets() {
         state.forget(forget);
     }
     if let Some(control) = last_control {
@@ -586,11 +582,7 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
         let mut state = shared.lock();
         let classified = state.bound(statement);
         let mut decision = Decision::Pass;
-        for forget in classified
-            .statements
-            .iter()
-            .filter_map(|s| s.forgets.as_ref())
-        {
+        for forget in classified.forgets() {
             state.forget_bound(forget);
         }
         for s in &classified.statements {
