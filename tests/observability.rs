@@ -509,17 +509,13 @@ async fn json_logs_are_one_object_per_line() {
 #[tokio::test]
 async fn postgres_and_s3_gateways_count_connections_and_requests() {
     // PostgreSQL: one client connection, queries answered through the gateway.
+    let requests = "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}";
     let pg = support::postgres_server::PgGateway::start("", &[]);
     let client = support::postgres_server::connect(&pg.dsn("postgres")).await;
     for _ in 0..3 {
         client.simple_query("SELECT 1").await.unwrap();
     }
-    let text = scrape_until(
-        &pg.node,
-        "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}",
-        |v| v >= 3.0,
-    )
-    .await;
+    let text = scrape_until(&pg.node, requests, |v| v >= 3.0).await;
     assert_eq!(
         sample(&text, "fencegate_gateway_connections{store=\"postgres\"}"),
         Some(1.0),
@@ -543,20 +539,8 @@ async fn postgres_and_s3_gateways_count_connections_and_requests() {
     bytes.extend(support::postgres_server::message(b'Q', b"SELECT 2\0"));
     let replies = support::postgres_server::pipeline_replies(pg.port, "", &bytes);
     assert_eq!(replies.matches('Z').count(), 3, "{replies}");
-    let text = scrape_until(
-        &pg.node,
-        "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}",
-        |v| v >= 6.0,
-    )
-    .await;
-    assert_eq!(
-        sample(
-            &text,
-            "fencegate_gateway_request_duration_seconds_count{store=\"postgres\"}"
-        ),
-        Some(6.0),
-        "{text}"
-    );
+    let text = scrape_until(&pg.node, requests, |v| v >= 6.0).await;
+    assert_eq!(sample(&text, requests), Some(6.0), "{text}");
     println!(
         "postgres: a pipelined Query, FunctionCall and Query counted as three requests ({replies})"
     );

@@ -108,24 +108,28 @@ impl Raw {
         self.execute(portal);
     }
 
+    /// The next message's tag and body; `None` once the connection is closed.
+    fn next_message(&mut self) -> Option<(u8, Vec<u8>)> {
+        let mut head = [0u8; 5];
+        self.stream.read_exact(&mut head).ok()?;
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
+        let mut body = vec![0u8; len];
+        self.stream.read_exact(&mut body).unwrap();
+        Some((head[0], body))
+    }
+
     /// Reads until a message tagged `tag` (or the end); returns the tags read, `tag` included.
     fn until_tag(&mut self, tag: u8) -> String {
         let mut tags = String::new();
-        loop {
-            let mut head = [0u8; 5];
-            if self.stream.read_exact(&mut head).is_err() {
-                return tags;
+        while let Some((got, _)) = self.next_message() {
+            if !matches!(got, b'N' | b'S') {
+                tags.push(char::from(got));
             }
-            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
-            let mut body = vec![0u8; len];
-            self.stream.read_exact(&mut body).unwrap();
-            if !matches!(head[0], b'N' | b'S') {
-                tags.push(char::from(head[0]));
-            }
-            if head[0] == tag {
-                return tags;
+            if got == tag {
+                break;
             }
         }
+        tags
     }
 
     fn execute(&mut self, portal: &str) {
@@ -143,14 +147,10 @@ impl Raw {
     fn until_ready(&mut self) -> Option<String> {
         let mut first_error = None;
         loop {
-            let mut head = [0u8; 5];
-            if self.stream.read_exact(&mut head).is_err() {
+            let Some((tag, body)) = self.next_message() else {
                 return first_error.or(Some("closed".to_owned()));
-            }
-            let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize - 4;
-            let mut body = vec![0u8; len];
-            self.stream.read_exact(&mut body).unwrap();
-            match head[0] {
+            };
+            match tag {
                 b'Z' => return first_error,
                 b'E' if first_error.is_none() => {
                     first_error = body
