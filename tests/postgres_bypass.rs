@@ -31,6 +31,14 @@ async fn items(direct: &Client) -> i64 {
         .get(0)
 }
 
+/// The SQLSTATE of an ErrorResponse's body.
+fn error_code(body: &[u8]) -> String {
+    body.split(|b| *b == 0)
+        .find(|f| f.first() == Some(&b'C'))
+        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
+        .unwrap_or_default()
+}
+
 /// A bare v3 protocol client, for message sequences no driver sends.
 struct Raw {
     stream: TcpStream,
@@ -143,6 +151,11 @@ impl Raw {
         self.send(b'S', &[]);
     }
 
+    /// Sends a simple Query.
+    fn query(&mut self, sql: &str) {
+        self.send(b'Q', format!("{sql}\0").as_bytes());
+    }
+
     /// Reads until ReadyForQuery (or the end); returns the first error's SQLSTATE.
     fn until_ready(&mut self) -> Option<String> {
         let mut first_error = None;
@@ -152,12 +165,7 @@ impl Raw {
             };
             match tag {
                 b'Z' => return first_error,
-                b'E' if first_error.is_none() => {
-                    first_error = body
-                        .split(|b| *b == 0)
-                        .find(|f| f.first() == Some(&b'C'))
-                        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned());
-                }
+                b'E' if first_error.is_none() => first_error = Some(error_code(&body)),
                 _ => {}
             }
         }
@@ -646,5 +654,175 @@ async fn repeated_startup_parameters_and_views_into_protected_tables() {
         .await
         .unwrap_err();
     assert_eq!(code(&e), "FG002", "{e}");
+    assert_eq!(items(&direct).await, 3);
+}
+
+/// While the server reads a COPY FROM STDIN's data it ignores Sync and Flush (libpq and
+/// tokio-postgres send a Sync right after the COPY's Execute): had the gateway queued a reply for
+/// such a Sync, every later reply would be matched to the wrong request (the guard's replies shown
+/// to the client, a client's own FG001 audited as a stale refusal). A COPY that fails before it
+/// reads data ends at that Sync, and one that fails in its data at the next.
+#[tokio::test(flavor = "multi_thread")]
+async fn copy_from_stdin_keeps_every_reply_matched_to_its_request() {
+    use futures_util::SinkExt;
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let v = |id: i32| {
+        let direct = &direct;
+        async move {
+            let row = direct
+                .query_one("SELECT v FROM items WHERE id = $1", &[&id])
+                .await
+                .unwrap();
+            row.get::<_, i32>(0)
+        }
+    };
+
+    // The driver's own COPY, then a guarded write and a read on the same connection.
+    let holder = connect(&format!(
+        "{} options='-c fencegate.token=fg1~5~job'",
+        gw.dsn("postgres")
+    ))
+    .await;
+    // Bounded: a reply held back or lost would leave the driver waiting.
+    let driver = async {
+        let sink = holder.copy_in("COPY items FROM STDIN").await.unwrap();
+        let mut sink = Box::pin(sink);
+        sink.send(bytes::Bytes::from_static(b"4\t4\n"))
+            .await
+            .unwrap();
+        assert_eq!(sink.as_mut().finish().await.unwrap(), 1);
+        assert_eq!(
+            holder
+                .execute("UPDATE items SET v = 40 WHERE id = 4", &[])
+                .await
+                .unwrap(),
+            1
+        );
+        let n: i64 = holder
+            .query_one("SELECT count(*) FROM items", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(n, 4);
+    };
+    tokio::time::timeout(Duration::from_secs(30), driver)
+        .await
+        .expect("the driver's COPY and the requests after it are answered");
+    assert_eq!(v(4).await, 40);
+
+    let (mut raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("fencegate.token", "fg1~5~job"),
+        ],
+    );
+    assert_eq!(err, None);
+    // Extended, a Sync and a Flush inside the data as well.
+    raw.hold();
+    raw.parse("", "COPY items FROM STDIN");
+    raw.bind_execute("", "");
+    raw.sync();
+    raw.release();
+    assert_eq!(raw.until_tag(b'G'), "12G");
+    raw.hold();
+    raw.send(b'd', b"5\t5\n");
+    raw.send(b'H', &[]);
+    raw.sync();
+    raw.send(b'd', b"6\t6\n");
+    raw.send(b'c', &[]);
+    raw.sync();
+    raw.release();
+    assert_eq!(raw.until_tag(b'Z'), "CZ");
+    assert_eq!(items(&direct).await, 6);
+    // Simple protocol, a Sync inside the data.
+    raw.query("COPY items FROM STDIN");
+    assert_eq!(raw.until_tag(b'G'), "G");
+    raw.hold();
+    raw.sync();
+    raw.send(b'd', b"7\t7\n");
+    raw.send(b'c', &[]);
+    raw.release();
+    assert_eq!(raw.until_tag(b'Z'), "CZ");
+    assert_eq!(items(&direct).await, 7);
+    // A COPY that fails before it reads data: its Sync is answered.
+    raw.hold();
+    raw.parse("", "COPY no_such_table FROM STDIN");
+    raw.bind_execute("", "");
+    raw.sync();
+    raw.release();
+    assert_eq!(raw.until_ready().as_deref(), Some("42P01"));
+    // A COPY that fails in its data: the Sync after its CopyDone is answered.
+    raw.hold();
+    raw.parse("", "COPY items FROM STDIN");
+    raw.bind_execute("", "");
+    raw.sync();
+    raw.release();
+    assert_eq!(raw.until_tag(b'G'), "12G");
+    raw.hold();
+    raw.send(b'd', b"x\tx\n");
+    raw.send(b'c', &[]);
+    raw.sync();
+    raw.release();
+    assert_eq!(raw.until_ready().as_deref(), Some("22P02"));
+    assert_eq!(items(&direct).await, 7);
+
+    // Every reply still answers its own request: a guard's replies stay the gateway's...
+    raw.query("UPDATE items SET v = 10 WHERE id = 1");
+    assert_eq!(raw.until_tag(b'Z'), "CZ");
+    assert_eq!(v(1).await, 10);
+    // ...a client's own error with the stale token's SQLSTATE is not a refusal...
+    raw.query("DO $$ BEGIN RAISE EXCEPTION 'mine' USING ERRCODE = 'FG001'; END $$");
+    assert_eq!(raw.until_ready().as_deref(), Some("FG001"));
+    // ...and a stale token is refused, audited once, and changes nothing.
+    raw.query("SET fencegate.token = 'fg1~9~job'");
+    assert_eq!(raw.until_ready(), None);
+    raw.query("UPDATE items SET v = 90 WHERE id = 2");
+    assert_eq!(raw.until_ready(), None);
+    raw.query("SET fencegate.token = 'fg1~5~job'");
+    assert_eq!(raw.until_ready(), None);
+    raw.query("UPDATE items SET v = 50 WHERE id = 2");
+    assert_eq!(raw.until_ready().as_deref(), Some("FG001"));
+    assert_eq!(v(2).await, 90);
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("stale", 1)]);
+}
+
+/// Anything but copy data, Flush and Sync sent during a COPY FROM STDIN ends the session: the
+/// server would read it as a broken copy and answer it with nothing of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_query_sent_during_a_copy_ends_the_session() {
+    let gw = PgGateway::start("", &[]);
+    setup(&gw);
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let (mut raw, err) = Raw::start(
+        gw.port,
+        &[
+            ("user", "postgres"),
+            ("database", "postgres"),
+            ("fencegate.token", "fg1~5~job"),
+        ],
+    );
+    assert_eq!(err, None);
+    raw.hold();
+    raw.query("COPY items FROM STDIN");
+    raw.query("DELETE FROM items");
+    raw.release();
+    assert_eq!(raw.until_tag(b'G'), "G");
+    // The server's own error for the COPY cut short may come first; the gateway's is last.
+    let mut last = None;
+    while let Some((tag, body)) = raw.next_message() {
+        if tag == b'E' {
+            last = Some(body);
+        }
+    }
+    let last = String::from_utf8_lossy(&last.unwrap_or_default()).replace('\0', "|");
+    assert!(last.contains("|C08P01|"), "{last}");
+    assert!(
+        last.contains("|Mfencegate: ") && last.contains("'Q' was sent during COPY FROM STDIN"),
+        "{last}"
+    );
     assert_eq!(items(&direct).await, 3);
 }

@@ -57,6 +57,9 @@ pub struct Statement {
     /// The session's prepared statements it creates or drops in SQL, outside the protocol's
     /// Parse and Close (whose effect the gateway follows itself).
     pub forgets: Option<Forget>,
+    /// May start `COPY ... FROM STDIN` (true where unknown): the server then reads the client's
+    /// next messages as the copy's data, and ignores a Sync among them.
+    pub copies_in: bool,
 }
 
 /// Prepared statements a statement creates or drops in SQL: what the gateway knew of them from
@@ -236,6 +239,7 @@ pub fn classify(sql: &str) -> Classified {
                     comment_token: comments(sql).into_iter().map(|(_, t)| t).next(),
                     may_end_transaction: true,
                     forgets: Some(Forget::All),
+                    copies_in: true,
                 }],
                 parse_error: Some(e.to_string()),
             }
@@ -278,6 +282,7 @@ pub fn classify(sql: &str) -> Classified {
             comment_token,
             may_end_transaction: may_end_transaction(node),
             forgets: forgets(node),
+            copies_in: copies_in(node),
         });
     }
     Classified {
@@ -404,6 +409,18 @@ fn forgets(node: Option<&NodeEnum>) -> Option<Forget> {
             Some(Forget::All)
         }
         _ => None,
+    }
+}
+
+/// See [`Statement::copies_in`]: only the COPY statement itself reads from the client (a
+/// function cannot, nor can `EXECUTE`, as COPY cannot be prepared in SQL).
+fn copies_in(node: Option<&NodeEnum>) -> bool {
+    match node {
+        Some(NodeEnum::CopyStmt(copy)) => {
+            copy.is_from && !copy.is_program && copy.filename.is_empty()
+        }
+        Some(_) => false,
+        None => true,
     }
 }
 
@@ -648,6 +665,31 @@ mod tests {
             .into_iter()
             .map(|s| s.kind)
             .collect()
+    }
+
+    /// Only `COPY ... FROM STDIN` reads the client's messages as data; what does not parse
+    /// might.
+    #[test]
+    fn copies_in_only_from_stdin() {
+        let copies = |sql: &str| -> Vec<bool> {
+            classify(sql)
+                .statements
+                .iter()
+                .map(|s| s.copies_in)
+                .collect()
+        };
+        assert_eq!(copies("COPY t FROM STDIN"), vec![true]);
+        assert_eq!(
+            copies("copy t (a, b) from stdin with (format csv)"),
+            vec![true]
+        );
+        assert_eq!(copies("SELECT 1; COPY t FROM STDIN"), vec![false, true]);
+        assert_eq!(copies("COPY t TO STDOUT"), vec![false]);
+        assert_eq!(copies("COPY t FROM '/tmp/x'"), vec![false]);
+        assert_eq!(copies("COPY t FROM PROGRAM 'cat'"), vec![false]);
+        assert_eq!(copies("INSERT INTO t VALUES (1)"), vec![false]);
+        assert_eq!(copies("/* /* */ COPY */ COPY t FROM STDIN"), vec![true]);
+        assert_eq!(copies("COPY t FROM STDIN garbage"), vec![true]);
     }
 
     /// The statements that create or drop prepared statements in SQL, with the server's

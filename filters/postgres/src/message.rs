@@ -197,6 +197,12 @@ pub fn parse_fields<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<(String, String)
     Ok((name, query))
 }
 
+/// An `Execute` message's portal name, borrowed from the frame.
+pub fn execute_portal<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<&str, FrameError> {
+    let mut body = frame.body();
+    read_name(&mut body).ok_or(FrameError::BadBody("Execute"))
+}
+
 /// A `Bind` message's portal and statement names, borrowed from the frame (a copy was an
 /// allocation per Bind, issue 18).
 pub fn bind_fields<B: AsRef<[u8]>>(frame: &Frame<B>) -> Result<(&str, &str), FrameError> {
@@ -745,6 +751,16 @@ mod tests {
             prop_assert_eq!(bind_fields(&frame), Ok((portal.as_str(), statement.as_str())));
         }
 
+        /// An Execute's portal name reads as `postgres-protocol`'s encoder wrote it.
+        #[test]
+        fn execute_portal_reads_as_encoded(portal in "[^\\x00]{0,70}", rows in any::<i32>()) {
+            let mut buf = BytesMut::new();
+            postgres_protocol::message::frontend::execute(&portal, rows, &mut buf)
+                .map_err(|_| TestCaseError::fail("the encoder refused the Execute"))?;
+            let frame = parse_frame(&mut buf, 1 << 20).unwrap().unwrap();
+            prop_assert_eq!(execute_portal(&frame), Ok(portal.as_str()));
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let mut buf = BytesMut::from(&bytes[..]);
@@ -752,6 +768,7 @@ mod tests {
                 let _ = query_text(&frame);
                 let _ = parse_fields(&frame);
                 let _ = bind_fields(&frame);
+                let _ = execute_portal(&frame);
                 let _ = target_fields(&frame);
                 let _ = error_code_and_detail(&frame);
             }

@@ -12,7 +12,9 @@
 //! - [`pending`]: PURE: the queue of replies each forwarded message will get, the statement
 //!   map, and what each upstream message means ([`pending::on_reply`]).
 //! - [`requests`]: the `client -> upstream` loop; [`replies`]: the `upstream -> client` loop.
+//! - [`copy`]: which Syncs the server ignores, as it reads a `COPY ... FROM STDIN`'s data.
 
+mod copy;
 mod pending;
 mod replies;
 mod requests;
@@ -85,6 +87,9 @@ struct Shared {
     /// [`Shared::idle`], so no ReadyForQuery after that check goes unnoticed. Until then the
     /// reply loop skips the notification (a lock per ReadyForQuery).
     pub(super) draining: AtomicBool,
+    /// Woken by the reply loop when it learnt something of a message watched for a COPY FROM
+    /// STDIN ([`copy`]), and when it ends.
+    pub(super) copy_changed: Notify,
 }
 
 impl Shared {
@@ -244,6 +249,7 @@ async fn session(
         shutdown,
         settled: Notify::new(),
         draining: AtomicBool::new(false),
+        copy_changed: Notify::new(),
     });
 
     let (stream, buffered) = client_read.into_parts();
@@ -258,11 +264,21 @@ async fn session(
     // them: it is woken when one ends, not per message (the request loop selecting on the reply
     // task's handle polled it once per transaction, about 130 instructions). Both are aborted
     // if this one is dropped, and a panic in either ends the session at once.
-    let mut replies = AbortOnDropHandle::new(tokio::spawn(replies::relay_replies(
-        shared.clone(),
-        upstream_read,
-        LazyWriter::new(client_write),
-    )));
+    let mut replies = AbortOnDropHandle::new(tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            let ended = replies::relay_replies(
+                shared.clone(),
+                upstream_read,
+                LazyWriter::new(client_write),
+            )
+            .await;
+            // A request loop waiting for the server's word on a COPY learns no more.
+            shared.lock().copy.closed = true;
+            shared.copy_changed.notify_one();
+            ended
+        }
+    }));
     let mut requests = AbortOnDropHandle::new(tokio::spawn(requests::relay_requests(
         shared.clone(),
         client_read,
@@ -280,7 +296,16 @@ async fn session(
         }
         replies = &mut replies => {
             let replies = joined(replies);
-            (joined(requests.await), replies)
+            // The reply loop failed (the server's connection, the client's, or replies it can
+            // no longer match to requests): nothing the client sends may go on to the server.
+            if replies.is_err() {
+                requests.abort();
+            }
+            let requests = match requests.await {
+                Err(e) if e.is_cancelled() => Ok(()),
+                other => joined(other),
+            };
+            (requests, replies)
         }
     };
     result.and(replies)

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use fencegate_core::{OperationSummary, Token};
 use smallvec::smallvec;
 
+use super::copy::{CopyPortals, CopyWatch};
 use crate::classify::{Classified, Forget, Kind};
 use crate::lexing::Lexing;
 use crate::message::{self, ErrorFields, Frame};
@@ -78,7 +79,8 @@ pub(super) enum Expect {
     Parse(Role, Option<Box<StatementChange>>),
     Bind(Role),
     Describe,
-    Execute(Role),
+    /// `true`: watched, as it may start a COPY FROM STDIN ([`super::copy`]).
+    Execute(Role, bool),
     Close(Role, Option<Box<StatementChange>>),
     /// `epoch`: [`State::epoch`] when it was sent.
     Sync {
@@ -86,10 +88,11 @@ pub(super) enum Expect {
     },
     /// A simple Query (or FunctionCall): replies until ReadyForQuery. `parts` lists, in order,
     /// the statements whose replies are told apart (empty: relay everything); `epoch`:
-    /// [`State::epoch`] once it was sent.
+    /// [`State::epoch`] once it was sent; `watched`: it may start a COPY FROM STDIN.
     Query {
         parts: VecDeque<Role>,
         epoch: u64,
+        watched: bool,
     },
     /// A local answer, sent when it reaches the front of the queue.
     Local {
@@ -160,6 +163,10 @@ pub(super) struct State {
     /// as both loops hold this state's lock where they note and take them (two locks per
     /// transaction less).
     pub(super) read_at: VecDeque<Instant>,
+    /// The portals an Execute of which may start a COPY FROM STDIN.
+    pub(super) copy_portals: CopyPortals,
+    /// What the server said of the message watched for a COPY FROM STDIN.
+    pub(super) copy: CopyWatch,
 }
 
 impl State {
@@ -186,6 +193,8 @@ impl State {
             segment: 0,
             next_seq: 0,
             read_at: VecDeque::new(),
+            copy_portals: CopyPortals::default(),
+            copy: CopyWatch::default(),
         }
     }
 }
@@ -293,8 +302,12 @@ impl State {
 
     /// An expected reply that will never come (the server skipped the message).
     pub(super) fn skipped(&mut self, expect: Expect) {
-        if let Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) = expect {
-            self.change_done(&change, false);
+        match expect {
+            Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) => {
+                self.change_done(&change, false);
+            }
+            Expect::Execute(_, true) => self.copy.ended(),
+            _ => {}
         }
     }
 
@@ -392,14 +405,40 @@ impl State {
     }
 
     /// A simple Query or function call whose replies are told apart by `parts` is sent now
-    /// (transaction control in it already counted).
-    pub(super) fn query_sent(&mut self, parts: VecDeque<Role>) {
+    /// (transaction control in it already counted); `watched`: it may start a COPY FROM STDIN.
+    pub(super) fn query_sent(&mut self, parts: VecDeque<Role>, watched: bool) {
         self.segment_ended();
         self.scope += 1;
+        if watched {
+            self.copy.watch();
+        }
         self.pending.push_back(Expect::Query {
             parts,
             epoch: self.epoch,
+            watched,
         });
+    }
+
+    /// A client's Execute is sent now; `watched`: it may start a COPY FROM STDIN.
+    pub(super) fn execute_sent(&mut self, watched: bool) {
+        if watched {
+            self.copy.watch();
+        }
+        self.pending
+            .push_back(Expect::Execute(Role::Client, watched));
+    }
+
+    /// A CopyInResponse arrived: whether the message it answers was watched (if not, the
+    /// server reads a COPY's data the gateway did not expect).
+    fn copy_started(&mut self) -> bool {
+        let watched = matches!(
+            self.pending.front(),
+            Some(Expect::Execute(_, true) | Expect::Query { watched: true, .. })
+        );
+        if watched {
+            self.copy.started();
+        }
+        watched
     }
 }
 
@@ -415,6 +454,7 @@ pub(super) fn unknown_statement(name: &str) -> Classified {
             comment_token: None,
             may_end_transaction: true,
             forgets: None,
+            copies_in: true,
         }],
         parse_error: Some(format!(
             "prepared statement {name:?} is not known to the gateway"
@@ -436,6 +476,8 @@ pub(super) struct Outcome {
 /// The rare part of an [`Outcome`].
 #[derive(Default)]
 pub(super) struct Special {
+    /// The session must end, for this reason, told to the client instead of the message.
+    pub(super) end: Option<String>,
     /// Send this instead of the message (the guard's error, explained).
     pub(super) replace: Option<Bytes>,
     /// The guard refused a stale token: what to audit, and the fence its error reported (the
@@ -461,6 +503,11 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
         applied: false,
         special: None,
     };
+    if frame.tag == b'G' && !state.copy_started() {
+        outcome.special().end = Some(
+            "the server started a COPY FROM STDIN where the gateway expected none; the session is closed, as the gateway can no longer tell which reply answers which request".to_owned(),
+        );
+    }
     match frame.tag {
         // Asynchronous: notices, parameter changes, notifications.
         b'S' => state.lexing.observe(frame.body()),
@@ -474,7 +521,13 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                 }
                 Some(e) if e.is_extended() => {
                     let role = match state.pending.pop_front() {
-                        Some(Expect::Bind(r) | Expect::Execute(r)) => Some(r),
+                        Some(Expect::Execute(r, watched)) => {
+                            if watched {
+                                state.copy.ended();
+                            }
+                            Some(r)
+                        }
+                        Some(Expect::Bind(r)) => Some(r),
                         Some(Expect::Parse(r, change) | Expect::Close(r, change)) => {
                             if let Some(change) = change {
                                 state.change_done(&change, false);
@@ -527,7 +580,9 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                 state.pending.front()
             {
                 state.status_epoch = *epoch;
-                state.pending.pop_front();
+                if let Some(Expect::Query { watched: true, .. }) = state.pending.pop_front() {
+                    state.copy.ended();
+                }
             }
             state.status = frame.body().first().copied().unwrap_or(b'I');
         }
@@ -549,7 +604,7 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                         Expect::Bind(r) => (tag == b'2', Some(&*r)),
                         Expect::Close(r, _) => (tag == b'3', Some(&*r)),
                         Expect::Describe => (matches!(tag, b'T' | b'n'), None),
-                        Expect::Execute(r) => (matches!(tag, b'C' | b'I' | b's'), Some(&*r)),
+                        Expect::Execute(r, _) => (matches!(tag, b'C' | b'I' | b's'), Some(&*r)),
                         Expect::Sync { .. } | Expect::Query { .. } | Expect::Local { .. } => {
                             (false, None)
                         }
@@ -559,7 +614,12 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                     }
                     if terminal {
                         done = match state.pending.pop_front() {
-                            Some(Expect::Execute(r)) if tag == b'C' => Some(r),
+                            Some(Expect::Execute(r, watched)) => {
+                                if watched {
+                                    state.copy.ended();
+                                }
+                                Some(r)
+                            }
                             Some(
                                 Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)),
                             ) => {
@@ -650,6 +710,7 @@ mod tests {
         s.pending.push_back(Expect::Query {
             parts: VecDeque::from([guard(true), Role::Client]),
             epoch: 0,
+            watched: false,
         });
         let frames = [
             frame(b'T', b""),
@@ -668,6 +729,7 @@ mod tests {
         s.pending.push_back(Expect::Query {
             parts: VecDeque::from([guard(true), Role::Client]),
             epoch: 0,
+            watched: false,
         });
         let frames = [stale_error(), frame(b'Z', b"I")];
         assert_eq!(relay(&mut s, &frames), ("EZ".to_owned(), vec![Some(9)]));
@@ -682,9 +744,9 @@ mod tests {
             Expect::Close(guard(false), None),
             Expect::Parse(guard(false), None),
             Expect::Bind(guard(false)),
-            Expect::Execute(guard(true)),
+            Expect::Execute(guard(true), false),
             Expect::Bind(Role::Client),
-            Expect::Execute(Role::Client),
+            Expect::Execute(Role::Client, false),
             Expect::Sync { epoch: 0 },
         ]);
         let frames = [
@@ -711,9 +773,9 @@ mod tests {
             Expect::Close(guard(false), None),
             Expect::Parse(guard(false), None),
             Expect::Bind(guard(false)),
-            Expect::Execute(guard(true)),
+            Expect::Execute(guard(true), false),
             Expect::Bind(Role::Client),
-            Expect::Execute(Role::Client),
+            Expect::Execute(Role::Client, false),
         ]);
         // The client's Sync arrives after the error: the skipped messages get no replies.
         let frames = [
@@ -744,7 +806,7 @@ mod tests {
         // An error, then Parse("", SELECT) which the server skips, then Sync.
         s.segment += 1;
         let change = s.change_sent(String::new(), Some(classify("SELECT 1")));
-        s.pending.push_back(Expect::Execute(Role::Client));
+        s.pending.push_back(Expect::Execute(Role::Client, false));
         s.pending
             .push_back(Expect::Parse(Role::Client, Some(change)));
         s.pending.push_back(Expect::Sync { epoch: 0 });
@@ -896,7 +958,7 @@ mod tests {
         s.forget_bound(&Forget::All);
         s.forget_bound(&Forget::Name("x".to_owned()));
         assert!(s.bound_forgets_all && s.bound_forgets.is_empty());
-        s.query_sent(VecDeque::new());
+        s.query_sent(VecDeque::new(), false);
         assert!(!s.bound_forgets_all);
     }
 
@@ -913,7 +975,7 @@ mod tests {
         s.sync_sent();
         assert_eq!(s.covered(), None, "the Sync ended the implicit transaction");
         s.guard_sent(token());
-        s.query_sent(VecDeque::new());
+        s.query_sent(VecDeque::new(), false);
         assert_eq!(s.covered(), None, "a simple Query ends it too");
     }
 
@@ -948,7 +1010,7 @@ mod tests {
         let mut s = state();
         // BEGIN, answered `T`.
         s.control_sent(true);
-        s.query_sent(VecDeque::new());
+        s.query_sent(VecDeque::new(), false);
         relay(&mut s, &[frame(b'Z', b"T")]);
         s.guard_sent(token());
         s.sync_sent();
@@ -963,7 +1025,7 @@ mod tests {
         // A failed block (`E`) does not count as open.
         let mut s = state();
         s.control_sent(true);
-        s.query_sent(VecDeque::new());
+        s.query_sent(VecDeque::new(), false);
         relay(&mut s, &[frame(b'Z', b"E")]);
         s.guard_sent(token());
         s.sync_sent();
@@ -977,5 +1039,69 @@ mod tests {
             Some(12)
         );
         assert_eq!(fence_from_detail("nothing"), None);
+    }
+
+    /// A watched Execute: its CopyInResponse is counted, its CommandComplete ends the watch.
+    #[test]
+    fn a_watched_execute_reports_its_copy_and_its_end() {
+        let mut s = state();
+        s.execute_sent(true);
+        s.sync_sent();
+        let o = on_reply(&mut s, &frame(b'G', b"\0\0\0"));
+        assert!(o.plain(), "relayed");
+        assert_eq!(
+            (s.copy.started, s.copy.done, s.copy.changed),
+            (1, false, true)
+        );
+        s.copy.changed = false;
+        assert_eq!(relay(&mut s, &[frame(b'C', b"COPY 2\0")]).0, "C");
+        assert_eq!(
+            (s.copy.started, s.copy.done, s.copy.changed),
+            (1, true, true)
+        );
+        assert!(matches!(s.pending.front(), Some(Expect::Sync { .. })));
+    }
+
+    /// A COPY the gateway did not expect ends the session.
+    #[test]
+    fn an_unexpected_copy_ends_the_session() {
+        let mut s = state();
+        s.execute_sent(false);
+        let o = on_reply(&mut s, &frame(b'G', b"\0\0\0"));
+        assert!(o.special.is_some_and(|s| s.end.is_some()));
+        assert_eq!(s.copy.started, 0);
+        // Nor may a simple Query that was not watched start one.
+        let mut s = state();
+        s.query_sent(VecDeque::new(), false);
+        let o = on_reply(&mut s, &frame(b'G', b"\0\0\0"));
+        assert!(o.special.is_some_and(|s| s.end.is_some()));
+    }
+
+    /// A watched Query ends at its ReadyForQuery, after an error in its COPY too; a watched
+    /// Execute skipped after an earlier error ends the watch as well.
+    #[test]
+    fn a_watch_ends_however_the_message_ends() {
+        let mut s = state();
+        s.query_sent(VecDeque::new(), true);
+        let frames = [
+            frame(b'G', b"\0\0\0"),
+            frame(b'E', b"SERROR\0C22P02\0Mbad\0\0"),
+            frame(b'Z', b"I"),
+        ];
+        assert_eq!(relay(&mut s, &frames).0, "GEZ");
+        assert_eq!((s.copy.started, s.copy.done), (1, true));
+        assert!(s.pending.is_empty());
+
+        let mut s = state();
+        s.pending.push_back(Expect::Bind(Role::Client));
+        s.execute_sent(true);
+        s.sync_sent();
+        let frames = [
+            frame(b'E', b"SERROR\0C42P01\0Mno table\0\0"),
+            frame(b'Z', b"I"),
+        ];
+        assert_eq!(relay(&mut s, &frames).0, "EZ");
+        assert_eq!((s.copy.started, s.copy.done), (0, true));
+        assert!(s.pending.is_empty());
     }
 }

@@ -81,6 +81,10 @@ pub(super) async fn relay_replies(
                 run.add(&frame, outcome.applied);
             }
             shared.answered(&mut state, run.ready_for_query);
+            if state.copy.changed {
+                state.copy.changed = false;
+                shared.copy_changed.notify_one();
+            }
         }
         if run.bytes > 0 {
             let bytes = upstream.front(run.bytes);
@@ -148,7 +152,23 @@ async fn relay_special(
     if outcome.applied {
         shared.gateway.sink.applied(Store::Postgres);
     }
-    let Special { mut replace, stale } = outcome.special.take().map(|s| *s).unwrap_or_default();
+    let Special {
+        end,
+        mut replace,
+        stale,
+    } = outcome.special.take().map(|s| *s).unwrap_or_default();
+    if let Some(reason) = end {
+        let bytes = message::error_response(&ErrorFields {
+            severity: "FATAL",
+            code: sqlstate::PROTOCOL_VIOLATION.to_owned(),
+            message: format!("fencegate: {reason}"),
+            detail: None,
+        });
+        let _ = client.write_all(&bytes).await;
+        let _ = client.flush().await;
+        let _ = client.shutdown().await;
+        return Err(PostgresError::Protocol(reason));
+    }
     if let Some((info, fence)) = stale {
         let fence = fence.unwrap_or(0);
         let policy = &shared.gateway.policy;

@@ -11,6 +11,7 @@ use postgres_protocol::message::frontend;
 use smallvec::{smallvec, SmallVec};
 use tokio::io::AsyncWriteExt;
 
+use super::copy::{self, CopyFollow};
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
 use crate::classify::{Classified, Kind, MAX_NAME_BYTES};
@@ -73,6 +74,7 @@ pub(super) async fn relay_requests(
     // setting reset, say) may reach the client before any ReadyForQuery, with Flush, and the
     // server reports settings only before a ReadyForQuery.
     let mut unsynced = false;
+    let mut follow = CopyFollow::default();
     loop {
         // A client that already sent its next message is served first; otherwise a draining
         // session ends as soon as it is idle.
@@ -107,12 +109,40 @@ pub(super) async fn relay_requests(
         let mut terminate = false;
         // The requests read together were read at one time: one clock read for them all.
         let mut read_now = None;
-        while let Some(frame) = client.frame_at(run) {
+        while let Some(tag) = client.frame_at(run).map(|f| f.tag) {
+            // After a message that may have started a COPY FROM STDIN, whether the server
+            // reads this one as part of it is the server's to say: what was decided goes first,
+            // and a Flush of the gateway's own, as the server holds an Execute's last reply
+            // (the COPY's CommandComplete, say) until a Flush or Sync. A Flush gets no reply,
+            // and a COPY ignores it.
+            let in_copy = if follow.must_ask(tag) {
+                upstream
+                    .put(client.front(run))
+                    .await
+                    .map_err(PostgresError::io("writing upstream"))?;
+                client.consume_bytes(run);
+                run = 0;
+                upstream
+                    .put(&FLUSH)
+                    .await
+                    .map_err(PostgresError::io("writing upstream"))?;
+                upstream
+                    .flush()
+                    .await
+                    .map_err(PostgresError::io("writing upstream"))?;
+                follow.ask(&shared).await?
+            } else {
+                false
+            };
+            let Some(frame) = client.frame_at(run) else {
+                break;
+            };
             // Every message waiting for its answer holds an entry; a client that pipelines
             // without ever reading (the gateway answers some messages itself) must not grow it
             // forever.
-            // Each of these gets one ReadyForQuery, which ends the request.
-            let request = matches!(frame.tag, b'Q' | b'S' | b'F');
+            // Each of these gets one ReadyForQuery, which ends the request (a Sync in a COPY
+            // gets none).
+            let request = !in_copy && matches!(tag, b'Q' | b'S' | b'F');
             unchecked += 1;
             let admitted = if request || unchecked >= CHECK_EVERY {
                 unchecked = 0;
@@ -126,17 +156,20 @@ pub(super) async fn relay_requests(
                     "more than {MAX_PENDING} messages are waiting for their answers: read the replies"
                 );
                 Err(PostgresError::Protocol(msg))
+            } else if in_copy {
+                copy::in_copy(tag).map(|()| Outgoing::nothing())
             } else {
                 terminate = frame.tag == b'X';
                 // Only a Query, a Bind and a FunctionCall may wait (for an audit record), so
                 // only they are futures; the rest are decided by a plain function (a future
                 // built for every message cost about 130 instructions each, issue 18).
                 let decided = match frame.tag {
-                    b'Q' => handle_query(&shared, &frame, &mut recent, unsynced).await,
+                    b'Q' => handle_query(&shared, &frame, &mut recent, unsynced, &mut follow).await,
                     b'B' => handle_bind(&shared, &frame).await,
                     b'F' => handle_function_call(&shared, &frame).await,
-                    _ => decide_now(&shared, &frame, &mut recent, unsynced),
+                    _ => decide_now(&shared, &frame, &mut recent, unsynced, &mut follow),
                 };
+                follow.relayed(frame.tag);
                 unsynced = match frame.tag {
                     b'S' | b'Q' => false,
                     b'P' | b'B' | b'D' | b'E' | b'C' | b'H' => true,
@@ -214,6 +247,9 @@ fn admit(shared: &Shared, read_at: Option<Instant>) -> bool {
     true
 }
 
+/// A frontend Flush message: the server sends what it holds.
+const FLUSH: [u8; 5] = [b'H', 0, 0, 0, 4];
+
 /// A frontend Terminate message: the server ends the backend cleanly.
 const TERMINATE: [u8; 5] = [b'X', 0, 0, 0, 4];
 
@@ -260,6 +296,7 @@ fn decide_now(
     frame: &Frame<&[u8]>,
     recent: &mut RecentShapes,
     unsynced: bool,
+    follow: &mut CopyFollow,
 ) -> Result<Outgoing, PostgresError> {
     let bad = |e: message::FrameError| PostgresError::Protocol(e.to_string());
     match frame.tag {
@@ -295,10 +332,16 @@ fn decide_now(
             Ok(Outgoing::Message)
         }
         b'E' => {
-            shared
-                .lock()
-                .pending
-                .push_back(Expect::Execute(Role::Client));
+            let mut state = shared.lock();
+            // The portal's name is read only once some portal may copy in.
+            let watched = !state.copy_portals.none()
+                && state
+                    .copy_portals
+                    .may_copy(message::execute_portal(frame).map_err(bad)?);
+            state.execute_sent(watched);
+            if watched {
+                follow.watching();
+            }
             Ok(Outgoing::Message)
         }
         b'C' => {
@@ -330,7 +373,7 @@ async fn handle_function_call(
 ) -> Result<Outgoing, PostgresError> {
     // Fast-path function calls name no statement the parser could prove read-only.
     if !shared.protected {
-        shared.lock().query_sent(VecDeque::new());
+        shared.lock().query_sent(VecDeque::new(), false);
         return Ok(Outgoing::Message);
     }
     let rejection = Rejection::new(
@@ -388,6 +431,7 @@ fn classify_now(
                 comment_token: None,
                 may_end_transaction: true,
                 forgets: None,
+                copies_in: true,
             }],
             parse_error: None,
         },
@@ -430,6 +474,7 @@ async fn handle_query(
     frame: &Frame<&[u8]>,
     recent: &mut RecentShapes,
     unsynced: bool,
+    follow: &mut CopyFollow,
 ) -> Result<Outgoing, PostgresError> {
     let sql = message::query_text(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     let classified = classify_now(shared, recent, sql, unsynced);
@@ -476,10 +521,14 @@ async fn handle_query(
             state.pass_ended();
         }
     };
+    let watched = classified.statements.iter().any(|s| s.copies_in);
+    if watched && matches!(plan, QueryPlan::Forward | QueryPlan::Rewrite { .. }) {
+        follow.watching();
+    }
     match plan {
         QueryPlan::Forward => {
             ends(&mut state);
-            state.query_sent(VecDeque::new());
+            state.query_sent(VecDeque::new(), watched);
             Ok(Outgoing::Message)
         }
         QueryPlan::Rewrite { sql: out, parts } => {
@@ -511,7 +560,7 @@ async fn handle_query(
                 }
             }
             ends(&mut state);
-            state.query_sent(roles);
+            state.query_sent(roles, watched);
             let mut buf = BytesMut::new();
             frontend::query(&out, &mut buf)
                 .map_err(|e| PostgresError::Protocol(format!("query text: {e}")))?;
@@ -570,17 +619,18 @@ fn refuse_simple(shared: &Shared, rejection: &Rejection) -> Outgoing {
         shared.local_queued();
         return Outgoing::nothing();
     }
-    state.query_sent(VecDeque::from([Role::Refusal]));
+    state.query_sent(VecDeque::from([Role::Refusal]), false);
     Outgoing::Parts(smallvec![Out::Bytes(rewrite::refusal_query(rejection))])
 }
 
 async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, PostgresError> {
-    let (_portal, statement) =
+    let (portal, statement) =
         message::bind_fields(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
     name_fits(shared, statement)?;
     let (decision, classified, token_hint) = {
         let mut state = shared.lock();
         let classified = state.bound(statement);
+        state.copy_portals.bound(portal, &classified);
         let mut decision = Decision::Pass;
         for forget in classified.forgets() {
             state.forget_bound(forget);
@@ -652,7 +702,7 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
                 Expect::Close(swallow(), None),
                 Expect::Parse(swallow(), None),
                 Expect::Bind(swallow()),
-                Expect::Execute(decides),
+                Expect::Execute(decides, false),
                 Expect::Bind(Role::Client),
             ]);
             Ok(Outgoing::Parts(smallvec![
@@ -669,7 +719,7 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
                 Expect::Close(Role::Refusal, None),
                 Expect::Parse(Role::Refusal, None),
                 Expect::Bind(Role::Refusal),
-                Expect::Execute(Role::Refusal),
+                Expect::Execute(Role::Refusal, false),
                 Expect::Bind(Role::Client),
             ]);
             // The server raises the refusal and then skips everything up to the client's Sync,
