@@ -826,3 +826,50 @@ async fn a_query_sent_during_a_copy_ends_the_session() {
     );
     assert_eq!(items(&direct).await, 3);
 }
+
+/// `unprotected_schemas` lets a write pass without a token only where the tables it names are
+/// all it can write: not through a function it calls, a quoted name holding a dot (a table of
+/// the search path), or a CASCADE. The store's triggers are not installed: the gateway alone
+/// must refuse each, and leave the protected table as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn unprotected_schemas_pass_only_writes_that_stay_there() {
+    let gw = PgGateway::start("unprotected_schemas = [\"scratch\"]", &[]);
+    setup(&gw);
+    gw.pg.psql_as(
+        "postgres",
+        "CREATE SCHEMA scratch; CREATE TABLE scratch.t (id int PRIMARY KEY);\
+         CREATE TABLE \"scratch.t\" (id int);\
+         CREATE TABLE scratch.parent (id int PRIMARY KEY);\
+         INSERT INTO scratch.parent VALUES (1), (2), (3);\
+         ALTER TABLE items ADD FOREIGN KEY (id) REFERENCES scratch.parent (id);",
+    );
+    let direct = connect(&gw.pg.dsn("postgres")).await;
+    let c = connect(&gw.dsn("postgres")).await;
+    // What stays in scratch passes.
+    c.simple_query("INSERT INTO scratch.t VALUES (1)")
+        .await
+        .unwrap();
+    for sql in [
+        "INSERT INTO scratch.t SELECT del_items()",
+        "INSERT INTO scratch.t SELECT setval('s', 100)",
+        "INSERT INTO \"scratch.t\" VALUES (1)",
+        "TRUNCATE scratch.parent CASCADE",
+    ] {
+        let e = c.simple_query(sql).await.unwrap_err();
+        assert_eq!(code(&e), "FG002", "{sql}: {e}");
+    }
+    assert_eq!(items(&direct).await, 3);
+    let n: i64 = direct
+        .query_one("SELECT count(*) FROM public.\"scratch.t\"", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 0);
+    let last: i64 = direct
+        .query_one("SELECT last_value FROM s", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(last, 1);
+    support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 4)]);
+}

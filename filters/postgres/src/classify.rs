@@ -47,6 +47,11 @@ pub struct Statement {
     pub command: Arc<str>,
     /// Tables the statement writes or alters (schema-qualified when written so).
     pub targets: Vec<String>,
+    /// `targets` are all it can write, as named: it calls no function not known to be
+    /// read-only, and names them without quoted identifiers (`"a.b"` is one table, not `b` of
+    /// schema `a`). Only such a write may pass by `unprotected_schemas` (what a table's
+    /// triggers, rules or defaults do is for the store's own fence).
+    pub targets_exact: bool,
     /// The token of a `/* fencing_token='...' */` comment in or right after the statement.
     pub comment_token: Option<String>,
     /// Not proven to leave the transaction it runs in open (other than as
@@ -240,6 +245,7 @@ pub fn classify(sql: &str) -> Classified {
                     may_end_transaction: true,
                     forgets: Some(Forget::All),
                     copies_in: true,
+                    targets_exact: false,
                 }],
                 parse_error: Some(e.to_string()),
             }
@@ -264,7 +270,12 @@ pub fn classify(sql: &str) -> Classified {
         let node = stmt.stmt.as_ref().and_then(|n| n.node.as_ref());
         // With one statement, the whole text's parse already describes it.
         let whole = (raw.len() == 1).then_some(&parsed);
-        let (kind, targets) = classify_statement(node, text, whole);
+        let Judged {
+            kind,
+            targets,
+            exact,
+        } = classify_statement(node, text, whole);
+        let targets_exact = exact && !targets.is_empty() && !node.is_some_and(cascades);
         // A comment belongs to the statement it is in, or to the one it follows.
         let comment_token = comments
             .iter()
@@ -283,6 +294,7 @@ pub fn classify(sql: &str) -> Classified {
             may_end_transaction: may_end_transaction(node),
             forgets: forgets(node),
             copies_in: copies_in(node),
+            targets_exact,
         });
     }
     Classified {
@@ -295,41 +307,37 @@ fn classify_statement(
     node: Option<&NodeEnum>,
     text: &str,
     whole: Option<&pg_query::ParseResult>,
-) -> (Kind, Vec<String>) {
+) -> Judged {
     let Some(node) = node else {
-        return (Kind::Write, Vec::new());
+        return Judged::of(Kind::Write);
     };
     match node {
-        NodeEnum::TransactionStmt(_) => (Kind::TransactionControl, Vec::new()),
+        NodeEnum::TransactionStmt(_) => Judged::of(Kind::TransactionControl),
         NodeEnum::VariableSetStmt(set)
             if set.name.eq_ignore_ascii_case(carrier::SETTING) && set.is_local =>
         {
             // It would have to end with the transaction; the gateway keeps session tokens only.
-            (
-                Kind::Unfenceable(
-                    "SET LOCAL fencegate.token is not supported: use SET fencegate.token, or a fencing_token comment on each statement".to_owned(),
-                ),
-                Vec::new(),
-            )
+            Judged::of(Kind::Unfenceable(
+                "SET LOCAL fencegate.token is not supported: use SET fencegate.token, or a fencing_token comment on each statement".to_owned(),
+            ))
         }
         NodeEnum::VariableSetStmt(set) if set.name.eq_ignore_ascii_case(carrier::SETTING) => {
             if set.kind == protobuf::VariableSetKind::VarSetValue as i32 {
-                (Kind::SetToken(set_value(&set.args)), Vec::new())
+                Judged::of(Kind::SetToken(set_value(&set.args)))
             } else {
-                (Kind::SetToken(None), Vec::new())
+                Judged::of(Kind::SetToken(None))
             }
         }
-        NodeEnum::VariableSetStmt(set) if lexing_hazard(set).is_some() => (
-            Kind::Unfenceable(lexing_hazard(set).unwrap_or_default()),
-            Vec::new(),
-        ),
+        NodeEnum::VariableSetStmt(set) if lexing_hazard(set).is_some() => {
+            Judged::of(Kind::Unfenceable(lexing_hazard(set).unwrap_or_default()))
+        }
         NodeEnum::VariableSetStmt(set)
             if set.kind == protobuf::VariableSetKind::VarResetAll as i32 =>
         {
-            (Kind::SessionReset, Vec::new())
+            Judged::of(Kind::SessionReset)
         }
         NodeEnum::DiscardStmt(d) if d.target == protobuf::DiscardMode::DiscardAll as i32 => {
-            (Kind::SessionReset, Vec::new())
+            Judged::of(Kind::SessionReset)
         }
         NodeEnum::VariableSetStmt(_)
         | NodeEnum::DiscardStmt(_)
@@ -338,7 +346,7 @@ fn classify_statement(
         | NodeEnum::FetchStmt(_)
         | NodeEnum::ClosePortalStmt(_)
         | NodeEnum::ListenStmt(_)
-        | NodeEnum::UnlistenStmt(_) => (Kind::Read, Vec::new()),
+        | NodeEnum::UnlistenStmt(_) => Judged::of(Kind::Read),
         NodeEnum::SelectStmt(select) if select.into_clause.is_none() => read_unless(text, whole),
         // Without ANALYZE nothing runs but what planning runs: an `EXECUTE`'s parameters and
         // the functions the planner folds (a user's IMMUTABLE function may write). So the whole
@@ -356,11 +364,11 @@ fn classify_statement(
         NodeEnum::CopyStmt(copy)
             if copy.is_from || copy.is_program || !copy.filename.is_empty() =>
         {
-            (Kind::Write, targets(text, whole))
+            written(text, whole)
         }
-        NodeEnum::CopyStmt(copy) if copy.relation.is_some() => (Kind::Read, Vec::new()),
+        NodeEnum::CopyStmt(copy) if copy.relation.is_some() => Judged::of(Kind::Read),
         NodeEnum::CopyStmt(_) => read_unless(text, whole),
-        _ => (Kind::Write, targets(text, whole)),
+        _ => written(text, whole),
     }
 }
 
@@ -412,6 +420,21 @@ fn forgets(node: Option<&NodeEnum>) -> Option<Forget> {
     }
 }
 
+/// `CASCADE`: the statement also truncates or drops what depends on its targets, wherever it
+/// is (`TRUNCATE scratch.t CASCADE` empties the tables whose foreign keys reference it).
+fn cascades(node: &NodeEnum) -> bool {
+    let cascade = protobuf::DropBehavior::DropCascade as i32;
+    match node {
+        NodeEnum::TruncateStmt(t) => t.behavior == cascade,
+        NodeEnum::DropStmt(d) => d.behavior == cascade,
+        NodeEnum::AlterTableStmt(a) => a
+            .cmds
+            .iter()
+            .any(|c| matches!(&c.node, Some(N::AlterTableCmd(cmd)) if cmd.behavior == cascade)),
+        _ => false,
+    }
+}
+
 /// See [`Statement::copies_in`]: only the COPY statement itself reads from the client (a
 /// function cannot, nor can `EXECUTE`, as COPY cannot be prepared in SQL).
 fn copies_in(node: Option<&NodeEnum>) -> bool {
@@ -452,28 +475,53 @@ fn may_end_transaction(node: Option<&NodeEnum>) -> bool {
     )
 }
 
-/// A statement whose shape is read-only is still a write if it modifies tables (a
-/// data-modifying CTE) or calls a function not known to be read-only.
-fn read_unless(text: &str, whole: Option<&pg_query::ParseResult>) -> (Kind, Vec<String>) {
-    with_parse(text, whole, read_unless_parsed).unwrap_or((Kind::Write, Vec::new()))
+/// What [`classify_statement`] found: the statement's kind, the tables it writes, and whether
+/// those tables are all it can write ([`Statement::targets_exact`]).
+struct Judged {
+    kind: Kind,
+    targets: Vec<String>,
+    exact: bool,
 }
 
-fn read_unless_parsed(parsed: &pg_query::ParseResult) -> (Kind, Vec<String>) {
-    let tree = TreeFacts::of(parsed);
-    let unknown_function = tree.functions.iter().any(|name| {
-        let base = name.rsplit('.').next().unwrap_or(name);
-        let in_catalog = name.starts_with("pg_catalog.") || !name.contains('.');
-        !(in_catalog && READ_ONLY_FUNCTIONS.contains(&base.to_ascii_lowercase().as_str()))
-    });
-    if !tree.writes && !unknown_function && parsed.ddl_tables().is_empty() {
-        (Kind::Read, Vec::new())
-    } else {
-        (Kind::Write, written_tables(parsed, &tree))
+impl Judged {
+    /// A statement that names no table it writes.
+    fn of(kind: Kind) -> Self {
+        Self {
+            kind,
+            targets: Vec::new(),
+            exact: false,
+        }
+    }
+
+    /// A write of `parsed`'s tables.
+    fn write(parsed: &pg_query::ParseResult, tree: &TreeFacts) -> Self {
+        Self {
+            kind: Kind::Write,
+            targets: written_tables(parsed, tree),
+            exact: !tree.calls_unknown() && !tree.dotted,
+        }
     }
 }
 
-fn targets(text: &str, whole: Option<&pg_query::ParseResult>) -> Vec<String> {
-    with_parse(text, whole, |p| written_tables(p, &TreeFacts::of(p))).unwrap_or_default()
+/// A statement whose shape is read-only is still a write if it modifies tables (a
+/// data-modifying CTE) or calls a function not known to be read-only.
+fn read_unless(text: &str, whole: Option<&pg_query::ParseResult>) -> Judged {
+    with_parse(text, whole, read_unless_parsed).unwrap_or(Judged::of(Kind::Write))
+}
+
+fn read_unless_parsed(parsed: &pg_query::ParseResult) -> Judged {
+    let tree = TreeFacts::of(parsed);
+    if !tree.writes && !tree.calls_unknown() && parsed.ddl_tables().is_empty() {
+        Judged::of(Kind::Read)
+    } else {
+        Judged::write(parsed, &tree)
+    }
+}
+
+/// A statement that is a write by its kind.
+fn written(text: &str, whole: Option<&pg_query::ParseResult>) -> Judged {
+    with_parse(text, whole, |p| Judged::write(p, &TreeFacts::of(p)))
+        .unwrap_or(Judged::of(Kind::Write))
 }
 
 /// The tables a statement writes: the targets of every INSERT/UPDATE/DELETE/MERGE node found by
@@ -500,9 +548,21 @@ struct TreeFacts {
     targets: Vec<String>,
     /// Every function called, `schema.name` or `name`.
     functions: Vec<String>,
+    /// A name holds a dot (a quoted identifier, `"scratch.t"`: one table of the search path,
+    /// which its `schema.name` rendering cannot tell from table `t` of schema `scratch`).
+    dotted: bool,
 }
 
 impl TreeFacts {
+    /// Whether it calls a function not known to be read-only (which may write anything).
+    fn calls_unknown(&self) -> bool {
+        self.functions.iter().any(|name| {
+            let base = name.rsplit('.').next().unwrap_or(name);
+            let in_catalog = name.starts_with("pg_catalog.") || !name.contains('.');
+            !(in_catalog && READ_ONLY_FUNCTIONS.contains(&base.to_ascii_lowercase().as_str()))
+        })
+    }
+
     fn of(parsed: &pg_query::ParseResult) -> Self {
         let mut facts = Self::default();
         match serde_json::to_value(&parsed.protobuf) {
@@ -516,6 +576,13 @@ impl TreeFacts {
     fn visit(&mut self, value: &serde_json::Value) {
         match value {
             serde_json::Value::Object(map) => {
+                // A relation (a `RangeVar`, bare where a field holds one, not a node).
+                if map.contains_key("relname") {
+                    self.dotted |= ["catalogname", "schemaname", "relname"]
+                        .iter()
+                        .filter_map(|f| map.get(*f).and_then(|v| v.as_str()))
+                        .any(|n| n.contains('.'));
+                }
                 for (key, child) in map {
                     match key.as_str() {
                         "InsertStmt" | "UpdateStmt" | "DeleteStmt" | "MergeStmt" => {
@@ -528,6 +595,13 @@ impl TreeFacts {
                         // and the WAL, and a fenced-out holder's locks block the new holder
                         // (PostgreSQL refuses them in a read-only transaction too).
                         "LockingClause" => self.writes = true,
+                        // The names of what DDL drops or alters (relations: below).
+                        "String" => {
+                            self.dotted |= child
+                                .get("sval")
+                                .and_then(|v| v.as_str())
+                                .is_some_and(|n| n.contains('.'));
+                        }
                         "FuncCall" => {
                             let name = child
                                 .get("funcname")
@@ -665,6 +739,48 @@ mod tests {
             .into_iter()
             .map(|s| s.kind)
             .collect()
+    }
+
+    /// Only a write whose named tables are all it can write has exact targets.
+    #[test]
+    fn targets_are_exact_only_without_calls_quotes_or_cascades() {
+        let exact = |sql: &str| -> Vec<bool> {
+            classify(sql)
+                .statements
+                .iter()
+                .map(|s| s.targets_exact)
+                .collect()
+        };
+        for sql in [
+            "DELETE FROM scratch.t",
+            "INSERT INTO scratch.t SELECT count(*) FROM public.items",
+            "TRUNCATE scratch.t",
+            "ALTER TABLE scratch.t ADD COLUMN c int",
+            "COPY scratch.t FROM STDIN",
+            "DELETE FROM scratch.\"t\"",
+            "INSERT INTO scratch.t VALUES ('has \"quotes\"')",
+            "/* \"a.b\" */ INSERT INTO scratch.t VALUES ('a.b')",
+            "DROP TABLE scratch.t",
+        ] {
+            assert_eq!(exact(sql), vec![true], "{sql}");
+        }
+        for sql in [
+            "INSERT INTO scratch.t SELECT setval('public.s', 1)",
+            "INSERT INTO scratch.t VALUES (public.del_items())",
+            "UPDATE scratch.t SET a = nextval('s')",
+            "INSERT INTO \"scratch.t\" VALUES (1)",
+            "INSERT INTO scratch.\"a.b\" VALUES (1)",
+            "DROP TABLE \"scratch.t\"",
+            "ALTER TABLE \"scratch.t\" ADD COLUMN c int",
+            "TRUNCATE scratch.t CASCADE",
+            "DROP TABLE scratch.t CASCADE",
+            "ALTER TABLE scratch.t DROP COLUMN c CASCADE",
+            "SELECT del_items()",
+            "SELECT 1",
+            "DELETE FROM scratch.t WHERE (",
+        ] {
+            assert!(exact(sql).iter().all(|e| !e), "{sql}");
+        }
     }
 
     /// Only `COPY ... FROM STDIN` reads the client's messages as data; what does not parse

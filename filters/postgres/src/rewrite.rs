@@ -87,7 +87,7 @@ pub fn decide(statement: &Statement, ctx: &Context<'_>) -> Decision {
             "the fencegate schema is written only by fencegate.guard (a direct write could lower a fence)",
         ));
     }
-    if !statement.targets.is_empty()
+    if statement.targets_exact
         && statement.targets.iter().all(|t| {
             t.split_once('.')
                 .is_some_and(|(schema, _)| ctx.unprotected_schemas.iter().any(|u| u == schema))
@@ -452,6 +452,21 @@ mod tests {
             plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),
             QueryPlan::Forward
         );
+        // Nor may what names only scratch tables but may write elsewhere: a function call, a
+        // quoted name (one table of the search path), a cascade.
+        for sql in [
+            "INSERT INTO scratch.t SELECT setval('public.s', 1)",
+            "INSERT INTO \"scratch.t\" VALUES (1)",
+            "TRUNCATE scratch.t CASCADE",
+        ] {
+            assert!(
+                matches!(
+                    plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),
+                    QueryPlan::Refuse(_)
+                ),
+                "{sql}"
+            );
+        }
         let sql = "DELETE FROM scratch.t; DELETE FROM t";
         assert!(matches!(
             plan_query(sql, &classify(sql), &ctx(&policy, None, &schemas), None),

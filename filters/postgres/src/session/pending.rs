@@ -455,6 +455,7 @@ pub(super) fn unknown_statement(name: &str) -> Classified {
             may_end_transaction: true,
             forgets: None,
             copies_in: true,
+            targets_exact: false,
         }],
         parse_error: Some(format!(
             "prepared statement {name:?} is not known to the gateway"

@@ -432,6 +432,7 @@ fn classify_now(
                 may_end_transaction: true,
                 forgets: None,
                 copies_in: true,
+                targets_exact: false,
             }],
             parse_error: None,
         },
