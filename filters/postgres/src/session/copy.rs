@@ -101,12 +101,19 @@ impl CopyWatch {
 #[derive(Debug, Default)]
 pub(super) struct CopyFollow {
     ends: Option<u32>,
+    /// The watched message is an Execute (extended protocol).
+    extended: bool,
+    /// CopyData was sent since it.
+    data: bool,
 }
 
 impl CopyFollow {
-    /// A message to watch was sent (and [`CopyWatch::watch`] called under the same lock).
-    pub(super) fn watching(&mut self) {
+    /// A message to watch was sent (and [`CopyWatch::watch`] called under the same lock);
+    /// `extended`: an Execute.
+    pub(super) fn watching(&mut self, extended: bool) {
         self.ends = Some(0);
+        self.extended = extended;
+        self.data = false;
     }
 
     /// Whether a message with `tag` must wait for the server's word before it is decided:
@@ -117,8 +124,28 @@ impl CopyFollow {
 
     /// A message with `tag` was forwarded.
     pub(super) fn relayed(&mut self, tag: u8) {
-        if let (Some(ends), b'c' | b'f') = (&mut self.ends, tag) {
-            *ends += 1;
+        match (&mut self.ends, tag) {
+            (Some(ends), b'c' | b'f') => *ends += 1,
+            (Some(_), b'd') => self.data = true,
+            _ => {}
+        }
+    }
+
+    /// A message the server reads during a COPY FROM STDIN (other than copy data, Flush and
+    /// Terminate, which are relayed): a Sync is dropped (`Ok`); anything else ends the session,
+    /// and so does a Sync among an extended-protocol COPY's data. The server may have ended that
+    /// COPY with an error in the data already, and would then end its skipping at this Sync:
+    /// before any data it cannot have (drivers send their Sync right after the Execute).
+    pub(super) fn in_copy(&self, tag: u8) -> Result<(), PostgresError> {
+        match tag {
+            b'S' if !(self.extended && self.data) => Ok(()),
+            b'S' => Err(PostgresError::Protocol(
+                "a Sync was sent among the data of an extended-protocol COPY FROM STDIN: send CopyDone or CopyFail first".to_owned(),
+            )),
+            _ => Err(PostgresError::Protocol(format!(
+                "a message of type {:?} was sent during COPY FROM STDIN, where only CopyData, CopyDone, CopyFail, Flush and Sync may be: end the copy with CopyDone or CopyFail first",
+                char::from(tag)
+            ))),
         }
     }
 
@@ -150,18 +177,6 @@ impl CopyFollow {
             shared.copy_changed.notified().await;
         }
     }
-}
-
-/// A message the server reads during a COPY FROM STDIN (other than copy data, Flush and
-/// Terminate, which are relayed): a Sync is dropped (`Ok`), anything else ends the session.
-pub(super) fn in_copy(tag: u8) -> Result<(), PostgresError> {
-    if tag == b'S' {
-        return Ok(());
-    }
-    Err(PostgresError::Protocol(format!(
-        "a message of type {:?} was sent during COPY FROM STDIN, where only CopyData, CopyDone, CopyFail, Flush and Sync may be: end the copy with CopyDone or CopyFail first",
-        char::from(tag)
-    )))
 }
 
 #[cfg(test)]
@@ -207,7 +222,7 @@ mod tests {
     fn the_request_side_counts_copy_ends_and_asks_only_for_the_rest() {
         let mut follow = CopyFollow::default();
         assert!(!follow.must_ask(b'S'), "nothing watched");
-        follow.watching();
+        follow.watching(true);
         for tag in [b'd', b'c', b'f', b'H', b'X'] {
             assert!(!follow.must_ask(tag), "{}", char::from(tag));
         }
@@ -220,10 +235,16 @@ mod tests {
     }
 
     #[test]
-    fn only_sync_may_come_during_a_copy() {
-        assert!(in_copy(b'S').is_ok());
-        for tag in [b'Q', b'P', b'B', b'E', b'F', b'D', b'C'] {
-            assert!(in_copy(tag).is_err(), "{}", char::from(tag));
+    fn only_sync_may_come_during_a_copy_and_not_among_extended_data() {
+        for extended in [false, true] {
+            let mut follow = CopyFollow::default();
+            follow.watching(extended);
+            assert!(follow.in_copy(b'S').is_ok(), "the driver's Sync");
+            for tag in [b'Q', b'P', b'B', b'E', b'F', b'D', b'C'] {
+                assert!(follow.in_copy(tag).is_err(), "{}", char::from(tag));
+            }
+            follow.relayed(b'd');
+            assert_eq!(follow.in_copy(b'S').is_ok(), !extended);
         }
     }
 }

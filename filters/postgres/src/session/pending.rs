@@ -167,6 +167,9 @@ pub(super) struct State {
     pub(super) copy_portals: CopyPortals,
     /// What the server said of the message watched for a COPY FROM STDIN.
     pub(super) copy: CopyWatch,
+    /// An error came for an extended-protocol message and no Sync was sent after it: the
+    /// server skips everything the gateway sends until its next Sync.
+    skipping: bool,
 }
 
 impl State {
@@ -195,6 +198,7 @@ impl State {
             read_at: VecDeque::new(),
             copy_portals: CopyPortals::default(),
             copy: CopyWatch::default(),
+            skipping: false,
         }
     }
 }
@@ -398,6 +402,7 @@ impl State {
 
     /// A Sync is sent now.
     pub(super) fn sync_sent(&mut self) {
+        self.skipping = false;
         self.segment_ended();
         self.segment += 1;
         self.scope += 1;
@@ -419,13 +424,17 @@ impl State {
         });
     }
 
-    /// A client's Execute is sent now; `watched`: it may start a COPY FROM STDIN.
-    pub(super) fn execute_sent(&mut self, watched: bool) {
+    /// A client's Execute is sent now; `may_copy`: it may start a COPY FROM STDIN. Returns
+    /// whether it is watched: not if the server skips it (an error came in this Sync segment
+    /// before it, so its answer, the Sync's, is one the request loop would be holding back).
+    pub(super) fn execute_sent(&mut self, may_copy: bool) -> bool {
+        let watched = may_copy && !self.skipping;
         if watched {
             self.copy.watch();
         }
         self.pending
             .push_back(Expect::Execute(Role::Client, watched));
+        watched
     }
 
     /// A CopyInResponse arrived: whether the message it answers was watched (if not, the
@@ -537,12 +546,14 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                         }
                         _ => None,
                     };
-                    // The server skips everything up to the next Sync.
+                    // The server skips everything up to the next Sync, and what is sent before
+                    // the gateway's next one.
                     while state.pending.front().is_some_and(Expect::is_extended) {
                         if let Some(skipped) = state.pending.pop_front() {
                             state.skipped(skipped);
                         }
                     }
+                    state.skipping = !matches!(state.pending.front(), Some(Expect::Sync { .. }));
                     role
                 }
                 _ => None,
@@ -1046,7 +1057,7 @@ mod tests {
     #[test]
     fn a_watched_execute_reports_its_copy_and_its_end() {
         let mut s = state();
-        s.execute_sent(true);
+        assert!(s.execute_sent(true));
         s.sync_sent();
         let o = on_reply(&mut s, &frame(b'G', b"\0\0\0"));
         assert!(o.plain(), "relayed");
@@ -1067,7 +1078,7 @@ mod tests {
     #[test]
     fn an_unexpected_copy_ends_the_session() {
         let mut s = state();
-        s.execute_sent(false);
+        assert!(!s.execute_sent(false));
         let o = on_reply(&mut s, &frame(b'G', b"\0\0\0"));
         assert!(o.special.is_some_and(|s| s.end.is_some()));
         assert_eq!(s.copy.started, 0);
@@ -1095,7 +1106,7 @@ mod tests {
 
         let mut s = state();
         s.pending.push_back(Expect::Bind(Role::Client));
-        s.execute_sent(true);
+        assert!(s.execute_sent(true));
         s.sync_sent();
         let frames = [
             frame(b'E', b"SERROR\0C42P01\0Mno table\0\0"),
@@ -1104,5 +1115,23 @@ mod tests {
         assert_eq!(relay(&mut s, &frames).0, "EZ");
         assert_eq!((s.copy.started, s.copy.done), (0, true));
         assert!(s.pending.is_empty());
+    }
+
+    /// After an error in a Sync segment the server skips what follows up to the next Sync: an
+    /// Execute sent then is not watched (its answer would be the Sync's), until a Sync is sent.
+    #[test]
+    fn an_execute_the_server_skips_is_not_watched() {
+        let mut s = state();
+        s.pending.push_back(Expect::Parse(Role::Client, None));
+        on_reply(&mut s, &frame(b'E', b"SERROR\0C42601\0Msyntax\0\0"));
+        assert!(!s.execute_sent(true), "skipped by the server");
+        s.sync_sent();
+        assert!(s.execute_sent(true), "after the Sync");
+        // An error whose segment's Sync is already queued ends the skipping there.
+        let mut s = state();
+        s.pending.push_back(Expect::Parse(Role::Client, None));
+        s.sync_sent();
+        on_reply(&mut s, &frame(b'E', b"SERROR\0C42601\0Msyntax\0\0"));
+        assert!(s.execute_sent(true));
     }
 }

@@ -11,7 +11,7 @@ use postgres_protocol::message::frontend;
 use smallvec::{smallvec, SmallVec};
 use tokio::io::AsyncWriteExt;
 
-use super::copy::{self, CopyFollow};
+use super::copy::CopyFollow;
 use super::pending::{Expect, GuardInfo, Role};
 use super::Shared;
 use crate::classify::{Classified, Kind, MAX_NAME_BYTES};
@@ -74,6 +74,11 @@ pub(super) async fn relay_requests(
     // setting reset, say) may reach the client before any ReadyForQuery, with Flush, and the
     // server reports settings only before a ReadyForQuery.
     let mut unsynced = false;
+    // A Parse, Bind, Describe, Execute or Close was sent since the last Sync: after an error in
+    // one the server skips every message up to the next Sync, a simple Query or FunctionCall
+    // too, which the queue of expected replies could not follow (it would match the Sync's
+    // ReadyForQuery to the skipped Query, and every later reply to the wrong request).
+    let mut segment_open = false;
     let mut follow = CopyFollow::default();
     loop {
         // A client that already sent its next message is served first; otherwise a draining
@@ -157,7 +162,12 @@ pub(super) async fn relay_requests(
                 );
                 Err(PostgresError::Protocol(msg))
             } else if in_copy {
-                copy::in_copy(tag).map(|()| Outgoing::nothing())
+                follow.in_copy(tag).map(|()| Outgoing::nothing())
+            } else if segment_open && matches!(tag, b'Q' | b'F') {
+                Err(PostgresError::Protocol(format!(
+                    "a {} was sent after extended-protocol messages with no Sync between them, which the gateway cannot follow: send Sync first",
+                    if tag == b'Q' { "simple Query" } else { "FunctionCall" }
+                )))
             } else {
                 terminate = frame.tag == b'X';
                 // Only a Query, a Bind and a FunctionCall may wait (for an audit record), so
@@ -174,6 +184,11 @@ pub(super) async fn relay_requests(
                     b'S' | b'Q' => false,
                     b'P' | b'B' | b'D' | b'E' | b'C' | b'H' => true,
                     _ => unsynced,
+                };
+                segment_open = match frame.tag {
+                    b'S' => false,
+                    b'P' | b'B' | b'D' | b'E' | b'C' => true,
+                    _ => segment_open,
                 };
                 decided
             };
@@ -338,9 +353,8 @@ fn decide_now(
                 && state
                     .copy_portals
                     .may_copy(message::execute_portal(frame).map_err(bad)?);
-            state.execute_sent(watched);
-            if watched {
-                follow.watching();
+            if state.execute_sent(watched) {
+                follow.watching(true);
             }
             Ok(Outgoing::Message)
         }
@@ -524,7 +538,7 @@ async fn handle_query(
     };
     let watched = classified.statements.iter().any(|s| s.copies_in);
     if watched && matches!(plan, QueryPlan::Forward | QueryPlan::Rewrite { .. }) {
-        follow.watching();
+        follow.watching(false);
     }
     match plan {
         QueryPlan::Forward => {
