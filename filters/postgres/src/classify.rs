@@ -275,7 +275,7 @@ pub fn classify(sql: &str) -> Classified {
             targets,
             exact,
         } = classify_statement(node, text, whole);
-        let targets_exact = exact && !targets.is_empty() && !node.is_some_and(cascades);
+        let targets_exact = exact && !targets.is_empty() && !node.is_some_and(reaches_beyond);
         // A comment belongs to the statement it is in, or to the one it follows.
         let comment_token = comments
             .iter()
@@ -420,11 +420,14 @@ fn forgets(node: Option<&NodeEnum>) -> Option<Forget> {
     }
 }
 
-/// `CASCADE`: the statement also truncates or drops what depends on its targets, wherever it
-/// is (`TRUNCATE scratch.t CASCADE` empties the tables whose foreign keys reference it).
-fn cascades(node: &NodeEnum) -> bool {
+/// The statement reaches beyond its targets: `CASCADE` (`TRUNCATE scratch.t CASCADE` empties
+/// the tables whose foreign keys reference it), `COPY` to or from a file or a program (which
+/// can reach the data another way), `CREATE TRIGGER` (its function runs at every later write).
+fn reaches_beyond(node: &NodeEnum) -> bool {
     let cascade = protobuf::DropBehavior::DropCascade as i32;
     match node {
+        NodeEnum::CopyStmt(copy) => copy.is_program || !copy.filename.is_empty(),
+        NodeEnum::CreateTrigStmt(_) => true,
         NodeEnum::TruncateStmt(t) => t.behavior == cascade,
         NodeEnum::DropStmt(d) => d.behavior == cascade,
         NodeEnum::AlterTableStmt(a) => a
@@ -493,12 +496,17 @@ impl Judged {
         }
     }
 
-    /// A write of `parsed`'s tables.
+    /// A write of `parsed`'s tables. Its targets are exact if it calls nothing unknown and
+    /// names nothing with a dot, and, unless it is DML (whose other relations are only read),
+    /// every relation it names is a target (`ATTACH PARTITION public.items`, `INHERITS`,
+    /// `PARTITION OF`, `REFERENCES` and `LIKE` name relations DDL changes or ties to).
     fn write(parsed: &pg_query::ParseResult, tree: &TreeFacts) -> Self {
+        let targets = written_tables(parsed, tree);
+        let named_are_targets = tree.writes || tree.relations.iter().all(|r| targets.contains(r));
         Self {
             kind: Kind::Write,
-            targets: written_tables(parsed, tree),
-            exact: !tree.calls_unknown() && !tree.dotted,
+            exact: !tree.calls_unknown() && !tree.dotted && named_are_targets,
+            targets,
         }
     }
 }
@@ -551,6 +559,8 @@ struct TreeFacts {
     /// A name holds a dot (a quoted identifier, `"scratch.t"`: one table of the search path,
     /// which its `schema.name` rendering cannot tell from table `t` of schema `scratch`).
     dotted: bool,
+    /// Every relation named anywhere, `schema.name` or `name`.
+    relations: Vec<String>,
 }
 
 impl TreeFacts {
@@ -582,6 +592,7 @@ impl TreeFacts {
                         .iter()
                         .filter_map(|f| map.get(*f).and_then(|v| v.as_str()))
                         .any(|n| n.contains('.'));
+                    self.relations.extend(range_var_name(value));
                 }
                 for (key, child) in map {
                     match key.as_str() {
@@ -595,6 +606,19 @@ impl TreeFacts {
                         // and the WAL, and a fenced-out holder's locks block the new holder
                         // (PostgreSQL refuses them in a read-only transaction too).
                         "LockingClause" => self.writes = true,
+                        // `(expr).name` is a call of `name(expr)` when `expr` has no such field
+                        // (`('s'::regclass).nextval`): a call of a function not known.
+                        "AIndirection" => {
+                            let selects_field = child
+                                .get("indirection")
+                                .and_then(|i| i.as_array())
+                                .is_some_and(|i| {
+                                    i.iter().any(|n| n.pointer("/node/String").is_some())
+                                });
+                            if selects_field {
+                                self.functions.push("(attribute notation)".to_owned());
+                            }
+                        }
                         // The names of what DDL drops or alters (relations: below).
                         "String" => {
                             self.dotted |= child
@@ -741,6 +765,17 @@ mod tests {
             .collect()
     }
 
+    /// `(expr).name` may call `name(expr)`: not a read.
+    #[test]
+    fn attribute_notation_is_a_call() {
+        assert_eq!(
+            kinds("SELECT ('public.s'::regclass).nextval"),
+            vec![Kind::Write]
+        );
+        assert_eq!(kinds("SELECT (x).y FROM t"), vec![Kind::Write]);
+        assert_eq!(kinds("SELECT a[1] FROM t"), vec![Kind::Read]);
+    }
+
     /// Only a write whose named tables are all it can write has exact targets.
     #[test]
     fn targets_are_exact_only_without_calls_quotes_or_cascades() {
@@ -761,6 +796,8 @@ mod tests {
             "INSERT INTO scratch.t VALUES ('has \"quotes\"')",
             "/* \"a.b\" */ INSERT INTO scratch.t VALUES ('a.b')",
             "DROP TABLE scratch.t",
+            "CREATE TABLE scratch.n (id int PRIMARY KEY)",
+            "INSERT INTO scratch.t SELECT id FROM public.items",
         ] {
             assert_eq!(exact(sql), vec![true], "{sql}");
         }
@@ -775,6 +812,16 @@ mod tests {
             "TRUNCATE scratch.t CASCADE",
             "DROP TABLE scratch.t CASCADE",
             "ALTER TABLE scratch.t DROP COLUMN c CASCADE",
+            "COPY scratch.t FROM PROGRAM 'cat'",
+            "COPY scratch.t TO '/tmp/x'",
+            "CREATE TRIGGER x AFTER INSERT ON scratch.t EXECUTE FUNCTION public.f()",
+            "ALTER TABLE scratch.p ATTACH PARTITION public.items DEFAULT",
+            "CREATE TABLE scratch.c PARTITION OF public.items DEFAULT",
+            "CREATE TABLE scratch.c () INHERITS (public.items)",
+            "ALTER TABLE scratch.t INHERIT public.items",
+            "CREATE TABLE scratch.t (id int REFERENCES public.items (id))",
+            "CREATE TABLE scratch.p (LIKE public.items)",
+            "INSERT INTO scratch.t SELECT (('s'::regclass).nextval)",
             "SELECT del_items()",
             "SELECT 1",
             "DELETE FROM scratch.t WHERE (",

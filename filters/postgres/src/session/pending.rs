@@ -88,11 +88,13 @@ pub(super) enum Expect {
     },
     /// A simple Query (or FunctionCall): replies until ReadyForQuery. `parts` lists, in order,
     /// the statements whose replies are told apart (empty: relay everything); `epoch`:
-    /// [`State::epoch`] once it was sent; `watched`: it may start a COPY FROM STDIN.
+    /// [`State::epoch`] once it was sent; `watched`: it may start a COPY FROM STDIN;
+    /// `skippable`: sent inside a Sync segment, where the server skips it after an error.
     Query {
         parts: VecDeque<Role>,
         epoch: u64,
         watched: bool,
+        skippable: bool,
     },
     /// A local answer, sent when it reaches the front of the queue.
     Local {
@@ -421,7 +423,24 @@ impl State {
             parts,
             epoch: self.epoch,
             watched,
+            skippable: false,
         });
+    }
+
+    /// A simple Query is sent now inside a Sync segment (transaction control only, relayed as
+    /// it came): the server skips it if an error came in the segment before it. If one did
+    /// already, nothing is queued for it; if one comes, the error's skipping pops it.
+    pub(super) fn skippable_query_sent(&mut self) {
+        self.segment_ended();
+        self.scope += 1;
+        if !self.skipping {
+            self.pending.push_back(Expect::Query {
+                parts: VecDeque::new(),
+                epoch: self.epoch,
+                watched: false,
+                skippable: true,
+            });
+        }
     }
 
     /// A client's Execute is sent now; `may_copy`: it may start a COPY FROM STDIN. Returns
@@ -548,7 +567,16 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                     };
                     // The server skips everything up to the next Sync, and what is sent before
                     // the gateway's next one.
-                    while state.pending.front().is_some_and(Expect::is_extended) {
+                    while state.pending.front().is_some_and(|e| {
+                        e.is_extended()
+                            || matches!(
+                                e,
+                                Expect::Query {
+                                    skippable: true,
+                                    ..
+                                }
+                            )
+                    }) {
                         if let Some(skipped) = state.pending.pop_front() {
                             state.skipped(skipped);
                         }
@@ -723,6 +751,7 @@ mod tests {
             parts: VecDeque::from([guard(true), Role::Client]),
             epoch: 0,
             watched: false,
+            skippable: false,
         });
         let frames = [
             frame(b'T', b""),
@@ -742,6 +771,7 @@ mod tests {
             parts: VecDeque::from([guard(true), Role::Client]),
             epoch: 0,
             watched: false,
+            skippable: false,
         });
         let frames = [stale_error(), frame(b'Z', b"I")];
         assert_eq!(relay(&mut s, &frames), ("EZ".to_owned(), vec![Some(9)]));

@@ -69,9 +69,18 @@ pub(super) async fn relay_replies(
         // local answer queued meanwhile is flagged by `local_queued` and sent on the next turn.
         let mut run = Run::default();
         let mut special = None;
+        let mut local_first = false;
         {
             let mut state = shared.lock();
             while let Some(frame) = upstream.frame_at(run.bytes) {
+                // A local answer at the front answers a request sent before the one this reply
+                // answers (the queue was empty when it was queued, and this loop was still
+                // writing earlier replies): it goes first. Judged against it, the reply would
+                // be matched to nothing, and every later one to the request before its own.
+                if matches!(state.pending.front(), Some(Expect::Local { .. })) {
+                    local_first = true;
+                    break;
+                }
                 let outcome = on_reply(&mut state, &frame);
                 let local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
                 if !outcome.plain() || local_next {
@@ -99,6 +108,12 @@ pub(super) async fn relay_replies(
             if run.ready_for_query > 0 {
                 shared.maybe_settled();
             }
+        }
+        if local_first {
+            if deliver_local(&shared, &mut client).await? {
+                return Ok(());
+            }
+            continue;
         }
         if let Some((outcome, local_next)) = special {
             if relay_special(&shared, &mut upstream, &mut client, outcome, local_next).await? {

@@ -163,18 +163,21 @@ pub(super) async fn relay_requests(
                 Err(PostgresError::Protocol(msg))
             } else if in_copy {
                 follow.in_copy(tag).map(|()| Outgoing::nothing())
-            } else if segment_open && matches!(tag, b'Q' | b'F') {
-                Err(PostgresError::Protocol(format!(
-                    "a {} was sent after extended-protocol messages with no Sync between them, which the gateway cannot follow: send Sync first",
-                    if tag == b'Q' { "simple Query" } else { "FunctionCall" }
-                )))
+            } else if segment_open && tag == b'F' {
+                Err(inside_segment("a FunctionCall"))
             } else {
                 terminate = frame.tag == b'X';
                 // Only a Query, a Bind and a FunctionCall may wait (for an audit record), so
                 // only they are futures; the rest are decided by a plain function (a future
                 // built for every message cost about 130 instructions each, issue 18).
                 let decided = match frame.tag {
-                    b'Q' => handle_query(&shared, &frame, &mut recent, unsynced, &mut follow).await,
+                    b'Q' => {
+                        let at = Position {
+                            unsynced,
+                            segment_open,
+                        };
+                        handle_query(&shared, &frame, &mut recent, at, &mut follow).await
+                    }
                     b'B' => handle_bind(&shared, &frame).await,
                     b'F' => handle_function_call(&shared, &frame).await,
                     _ => decide_now(&shared, &frame, &mut recent, unsynced, &mut follow),
@@ -484,15 +487,46 @@ fn shorten(name: &str) -> String {
     name.chars().take(64).collect()
 }
 
+/// Where in the session's stream a simple Query comes.
+#[derive(Clone, Copy)]
+struct Position {
+    /// An extended-protocol message was sent since the last Sync or Query.
+    unsynced: bool,
+    /// A Parse, Bind, Describe, Execute or Close was sent since the last Sync.
+    segment_open: bool,
+}
+
+/// The error that ends a session whose client sent `what` inside a Sync segment.
+fn inside_segment(what: &str) -> PostgresError {
+    PostgresError::Protocol(format!(
+        "{what} was sent after extended-protocol messages with no Sync between them: after an error there the server skips it, which the gateway cannot follow; send Sync first"
+    ))
+}
+
 async fn handle_query(
     shared: &Shared,
     frame: &Frame<&[u8]>,
     recent: &mut RecentShapes,
-    unsynced: bool,
+    at: Position,
     follow: &mut CopyFollow,
 ) -> Result<Outgoing, PostgresError> {
     let sql = message::query_text(frame).map_err(|e| PostgresError::Protocol(e.to_string()))?;
-    let classified = classify_now(shared, recent, sql, unsynced);
+    let classified = classify_now(shared, recent, sql, at.unsynced);
+    // Inside a Sync segment only transaction control other than BEGIN may come (JDBC's
+    // autosave sends `SAVEPOINT` there): whether the server ran or skipped it, it only makes the
+    // gateway guard the next write again. The server's skipping is followed for it alone.
+    let skippable = at.segment_open;
+    if skippable
+        && (classified.statements.is_empty()
+            || !classified
+                .statements
+                .iter()
+                .all(|s| s.kind == Kind::TransactionControl && !begins(s)))
+    {
+        return Err(inside_segment(
+            "a simple Query other than SAVEPOINT, RELEASE or ROLLBACK",
+        ));
+    }
     // Only refusals and guards quote the summary: a relayed read does not build it.
     let summary = || summary_of(&classified, frame.raw.len());
     let plan = {
@@ -541,6 +575,14 @@ async fn handle_query(
         follow.watching(false);
     }
     match plan {
+        QueryPlan::Forward if skippable => {
+            ends(&mut state);
+            state.skippable_query_sent();
+            Ok(Outgoing::Message)
+        }
+        _ if skippable => Err(inside_segment(
+            "a simple Query that is not forwarded as it came",
+        )),
         QueryPlan::Forward => {
             ends(&mut state);
             state.query_sent(VecDeque::new(), watched);
