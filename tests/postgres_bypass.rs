@@ -31,6 +31,15 @@ async fn items(direct: &Client) -> i64 {
         .get(0)
 }
 
+/// Sequence `s`'s last value.
+async fn last_value(direct: &Client) -> i64 {
+    direct
+        .query_one("SELECT last_value FROM s", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// The SQLSTATE of an ErrorResponse's body.
 fn error_code(body: &[u8]) -> String {
     body.split(|b| *b == 0)
@@ -485,12 +494,7 @@ async fn what_only_looks_like_a_read_is_refused() {
         .unwrap_err();
     assert_eq!(code(&e), "FG002", "{e}");
     assert_eq!(items(&direct).await, 3);
-    let sequence: i64 = direct
-        .query_one("SELECT last_value FROM s", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(sequence, 1);
+    assert_eq!(last_value(&direct).await, 1);
     assert!(!marker.exists(), "the program ran");
     support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 4)]);
 }
@@ -870,12 +874,7 @@ async fn unprotected_schemas_pass_only_writes_that_stay_there() {
         .unwrap()
         .get(0);
     assert_eq!(n, 0);
-    let last: i64 = direct
-        .query_one("SELECT last_value FROM s", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(last, 1);
+    assert_eq!(last_value(&direct).await, 1);
     support::audit::wait_for_refusals(&gw.node.audit_dir, &[("missing", 7)]);
 }
 
