@@ -524,7 +524,7 @@ async fn handle_query(
                 .all(|s| s.kind == Kind::TransactionControl && !begins(s)))
     {
         return Err(inside_segment(
-            "a simple Query other than SAVEPOINT, RELEASE or ROLLBACK",
+            "a simple Query other than transaction control (BEGIN aside)",
         ));
     }
     // Only refusals and guards quote the summary: a relayed read does not build it.
