@@ -35,6 +35,7 @@ pub(super) struct CopyPortals {
 
 impl CopyPortals {
     /// A Bind of `portal` to `classified` is sent now.
+    #[inline]
     pub(super) fn bound(&mut self, portal: &str, classified: &Classified) {
         if classified.statements.iter().any(|s| s.copies_in) {
             if self.names.len() >= MAX_COPY_PORTALS {
@@ -48,6 +49,7 @@ impl CopyPortals {
     }
 
     /// Whether none may copy in (the usual case: nothing to read from an Execute).
+    #[inline]
     pub(super) fn none(&self) -> bool {
         !self.all && self.names.is_empty()
     }
@@ -118,11 +120,13 @@ impl CopyFollow {
 
     /// Whether a message with `tag` must wait for the server's word before it is decided:
     /// copy data, its end, Flush and Terminate never do.
+    #[inline]
     pub(super) fn must_ask(&self, tag: u8) -> bool {
         self.ends.is_some() && !matches!(tag, b'd' | b'c' | b'f' | b'H' | b'X')
     }
 
     /// A message with `tag` was forwarded.
+    #[inline]
     pub(super) fn relayed(&mut self, tag: u8) {
         match (&mut self.ends, tag) {
             (Some(ends), b'c' | b'f') => *ends += 1,

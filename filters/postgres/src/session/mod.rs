@@ -264,21 +264,11 @@ async fn session(
     // them: it is woken when one ends, not per message (the request loop selecting on the reply
     // task's handle polled it once per transaction, about 130 instructions). Both are aborted
     // if this one is dropped, and a panic in either ends the session at once.
-    let mut replies = AbortOnDropHandle::new(tokio::spawn({
-        let shared = shared.clone();
-        async move {
-            let ended = replies::relay_replies(
-                shared.clone(),
-                upstream_read,
-                LazyWriter::new(client_write),
-            )
-            .await;
-            // A request loop waiting for the server's word on a COPY learns no more.
-            shared.lock().copy.closed = true;
-            shared.copy_changed.notify_one();
-            ended
-        }
-    }));
+    let mut replies = AbortOnDropHandle::new(tokio::spawn(replies::relay_replies(
+        shared.clone(),
+        upstream_read,
+        LazyWriter::new(client_write),
+    )));
     let mut requests = AbortOnDropHandle::new(tokio::spawn(requests::relay_requests(
         shared.clone(),
         client_read,
@@ -296,6 +286,9 @@ async fn session(
         }
         replies = &mut replies => {
             let replies = joined(replies);
+            // A request loop waiting for the server's word on a COPY learns no more.
+            shared.lock().copy.closed = true;
+            shared.copy_changed.notify_one();
             // The reply loop failed (the server's connection, the client's, or replies it can
             // no longer match to requests): nothing the client sends may go on to the server.
             if replies.is_err() {

@@ -69,25 +69,26 @@ pub(super) async fn relay_replies(
         // local answer queued meanwhile is flagged by `local_queued` and sent on the next turn.
         let mut run = Run::default();
         let mut special = None;
-        let mut local_first = false;
+        let local_first;
         {
             let mut state = shared.lock();
-            while let Some(frame) = upstream.frame_at(run.bytes) {
-                // A local answer at the front answers a request sent before the one this reply
-                // answers (the queue was empty when it was queued, and this loop was still
-                // writing earlier replies): it goes first. Judged against it, the reply would
-                // be matched to nothing, and every later one to the request before its own.
-                if matches!(state.pending.front(), Some(Expect::Local { .. })) {
-                    local_first = true;
-                    break;
+            // A local answer at the front answers a request sent before the one the next reply
+            // answers (the queue was empty when it was queued, and this loop was still writing
+            // earlier replies): it goes first. Judged against it, the reply would be matched to
+            // nothing, and every later one to the request before its own. Checked once per
+            // batch: under this lock only `on_reply` changes the front, and a local answer it
+            // uncovers ends the run (`local_next`).
+            local_first = matches!(state.pending.front(), Some(Expect::Local { .. }));
+            if !local_first {
+                while let Some(frame) = upstream.frame_at(run.bytes) {
+                    let outcome = on_reply(&mut state, &frame);
+                    let local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
+                    if !outcome.plain() || local_next {
+                        special = Some((outcome, local_next));
+                        break;
+                    }
+                    run.add(&frame, outcome.applied);
                 }
-                let outcome = on_reply(&mut state, &frame);
-                let local_next = matches!(state.pending.front(), Some(Expect::Local { .. }));
-                if !outcome.plain() || local_next {
-                    special = Some((outcome, local_next));
-                    break;
-                }
-                run.add(&frame, outcome.applied);
             }
             shared.answered(&mut state, run.ready_for_query);
             if state.copy.changed {

@@ -114,33 +114,21 @@ pub(super) async fn relay_requests(
         let mut terminate = false;
         // The requests read together were read at one time: one clock read for them all.
         let mut read_now = None;
-        while let Some(tag) = client.frame_at(run).map(|f| f.tag) {
+        while let Some(mut frame) = client.frame_at(run) {
+            let tag = frame.tag;
             // After a message that may have started a COPY FROM STDIN, whether the server
-            // reads this one as part of it is the server's to say: what was decided goes first,
-            // and a Flush of the gateway's own, as the server holds an Execute's last reply
-            // (the COPY's CommandComplete, say) until a Flush or Sync. A Flush gets no reply,
-            // and a COPY ignores it.
+            // reads this one as part of it is the server's to say (see `ask_server`).
             let in_copy = if follow.must_ask(tag) {
-                upstream
-                    .put(client.front(run))
-                    .await
-                    .map_err(PostgresError::io("writing upstream"))?;
-                client.consume_bytes(run);
+                let in_copy =
+                    ask_server(&shared, &mut client, run, &mut upstream, &mut follow).await?;
                 run = 0;
-                upstream
-                    .put(&FLUSH)
-                    .await
-                    .map_err(PostgresError::io("writing upstream"))?;
-                upstream
-                    .flush()
-                    .await
-                    .map_err(PostgresError::io("writing upstream"))?;
-                follow.ask(&shared).await?
+                let Some(again) = client.frame_at(0) else {
+                    break;
+                };
+                frame = again;
+                in_copy
             } else {
                 false
-            };
-            let Some(frame) = client.frame_at(run) else {
-                break;
             };
             // Every message waiting for its answer holds an entry; a client that pipelines
             // without ever reading (the gateway answers some messages itself) must not grow it
@@ -182,17 +170,14 @@ pub(super) async fn relay_requests(
                     b'F' => handle_function_call(&shared, &frame).await,
                     _ => decide_now(&shared, &frame, &mut recent, unsynced, &mut follow),
                 };
-                follow.relayed(frame.tag);
-                unsynced = match frame.tag {
-                    b'S' | b'Q' => false,
-                    b'P' | b'B' | b'D' | b'E' | b'C' | b'H' => true,
-                    _ => unsynced,
-                };
-                segment_open = match frame.tag {
-                    b'S' => false,
-                    b'P' | b'B' | b'D' | b'E' | b'C' => true,
-                    _ => segment_open,
-                };
+                match frame.tag {
+                    b'S' => (unsynced, segment_open) = (false, false),
+                    b'Q' => unsynced = false,
+                    b'P' | b'B' | b'D' | b'E' | b'C' => (unsynced, segment_open) = (true, true),
+                    b'H' => unsynced = true,
+                    b'd' | b'c' | b'f' => follow.relayed(frame.tag),
+                    _ => {}
+                }
                 decided
             };
             let outgoing = match decided {
@@ -252,6 +237,35 @@ pub(super) async fn relay_requests(
         .map_err(PostgresError::io("writing upstream"))?;
     let _ = upstream.shutdown().await;
     Ok(())
+}
+
+/// Sends what was decided (the first `run` bytes of the client's buffer) and a Flush of the
+/// gateway's own, as the server holds an Execute's last reply (the COPY's CommandComplete, say)
+/// until a Flush or Sync (a Flush gets no reply, and a COPY ignores it); then waits for the
+/// server's word on the watched message ([`CopyFollow::ask`]). Out of the loop's body: rare,
+/// and the loop is the hot path.
+#[inline(never)]
+async fn ask_server(
+    shared: &Shared,
+    client: &mut FrameReader<ClientRead>,
+    run: usize,
+    upstream: &mut LazyWriter<UpstreamWrite>,
+    follow: &mut CopyFollow,
+) -> Result<bool, PostgresError> {
+    upstream
+        .put(client.front(run))
+        .await
+        .map_err(PostgresError::io("writing upstream"))?;
+    client.consume_bytes(run);
+    upstream
+        .put(&FLUSH)
+        .await
+        .map_err(PostgresError::io("writing upstream"))?;
+    upstream
+        .flush()
+        .await
+        .map_err(PostgresError::io("writing upstream"))?;
+    follow.ask(shared).await
 }
 
 /// Whether fewer than [`MAX_PENDING`] answers are waiting; if so, notes when a request (a
