@@ -160,6 +160,32 @@ impl Raw {
         self.send(b'S', &[]);
     }
 
+    /// Starts up as `postgres` with token `fg1~5~job` (as the session's startup option).
+    fn holder(port: u16) -> Self {
+        let (raw, err) = Self::start(
+            port,
+            &[
+                ("user", "postgres"),
+                ("database", "postgres"),
+                ("fencegate.token", "fg1~5~job"),
+            ],
+        );
+        assert_eq!(err, None);
+        raw
+    }
+
+    /// Reads until the session is closed; returns the last ErrorResponse's fields, NULs shown
+    /// as `|` (`|C08P01|`, `|Mfencegate: ...`).
+    fn closing_error(&mut self) -> String {
+        let mut last = None;
+        while let Some((tag, body)) = self.next_message() {
+            if tag == b'E' {
+                last = Some(body);
+            }
+        }
+        String::from_utf8_lossy(&last.unwrap_or_default()).replace('\0', "|")
+    }
+
     /// Sends a simple Query.
     fn query(&mut self, sql: &str) {
         self.send(b'Q', format!("{sql}\0").as_bytes());
@@ -718,15 +744,7 @@ async fn copy_from_stdin_keeps_every_reply_matched_to_its_request() {
         .expect("the driver's COPY and the requests after it are answered");
     assert_eq!(v(4).await, 40);
 
-    let (mut raw, err) = Raw::start(
-        gw.port,
-        &[
-            ("user", "postgres"),
-            ("database", "postgres"),
-            ("fencegate.token", "fg1~5~job"),
-        ],
-    );
-    assert_eq!(err, None);
+    let mut raw = Raw::holder(gw.port);
     // Extended, a Flush inside the data (a Sync there ends the session: see
     // what_the_server_skips_never_puts_replies_out_of_step).
     raw.hold();
@@ -803,28 +821,14 @@ async fn a_query_sent_during_a_copy_ends_the_session() {
     let gw = PgGateway::start("", &[]);
     setup(&gw);
     let direct = connect(&gw.pg.dsn("postgres")).await;
-    let (mut raw, err) = Raw::start(
-        gw.port,
-        &[
-            ("user", "postgres"),
-            ("database", "postgres"),
-            ("fencegate.token", "fg1~5~job"),
-        ],
-    );
-    assert_eq!(err, None);
+    let mut raw = Raw::holder(gw.port);
     raw.hold();
     raw.query("COPY items FROM STDIN");
     raw.query("DELETE FROM items");
     raw.release();
     assert_eq!(raw.until_tag(b'G'), "G");
     // The server's own error for the COPY cut short may come first; the gateway's is last.
-    let mut last = None;
-    while let Some((tag, body)) = raw.next_message() {
-        if tag == b'E' {
-            last = Some(body);
-        }
-    }
-    let last = String::from_utf8_lossy(&last.unwrap_or_default()).replace('\0', "|");
+    let last = raw.closing_error();
     assert!(last.contains("|C08P01|"), "{last}");
     assert!(
         last.contains("|Mfencegate: ") && last.contains("'Q' was sent during COPY FROM STDIN"),
@@ -886,28 +890,7 @@ async fn what_the_server_skips_never_puts_replies_out_of_step() {
     let gw = PgGateway::start("", &[]);
     setup(&gw);
     let direct = connect(&gw.pg.dsn("postgres")).await;
-    let start = || {
-        let (raw, err) = Raw::start(
-            gw.port,
-            &[
-                ("user", "postgres"),
-                ("database", "postgres"),
-                ("fencegate.token", "fg1~5~job"),
-            ],
-        );
-        assert_eq!(err, None);
-        raw
-    };
-    // The last error before the session closes.
-    let closing_error = |raw: &mut Raw| {
-        let mut last = None;
-        while let Some((tag, body)) = raw.next_message() {
-            if tag == b'E' {
-                last = Some(body);
-            }
-        }
-        String::from_utf8_lossy(&last.unwrap_or_default()).replace('\0', "|")
-    };
+    let start = || Raw::holder(gw.port);
 
     // A COPY statement bound after an error in its segment is skipped: its Sync is answered.
     let mut raw = start();
@@ -964,7 +947,7 @@ async fn what_the_server_skips_never_puts_replies_out_of_step() {
     raw.query("DELETE FROM items");
     raw.sync();
     raw.release();
-    let last = closing_error(&mut raw);
+    let last = raw.closing_error();
     assert!(
         last.contains("|C08P01|") && last.contains("send Sync first"),
         "{last}"
@@ -985,7 +968,7 @@ async fn what_the_server_skips_never_puts_replies_out_of_step() {
     raw.sync();
     raw.query("SELECT 1");
     raw.release();
-    let last = closing_error(&mut raw);
+    let last = raw.closing_error();
     assert!(
         last.contains("|C08P01|") && last.contains("a Sync was sent among the data"),
         "{last}"
