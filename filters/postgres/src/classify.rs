@@ -48,9 +48,11 @@ pub struct Statement {
     /// Tables the statement writes or alters (schema-qualified when written so).
     pub targets: Vec<String>,
     /// `targets` are all it can write, as named: it calls no function not known to be
-    /// read-only, and names them without quoted identifiers (`"a.b"` is one table, not `b` of
-    /// schema `a`). Only such a write may pass by `unprotected_schemas` (what a table's
-    /// triggers, rules or defaults do is for the store's own fence).
+    /// read-only, names nothing with a dot inside a name (`"a.b"` is one table, not `b` of
+    /// schema `a`), does not reach beyond its targets (`CASCADE`, COPY to or from a file or
+    /// program, `CREATE TRIGGER`), and, unless it holds DML, names no other relation. Only such
+    /// a write may pass by `unprotected_schemas` (what a table's triggers, rules or defaults do
+    /// is for the store's own fence).
     pub targets_exact: bool,
     /// The token of a `/* fencing_token='...' */` comment in or right after the statement.
     pub comment_token: Option<String>,
@@ -497,8 +499,8 @@ impl Judged {
     }
 
     /// A write of `parsed`'s tables. Its targets are exact if it calls nothing unknown and
-    /// names nothing with a dot, and, unless it is DML (whose other relations are only read),
-    /// every relation it names is a target (`ATTACH PARTITION public.items`, `INHERITS`,
+    /// names nothing with a dot, and, unless it holds DML (an INSERT, UPDATE, DELETE or MERGE
+    /// anywhere, whose other relations are only read), every relation it names is a target (`ATTACH PARTITION public.items`, `INHERITS`,
     /// `PARTITION OF`, `REFERENCES` and `LIKE` name relations DDL changes or ties to).
     fn write(parsed: &pg_query::ParseResult, tree: &TreeFacts) -> Self {
         let targets = written_tables(parsed, tree);
@@ -778,7 +780,7 @@ mod tests {
 
     /// Only a write whose named tables are all it can write has exact targets.
     #[test]
-    fn targets_are_exact_only_without_calls_quotes_or_cascades() {
+    fn targets_are_exact_only_when_they_are_all_it_can_write() {
         let exact = |sql: &str| -> Vec<bool> {
             classify(sql)
                 .statements

@@ -10,12 +10,14 @@
 //!                                  # the system's root certificates
 //! databases = ["*"]                # protected databases; "*" = all (default)
 //! unprotected_schemas = []         # writes naming only tables in these schemas pass (default:
-//!                                  # none), if they call no function not known to be read-only,
-//!                                  # quote no identifier and cascade nothing. What such a write
-//!                                  # sets off elsewhere (triggers, foreign keys, views) is for
-//!                                  # the store's fence (`protect`). The `fencegate` schema is
-//!                                  # never written by clients: writes to it are refused (FG006);
-//!                                  # only the guard writes it.
+//!                                  # none), if those tables are all they can write: no call of
+//!                                  # a function not known to be read-only, no dot inside a
+//!                                  # quoted name, no CASCADE, no COPY to or from a file or
+//!                                  # program, no CREATE TRIGGER, and (DDL) no other relation
+//!                                  # named. What such a write sets off elsewhere (triggers,
+//!                                  # foreign keys, views) is for the store's fence (`protect`).
+//!                                  # The `fencegate` schema is never written by clients: writes
+//!                                  # to it are refused (FG006); only the guard writes it.
 //! resource = "billing"             # required when `databases` is not empty: the only resource
 //!                                  # tokens may name here; also the resource of plain numeric
 //!                                  # tokens (with accept_plain). Bind the tables to it in the

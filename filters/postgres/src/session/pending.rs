@@ -104,6 +104,14 @@ pub(super) enum Expect {
 }
 
 impl Expect {
+    /// Watched for a COPY FROM STDIN it may start ([`super::copy`]).
+    fn watched(&self) -> bool {
+        matches!(
+            self,
+            Self::Execute(_, true) | Self::Query { watched: true, .. }
+        )
+    }
+
     pub(super) fn is_extended(&self) -> bool {
         !matches!(
             self,
@@ -308,12 +316,28 @@ impl State {
 
     /// An expected reply that will never come (the server skipped the message).
     pub(super) fn skipped(&mut self, expect: Expect) {
-        match expect {
-            Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) => {
-                self.change_done(&change, false);
+        if let Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)) = expect {
+            self.change_done(&change, false);
+        }
+    }
+
+    /// Pops the front entry: its message was answered in full, or skipped by the server. A
+    /// watched one ends the watch, however its message ended.
+    #[inline]
+    fn pop(&mut self) -> Option<Expect> {
+        let expect = self.pending.pop_front()?;
+        if expect.watched() {
+            self.copy.ended();
+        }
+        Some(expect)
+    }
+
+    /// Pops the entries at the front whose messages the server skipped, while `skipped` says so.
+    fn skip_while(&mut self, skipped: impl Fn(&Expect) -> bool) {
+        while self.pending.front().is_some_and(&skipped) {
+            if let Some(expect) = self.pop() {
+                self.skipped(expect);
             }
-            Expect::Execute(_, true) => self.copy.ended(),
-            _ => {}
         }
     }
 
@@ -460,10 +484,7 @@ impl State {
     /// A CopyInResponse arrived: whether the message it answers was watched (if not, the
     /// server reads a COPY's data the gateway did not expect).
     fn copy_started(&mut self) -> bool {
-        let watched = matches!(
-            self.pending.front(),
-            Some(Expect::Execute(_, true) | Expect::Query { watched: true, .. })
-        );
+        let watched = self.pending.front().is_some_and(Expect::watched);
         if watched {
             self.copy.started();
         }
@@ -552,14 +573,8 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                     role
                 }
                 Some(e) if e.is_extended() => {
-                    let role = match state.pending.pop_front() {
-                        Some(Expect::Execute(r, watched)) => {
-                            if watched {
-                                state.copy.ended();
-                            }
-                            Some(r)
-                        }
-                        Some(Expect::Bind(r)) => Some(r),
+                    let role = match state.pop() {
+                        Some(Expect::Bind(r) | Expect::Execute(r, _)) => Some(r),
                         Some(Expect::Parse(r, change) | Expect::Close(r, change)) => {
                             if let Some(change) = change {
                                 state.change_done(&change, false);
@@ -570,7 +585,7 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                     };
                     // The server skips everything up to the next Sync, and what is sent before
                     // the gateway's next one.
-                    while state.pending.front().is_some_and(|e| {
+                    state.skip_while(|e| {
                         e.is_extended()
                             || matches!(
                                 e,
@@ -579,11 +594,7 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                                     ..
                                 }
                             )
-                    }) {
-                        if let Some(skipped) = state.pending.pop_front() {
-                            state.skipped(skipped);
-                        }
-                    }
+                    });
                     state.skipping = !matches!(state.pending.front(), Some(Expect::Sync { .. }));
                     role
                 }
@@ -614,18 +625,12 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
         }
         b'Z' => {
             // Messages the server skipped after an error get no reply of their own.
-            while state.pending.front().is_some_and(Expect::is_extended) {
-                if let Some(skipped) = state.pending.pop_front() {
-                    state.skipped(skipped);
-                }
-            }
+            state.skip_while(Expect::is_extended);
             if let Some(Expect::Sync { epoch } | Expect::Query { epoch, .. }) =
                 state.pending.front()
             {
                 state.status_epoch = *epoch;
-                if let Some(Expect::Query { watched: true, .. }) = state.pending.pop_front() {
-                    state.copy.ended();
-                }
+                state.pop();
             }
             state.status = frame.body().first().copied().unwrap_or(b'I');
         }
@@ -656,13 +661,8 @@ pub(super) fn on_reply<B: AsRef<[u8]>>(state: &mut State, frame: &Frame<B>) -> O
                         outcome.forward = matches!(role, Role::Client);
                     }
                     if terminal {
-                        done = match state.pending.pop_front() {
-                            Some(Expect::Execute(r, watched)) => {
-                                if watched {
-                                    state.copy.ended();
-                                }
-                                Some(r)
-                            }
+                        done = match state.pop() {
+                            Some(Expect::Execute(r, _)) => Some(r),
                             Some(
                                 Expect::Parse(_, Some(change)) | Expect::Close(_, Some(change)),
                             ) => {

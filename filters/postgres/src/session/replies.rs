@@ -174,14 +174,8 @@ async fn relay_special(
         stale,
     } = outcome.special.take().map(|s| *s).unwrap_or_default();
     if let Some(reason) = end {
-        let bytes = message::error_response(&ErrorFields {
-            severity: "FATAL",
-            code: sqlstate::PROTOCOL_VIOLATION.to_owned(),
-            message: format!("fencegate: {reason}"),
-            detail: None,
-        });
-        let _ = client.write_all(&bytes).await;
-        let _ = client.flush().await;
+        let message = format!("fencegate: {reason}");
+        super::startup::fatal(client, sqlstate::PROTOCOL_VIOLATION, &message).await;
         let _ = client.shutdown().await;
         return Err(PostgresError::Protocol(reason));
     }
