@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate_core::{Store, UpstreamFailure};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::pending::{on_reply, Expect, Outcome, Special};
 use super::Shared;
@@ -14,14 +14,14 @@ use crate::error::PostgresError;
 use crate::lazy_writer::LazyWriter;
 use crate::message::{self, ErrorFields, Frame, FrameReader};
 use crate::sqlstate;
-use crate::tls::ClientWrite;
-use crate::upstream::UpstreamRead;
 
-/// upstream -> client.
-pub(super) async fn relay_replies(
+/// upstream -> client. Generic over the two streams only so that a test can hold the client's
+/// side still (the session passes [`crate::upstream::UpstreamRead`] and
+/// [`crate::tls::ClientWrite`]).
+pub(super) async fn relay_replies<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: Arc<Shared>,
-    mut upstream: FrameReader<UpstreamRead>,
-    mut client: LazyWriter<ClientWrite>,
+    mut upstream: FrameReader<R>,
+    mut client: LazyWriter<W>,
 ) -> Result<(), PostgresError> {
     loop {
         // `biased`: an unbiased select draws a random number per poll to pick its first branch
@@ -151,10 +151,10 @@ impl Run {
 /// Relays (or swallows, or replaces) the message at the front of the buffer, already judged
 /// by [`on_reply`] as `outcome`, auditing a stale refusal, and sends the local answers that
 /// follow it (`local_next`). `true`: the session must end.
-async fn relay_special(
+async fn relay_special<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: &Shared,
-    upstream: &mut FrameReader<UpstreamRead>,
-    client: &mut LazyWriter<ClientWrite>,
+    upstream: &mut FrameReader<R>,
+    client: &mut LazyWriter<W>,
     mut outcome: Outcome,
     local_next: bool,
 ) -> Result<bool, PostgresError> {
@@ -217,9 +217,9 @@ async fn relay_special(
 }
 
 /// Sends the local answers at the front of the queue. `true`: the session must end.
-async fn deliver_local(
+async fn deliver_local<W: AsyncWrite + Unpin>(
     shared: &Shared,
-    client: &mut LazyWriter<ClientWrite>,
+    client: &mut LazyWriter<W>,
 ) -> Result<bool, PostgresError> {
     let mut out = Vec::new();
     let mut close = false;
@@ -254,4 +254,126 @@ async fn deliver_local(
         let _ = client.shutdown().await;
     }
     Ok(close)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use atomic_waker::AtomicWaker;
+    use bytes::BytesMut;
+    use fencegate_core::{MemoryAuditSink, TokenPolicy};
+    use tokio::io::{AsyncReadExt, DuplexStream};
+    use tokio::sync::Notify;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::PostgresConfig;
+    use crate::gateway::Gateway;
+    use crate::lexing::Lexing;
+    use crate::session::pending::State;
+
+    fn shared() -> Arc<Shared> {
+        let sink = Arc::new(MemoryAuditSink::default());
+        let config = PostgresConfig {
+            resource: Some("job".to_owned()),
+            ..PostgresConfig::default()
+        };
+        let gateway =
+            Gateway::new(config, TokenPolicy::unsigned(), sink).expect("a gateway's config");
+        Arc::new(Shared {
+            gateway,
+            state: Mutex::new(State::new(b'I', None, Lexing::default())),
+            local: AtomicBool::new(false),
+            local_waker: AtomicWaker::new(),
+            peer: "127.0.0.1:1".parse().expect("an address"),
+            user: "app".to_owned(),
+            protected: true,
+            conn: 1,
+            requests: AtomicU64::new(0),
+            shutdown: CancellationToken::new(),
+            settled: Notify::new(),
+            draining: AtomicBool::new(false),
+            copy_changed: Notify::new(),
+        })
+    }
+
+    /// A simple Query's whole answer: a row of `row` bytes, its CommandComplete and a
+    /// ReadyForQuery.
+    fn answer(row: usize) -> Vec<u8> {
+        let mut out = vec![b'D'];
+        out.extend_from_slice(&(4 + 2 + 4 + row as u32).to_be_bytes());
+        out.extend_from_slice(&1u16.to_be_bytes());
+        out.extend_from_slice(&(row as u32).to_be_bytes());
+        out.resize(out.len() + row, b'x');
+        out.extend_from_slice(&message::command_complete("SELECT 1"));
+        out.extend_from_slice(&message::ready_for_query(b'I'));
+        out
+    }
+
+    /// Runs the reply loop with a client that reads nothing until told: the loop blocks on
+    /// its first write of more than 64 bytes.
+    fn start(shared: &Arc<Shared>) -> (DuplexStream, DuplexStream) {
+        let (server, upstream) = tokio::io::duplex(64 * 1024);
+        let (client_side, client) = tokio::io::duplex(64);
+        tokio::spawn(relay_replies(
+            shared.clone(),
+            FrameReader::new(upstream, 1 << 20),
+            LazyWriter::new(client_side),
+        ));
+        (server, client)
+    }
+
+    /// The race of 50437e6: a local answer queued while the queue is empty but the loop is
+    /// still writing earlier replies to a slow client, and the next request's replies already
+    /// read. The local answer must go first, and the replies after it must be matched to their
+    /// own request (judged against the local answer, the first would be matched to nothing).
+    #[tokio::test]
+    async fn a_local_answer_queued_while_the_loop_writes_goes_before_later_replies() {
+        let shared = shared();
+        let (mut server, mut client) = start(&shared);
+        shared.lock().query_sent(VecDeque::new(), false);
+        let first = answer(1000);
+        server.write_all(&first).await.expect("the server's answer");
+        // The loop judges the whole answer (the queue empties), then waits on the client: on
+        // this one-thread runtime it runs only while this task yields.
+        let mut turns = 0;
+        while !shared.lock().pending.is_empty() {
+            assert!(turns < 1000, "the reply loop never judged the first answer");
+            turns += 1;
+            tokio::task::yield_now().await;
+        }
+        // Meanwhile the request loop answers a `SET fencegate.token` locally and forwards the
+        // next Query, whose answer arrives before the loop looks again.
+        let mut local = BytesMut::from(&message::command_complete("SET")[..]);
+        local.extend_from_slice(&message::ready_for_query(b'I'));
+        {
+            let mut state = shared.lock();
+            state.pending.push_back(Expect::Local {
+                bytes: local.clone().freeze(),
+                close: false,
+            });
+            state.query_sent(VecDeque::new(), false);
+        }
+        shared.local_queued();
+        let second = answer(10);
+        server
+            .write_all(&second)
+            .await
+            .expect("the server's answer");
+
+        let mut expected = first;
+        expected.extend_from_slice(&local);
+        expected.extend_from_slice(&second);
+        let mut seen = vec![0; expected.len()];
+        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut seen))
+            .await
+            .expect("every answer within 10 s")
+            .expect("every answer before the session ended");
+        assert!(seen == expected, "the answers came out of order");
+        assert!(shared.lock().pending.is_empty());
+    }
 }
