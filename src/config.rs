@@ -158,6 +158,11 @@ pub struct NodeConfig {
     /// request before it cuts them (and for API requests, at most 5 s; 1 s on a leader).
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// The most connections the API port (and, apart, the Raft peer port) holds open at once;
+    /// over it a plain-HTTP client gets `503` with `Retry-After`, a TLS client a closed
+    /// connection.
+    #[serde(default = "default_max_api_connections")]
+    pub max_api_connections: usize,
 }
 
 impl NodeConfig {
@@ -294,6 +299,10 @@ fn default_min_free_bytes() -> u64 {
 fn default_shutdown_grace_ms() -> u64 {
     30_000
 }
+/// Lock holders keep a connection each (keepalives), and a few clients poll: thousands.
+fn default_max_api_connections() -> usize {
+    4096
+}
 // Fast failover (see README, "Failover time"): a follower campaigns after openraft's leader
 // lease (= max) plus its own timeout in [min, max), i.e. 750-900 ms without a heartbeat. The
 // heartbeat is also openraft's AppendEntries timeout, so it stays at 100 ms: at 50 ms a slow
@@ -421,6 +430,12 @@ impl Config {
         let a = &self.authority;
         if self.node.id == 0 {
             return Err(("node.id".into(), "node ids start at 1".into()));
+        }
+        if self.node.max_api_connections == 0 {
+            return Err((
+                "node.max_api_connections".into(),
+                "max_api_connections must be at least 1".into(),
+            ));
         }
         self.security.validate()?;
         // Each gateway's own rules (protect rules name their resource, ...), exactly as serve

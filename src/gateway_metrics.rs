@@ -39,6 +39,7 @@ fn latency_histogram() -> Histogram {
 #[derive(Debug, Clone)]
 pub struct GatewayMetrics {
     connections: Family<StoreLabel, Gauge>,
+    connections_refused: Family<StoreLabel, Counter>,
     requests: Family<StoreLabel, Histogram, fn() -> Histogram>,
     /// `requests`' series of each store, looked up once: every request of every gateway
     /// observes one, and the family's lookup (a hash of the label and a read lock) cost as much
@@ -58,6 +59,7 @@ impl Default for GatewayMetrics {
             Store::ALL.map(|store| (store, requests.get_or_create(&label(store)).clone()));
         Self {
             connections: Family::default(),
+            connections_refused: Family::default(),
             requests,
             request_series,
             upstream_failures: Family::default(),
@@ -77,6 +79,7 @@ impl GatewayMetrics {
                 store: store.as_str(),
             };
             let _ = self.connections.get_or_create(&label);
+            let _ = self.connections_refused.get_or_create(&label);
             let _ = self.requests.get_or_create(&label);
             for failure in [UpstreamFailure::Connect, UpstreamFailure::Error] {
                 let _ = self.upstream_failures.get_or_create(&FailureLabels {
@@ -89,6 +92,11 @@ impl GatewayMetrics {
             "gateway_connections",
             "Client connections open on this node's gateways (s3: requests in flight)",
             self.connections.clone(),
+        );
+        registry.register(
+            "gateway_connections_refused",
+            "Client connections refused because the gateway held its max_client_connections (redis, postgres)",
+            self.connections_refused.clone(),
         );
         registry.register(
             "gateway_request_duration_seconds",
@@ -123,6 +131,10 @@ impl GatewayMetrics {
 
     pub fn connection_closed(&self, store: Store) {
         self.connections.get_or_create(&label(store)).dec();
+    }
+
+    pub fn connection_refused(&self, store: Store) {
+        self.connections_refused.get_or_create(&label(store)).inc();
     }
 
     pub fn request_done(&self, store: Store, elapsed: Duration) {

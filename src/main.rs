@@ -1,4 +1,5 @@
 mod api;
+mod api_listener;
 mod audit;
 mod authority;
 mod cli;
@@ -16,6 +17,7 @@ mod fence_reset;
 mod gateway_metrics;
 mod lock_run;
 mod metrics;
+mod open_file_limit;
 mod process_metrics;
 mod raft_watch;
 mod reload;

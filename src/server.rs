@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::auth::{CredentialError, Credentials};
 use crate::api::health::GatewayHealth;
 use crate::api::{self, ApiState};
+use crate::api_listener::{ApiConnections, CappedListener};
 use crate::authority::network::Network;
 use crate::authority::{Authority, AuthorityError};
 use crate::config::Config;
@@ -129,6 +130,7 @@ pub async fn serve(
     set_log_level: crate::reload::SetLogLevel,
 ) -> Result<(), ServeError> {
     let secrets = Secrets::load(&config)?;
+    crate::open_file_limit::raise_to(crate::open_file_limit::needed(&config));
     if config.security.insecure {
         tracing::warn!("[security] insecure = true: the API and Raft are plain HTTP and need no credentials unless some are configured; use only for local development");
         if config.node.peer.is_none() {
@@ -312,11 +314,12 @@ pub async fn serve(
     let (peer_stop_tx, peer_stop_rx) = watch::channel(false);
     let mut servers = tokio::task::JoinSet::new();
     let mut peer_server = tokio::task::JoinSet::new();
-    let plain = |listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>| async move {
+    let max_api = config.node.max_api_connections;
+    let plain = move |listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>| async move {
         let shutdown = async move {
             let _ = stop.wait_for(|stop| *stop).await;
         };
-        if let Err(e) = axum::serve(listener, app)
+        if let Err(e) = axum::serve(CappedListener::new(listener, max_api), app)
             .with_graceful_shutdown(shutdown)
             .await
         {
@@ -329,6 +332,7 @@ pub async fn serve(
                 api_listener,
                 tls.api_acceptor()?,
                 app,
+                ApiConnections::new(max_api),
                 stop_rx.clone(),
             ));
             if let Some(listener) = peer_listener {
@@ -336,6 +340,7 @@ pub async fn serve(
                     listener,
                     tls.peer_acceptor()?,
                     peer_app,
+                    ApiConnections::new(max_api),
                     peer_stop_rx,
                 ));
             }

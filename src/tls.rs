@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
+use crate::api_listener::ApiConnections;
 use crate::config::SecurityConfig;
 
 #[derive(Debug, Error)]
@@ -184,12 +185,14 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// How long a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Serves `app` over TLS on `listener` until `stop` turns true. Accept errors (EMFILE, say) are
-/// logged and retried, never fatal; each connection runs on its own task.
+/// Serves `app` over TLS on `listener` until `stop` turns true, with at most `connections`'
+/// bound open. Accept errors (EMFILE, say) are logged and retried, never fatal; each connection
+/// runs on its own task.
 pub async fn serve(
     listener: TcpListener,
     acceptor: TlsAcceptor,
     app: Router,
+    connections: ApiConnections,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -205,10 +208,15 @@ pub async fn serve(
                 continue;
             }
         };
+        // Over `max_api_connections` the connection is closed: an answer needs a handshake.
+        let Some(slot) = connections.admit() else {
+            continue;
+        };
         let acceptor = acceptor.clone();
         let service = TowerToHyperService::new(app.clone());
         let mut stop = stop.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {

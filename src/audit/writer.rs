@@ -520,6 +520,10 @@ impl fencegate_core::Observer for AuditHandle {
         self.counters.gateway.connection_closed(store);
     }
 
+    fn connection_refused(&self, store: fencegate_core::Store) {
+        self.counters.gateway.connection_refused(store);
+    }
+
     fn request_done(&self, store: fencegate_core::Store, elapsed: Duration) {
         self.counters.gateway.request_done(store, elapsed);
     }

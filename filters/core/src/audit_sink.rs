@@ -33,11 +33,13 @@ pub trait AuditSink: Observer + Send + Sync + 'static {
     fn applied(&self, store: Store);
 }
 
-/// An in-memory sink for tests: keeps every event and the applied count.
+/// An in-memory sink for tests: keeps every event, the applied count and the count of client
+/// connections refused.
 #[derive(Debug, Default)]
 pub struct MemoryAuditSink {
     events: Mutex<Vec<AuditEvent>>,
     applied: Mutex<u64>,
+    connections_refused: Mutex<u64>,
 }
 
 impl MemoryAuditSink {
@@ -50,9 +52,18 @@ impl MemoryAuditSink {
     pub fn applied_count(&self) -> u64 {
         *self.applied.lock().expect("poisoned")
     }
+
+    /// How many client connections were refused ([`Observer::connection_refused`]).
+    pub fn connections_refused(&self) -> u64 {
+        *self.connections_refused.lock().expect("poisoned")
+    }
 }
 
-impl Observer for MemoryAuditSink {}
+impl Observer for MemoryAuditSink {
+    fn connection_refused(&self, _store: Store) {
+        *self.connections_refused.lock().expect("poisoned") += 1;
+    }
+}
 
 impl AuditSink for MemoryAuditSink {
     fn refused(&self, event: AuditEvent) -> SinkFuture<'_> {

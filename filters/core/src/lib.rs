@@ -5,13 +5,15 @@
 //! (`fence <= token`), and raises the fence to that revision in the same atomic step. This crate
 //! holds the pieces every filter needs to do that the same way: resource names, the token string
 //! (parsing, encoding, signing) and the policy that decides which presented tokens are accepted.
-//! It has no network code (`tls` only builds TLS settings from files).
+//! Its network code is what every gateway's sessions share: the plain-or-TLS stream, TLS
+//! settings built from files, and the cap on client connections.
 
 #![deny(missing_docs)]
 
 mod attempt;
 mod audit_record;
 mod audit_sink;
+mod connection_cap;
 mod error;
 mod fence_reset;
 mod idle_timer;
@@ -40,6 +42,7 @@ pub use audit_record::{
     now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH,
 };
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
+pub use connection_cap::ConnectionCap;
 pub use error::{ResourceError, TokenError, UnknownStore};
 pub use fence_reset::FenceReset;
 pub use idle_timer::IdleTimer;

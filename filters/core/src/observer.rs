@@ -29,6 +29,8 @@ pub trait Observer: Send + Sync {
     fn connection_opened(&self, _store: Store) {}
     /// A client connection ended (for S3: a request ended).
     fn connection_closed(&self, _store: Store) {}
+    /// A client connection was refused: the gateway already held its `max_client_connections`.
+    fn connection_refused(&self, _store: Store) {}
     /// One client request was answered `elapsed` after it was read (Redis: a command; PostgreSQL:
     /// a simple query or an extended-protocol Sync, until ReadyForQuery; S3: an HTTP request).
     fn request_done(&self, _store: Store, _elapsed: Duration) {}

@@ -85,6 +85,11 @@ pub struct PostgresConfig {
     /// a session stays on one for its life (see `fencegate_core::SessionThreads`).
     #[serde(default = "default_session_threads")]
     pub session_threads: usize,
+    /// The most client connections open at once (each holds two file descriptors, the
+    /// client's and the server's); a client over it gets SQLSTATE 53300, as from PostgreSQL's
+    /// own `max_connections` or PgBouncer's `max_client_conn`.
+    #[serde(default = "default_max_client_connections")]
+    pub max_client_connections: usize,
     /// PEM certificate chain for client TLS (with `tls_key`).
     #[serde(default)]
     pub tls_cert: Option<PathBuf>,
@@ -123,6 +128,11 @@ fn default_max_message_bytes() -> usize {
 fn default_session_threads() -> usize {
     1
 }
+/// Ten times PostgreSQL's default `max_connections`: the server refuses past its own bound
+/// anyway; this one keeps the node's descriptors for its authority (2,000 of systemd's 65,536).
+fn default_max_client_connections() -> usize {
+    1000
+}
 
 impl Default for PostgresConfig {
     fn default() -> Self {
@@ -139,6 +149,7 @@ impl Default for PostgresConfig {
             install_dsn_env: None,
             max_message_bytes: default_max_message_bytes(),
             session_threads: default_session_threads(),
+            max_client_connections: default_max_client_connections(),
             tls_cert: None,
             tls_key: None,
         }
@@ -153,6 +164,11 @@ impl PostgresConfig {
                 "session_threads ({}) must be between 1 and 1024",
                 self.session_threads
             )));
+        }
+        if self.max_client_connections == 0 {
+            return Err(PostgresError::Config(
+                "max_client_connections must be at least 1".to_owned(),
+            ));
         }
         if self.max_message_bytes < 64 * 1024 {
             return Err(PostgresError::Config(format!(

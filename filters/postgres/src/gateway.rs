@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use fencegate_core::{AuditSink, Resource, SessionThreads, TokenPolicy};
+use fencegate_core::{AuditSink, ConnectionCap, Resource, SessionThreads, Store, TokenPolicy};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -33,6 +33,9 @@ pub struct Gateway {
     sessions: TaskTracker,
     /// The threads the sessions run on.
     threads: SessionThreads,
+    /// `max_client_connections`, and what a client over it is told.
+    cap: ConnectionCap,
+    too_many: String,
 }
 
 /// Statement shapes remembered per gateway (cleared when full).
@@ -57,6 +60,8 @@ impl Gateway {
         let upstream = Upstream::new(&config)?;
         let threads = SessionThreads::start("fg-pg-session", config.session_threads)
             .map_err(PostgresError::io("starting the session threads"))?;
+        let cap = ConnectionCap::new(config.max_client_connections);
+        let too_many = too_many(config.max_client_connections);
         Ok(Arc::new(Self {
             upstream,
             config,
@@ -69,6 +74,8 @@ impl Gateway {
             connections: AtomicU64::new(0),
             sessions: TaskTracker::new(),
             threads,
+            cap,
+            too_many,
         }))
     }
 
@@ -137,6 +144,8 @@ impl Gateway {
         listener: TcpListener,
         shutdown: CancellationToken,
     ) -> Result<(), PostgresError> {
+        // Refusals since the cap was last reached (logged once when reached, once when left).
+        let mut refused: Option<u64> = None;
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
@@ -152,6 +161,25 @@ impl Gateway {
                     continue;
                 }
             };
+            // Only this loop adds sessions, so the count cannot pass the cap.
+            if !self.cap.admits(self.sessions.len()) {
+                if refused.is_none() {
+                    tracing::warn!(
+                        max_client_connections = self.cap.max(),
+                        "the postgres gateway holds max_client_connections; new clients get SQLSTATE 53300 until one leaves"
+                    );
+                }
+                *refused.get_or_insert(0) += 1;
+                self.sink.connection_refused(Store::Postgres);
+                let gateway = self.clone();
+                self.cap.refuse_with(socket, |socket| async move {
+                    session::refuse_over_cap(&gateway, socket, &gateway.too_many).await;
+                });
+                continue;
+            }
+            if let Some(refused) = refused.take() {
+                tracing::info!(refused, "the postgres gateway admits clients again");
+            }
             // The session runs on a session thread (see `fencegate_core::SessionThreads`): the socket leaves
             // this runtime's reactor and joins that thread's.
             let socket = match socket.into_std() {
@@ -189,4 +217,11 @@ impl Gateway {
     pub fn server_cert(&self) -> Option<Arc<fencegate_core::ServerCert>> {
         self.server_cert.clone()
     }
+}
+
+/// What a client over `max_client_connections` is told (SQLSTATE 53300).
+fn too_many(max: usize) -> String {
+    format!(
+        "fencegate: too many client connections (max_client_connections = {max}): retry later, or raise max_client_connections in [postgres]"
+    )
 }

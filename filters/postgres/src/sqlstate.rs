@@ -46,6 +46,8 @@ pub fn not_installed_message(database: &str) -> String {
 pub const PROTOCOL_VIOLATION: &str = "08P01";
 /// PostgreSQL's own `admin_shutdown`: the gateway is draining and closes an idle session.
 pub const ADMIN_SHUTDOWN: &str = "57P01";
+/// PostgreSQL's own `too_many_connections`: the gateway holds its `max_client_connections`.
+pub const TOO_MANY_CONNECTIONS: &str = "53300";
 
 /// The SQLSTATE for a refusal reason.
 pub fn for_reason(reason: &RejectReason) -> &'static str {

@@ -17,6 +17,8 @@
 //!                                    #   connection's state (SELECT, AUTH, MULTI, ...); 0: never share
 //! session_threads = 1                # threads running the sessions, each with its own epoll
 //!                                    #   (default 1, as twemproxy: the least CPU per request)
+//! max_client_connections = 10000     # more clients at once get Redis's own "-ERR max number
+//!                                    #   of clients reached" (Redis's maxclients default)
 //! refusals_per_second = 300          # refusals of clients without a valid token, all connections
 //! refusal_burst = 600                #   together; beyond them the refused connection waits
 //! tarpit_initial_ms = 10             #   this long before its next request, doubling with each
@@ -111,6 +113,10 @@ pub struct RedisConfig {
     /// upstream connection runs on the thread of the session that opened it.
     #[serde(default = "default_session_threads")]
     pub session_threads: usize,
+    /// The most client connections open at once; a client over it gets Redis's own
+    /// `-ERR max number of clients reached` (as from the server's `maxclients`) and is closed.
+    #[serde(default = "default_max_client_connections")]
+    pub max_client_connections: usize,
     /// Refusals per second the gateway serves without delay to clients that present no valid
     /// token (no token, a malformed or forged one), all connections together. Beyond it (and
     /// `refusal_burst`), the connection whose request was refused waits before its next
@@ -249,6 +255,10 @@ fn default_shared_upstream_connections() -> usize {
 fn default_session_threads() -> usize {
     1
 }
+/// Redis's own `maxclients` default.
+fn default_max_client_connections() -> usize {
+    10_000
+}
 /// Refusals are rare in normal operation (a lost lock, a misconfigured client). At 300/s a
 /// tokenless flood left fenced-write latency unchanged on 2 cores (tests/redis_flood.rs);
 /// at 1000/s its p99 rose by a few milliseconds.
@@ -283,6 +293,7 @@ impl Default for RedisConfig {
             max_buffered_bytes: default_max_buffered_bytes(),
             shared_upstream_connections: default_shared_upstream_connections(),
             session_threads: default_session_threads(),
+            max_client_connections: default_max_client_connections(),
             refusals_per_second: default_refusals_per_second(),
             refusal_burst: default_refusal_burst(),
             tarpit_initial_ms: default_tarpit_initial_ms(),
@@ -322,6 +333,11 @@ impl RedisConfig {
                 "session_threads ({}) must be between 1 and 1024",
                 self.session_threads
             )));
+        }
+        if self.max_client_connections == 0 {
+            return Err(RedisError::Config(
+                "max_client_connections must be at least 1".to_owned(),
+            ));
         }
         if self.refusals_per_second == 0 || self.refusal_burst == 0 {
             return Err(RedisError::Config(format!(

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate_core::{AuditSink, Charge, RefusalBudget, ServerCert, SessionThreads, TokenPolicy};
+use fencegate_core::{
+    AuditSink, Charge, ConnectionCap, RefusalBudget, ServerCert, SessionThreads, Store, TokenPolicy,
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 use tokio_rustls::TlsAcceptor;
@@ -20,6 +22,10 @@ use crate::rewrite::ScriptMode;
 use crate::session;
 use crate::shared_upstream::{SharedConnection, SharedPool};
 use crate::upstream::{ControlConnection, Upstream, UpstreamInfo};
+
+/// What a client over `max_client_connections` gets: Redis's own answer when its `maxclients`
+/// is reached, which clients and their pools already recognise.
+const TOO_MANY_CLIENTS: &[u8] = b"-ERR max number of clients reached\r\n";
 
 /// One Redis gateway: a listener's shared state.
 pub struct Gateway {
@@ -62,6 +68,8 @@ pub struct Gateway {
     shared: SharedPool,
     /// Where the sessions run (`session_threads`), and with them the shared connections.
     threads: SessionThreads,
+    /// `max_client_connections`.
+    cap: ConnectionCap,
     /// The upstream limits clients' output or memory (see
     /// [`ControlConnection::sharing_hazard`]): new sessions get a connection of their own.
     sharing_hazard: AtomicBool,
@@ -90,6 +98,7 @@ impl Gateway {
         };
         let upstream = Upstream::load(&config)?;
         let config_shared = config.shared_upstream_connections;
+        let cap = ConnectionCap::new(config.max_client_connections);
         let threads = SessionThreads::start("fg-redis-session", config.session_threads)
             .map_err(RedisError::io("starting the session threads"))?;
         let (tls, server_cert) = crate::tls::acceptor(&config)?.unzip();
@@ -119,6 +128,7 @@ impl Gateway {
             tarpitted: AtomicUsize::new(0),
             tarpit_waits: AtomicU64::new(0),
             sessions: TaskTracker::new(),
+            cap,
             shared: SharedPool::new(config_shared),
             threads,
             sharing_hazard: AtomicBool::new(false),
@@ -331,6 +341,9 @@ impl Gateway {
             }
         });
         let mut backoff = Duration::from_millis(10);
+        // Refusals since the cap was last reached (logged once when reached, once when left).
+        let mut refused: Option<u64> = None;
+        let too_many: Arc<[u8]> = Arc::from(TOO_MANY_CLIENTS);
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
@@ -348,6 +361,22 @@ impl Gateway {
                 }
             };
             backoff = Duration::from_millis(10);
+            // Only this loop adds sessions, so the count cannot pass the cap.
+            if !self.cap.admits(self.sessions.len()) {
+                if refused.is_none() {
+                    tracing::warn!(
+                        max_client_connections = self.cap.max(),
+                        "the redis gateway holds max_client_connections; new clients are refused until one leaves"
+                    );
+                }
+                *refused.get_or_insert(0) += 1;
+                self.sink.connection_refused(Store::Redis);
+                self.cap.refuse(socket, too_many.clone());
+                continue;
+            }
+            if let Some(refused) = refused.take() {
+                tracing::info!(refused, "the redis gateway admits clients again");
+            }
             // The session runs on a session thread (see `fencegate_core::SessionThreads`): the
             // socket leaves this runtime's reactor and joins that thread's.
             let socket = match socket.into_std() {

@@ -5,6 +5,7 @@
 mod gateway {
     mod availability;
     mod bypass_regressions;
+    mod connection_cap;
     mod durability;
     mod fenced_pipeline;
     mod glob_differential;

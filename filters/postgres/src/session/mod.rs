@@ -20,6 +20,8 @@ mod replies;
 mod requests;
 mod startup;
 
+pub(crate) use startup::refuse_over_cap;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -33,18 +33,27 @@ pub(super) struct Established {
     pub(super) protected: bool,
 }
 
-/// Runs the startup; `None` when the session ended in it (a cancel, a refused login).
-pub(super) async fn establish(
+/// Relays a CancelRequest (`raw`, as the client sent it) to the server on a connection of its
+/// own, as the protocol asks.
+async fn relay_cancel(gateway: &Gateway, raw: &[u8]) -> Result<(), PostgresError> {
+    let mut upstream = gateway.upstream.connect().await?;
+    upstream
+        .write_all(raw)
+        .await
+        .map_err(PostgresError::io("relaying a cancel request"))?;
+    let _ = upstream.shutdown().await;
+    Ok(())
+}
+
+/// The startup packet's parameters, once encryption was negotiated: an SSLRequest is accepted
+/// when a certificate is configured (TLS terminated here) and refused with 'N' otherwise, a
+/// GSSENCRequest is refused, and a cancel is relayed (then `None`, as at end of stream).
+async fn negotiate(
     gateway: &Gateway,
     client: TcpStream,
-    peer: SocketAddr,
-    conn: u64,
-) -> Result<Option<Established>, PostgresError> {
+) -> Result<Option<(FrameReader<ClientStream>, Vec<(String, String)>)>, PostgresError> {
     let max = gateway.config.max_message_bytes;
     let mut client_read = FrameReader::new(ClientStream::Plain(client), max);
-
-    // Startup: SSLRequest is accepted when a certificate is configured (TLS terminated here)
-    // and refused with 'N' otherwise; GSSENCRequest is refused; cancels are relayed.
     let params = loop {
         let startup = match client_read.read_startup().await {
             Ok(Some(s)) => s,
@@ -91,16 +100,44 @@ pub(super) async fn establish(
                 }
             }
             Startup::Cancel(raw) => {
-                let mut upstream = gateway.upstream.connect().await?;
-                upstream
-                    .write_all(&raw)
-                    .await
-                    .map_err(PostgresError::io("relaying a cancel request"))?;
-                let _ = upstream.shutdown().await;
+                relay_cancel(gateway, &raw).await?;
                 return Ok(None);
             }
             Startup::Message(params) => break params,
         }
+    };
+    Ok(Some((client_read, params)))
+}
+
+/// A client over `max_client_connections`, answered as PostgreSQL answers one over its
+/// `max_connections`: encryption negotiated and the startup packet read first (libpq shows no
+/// error sent in answer to its SSLRequest), then SQLSTATE 53300. A cancel is still relayed,
+/// as PostgreSQL serves cancels over its bound.
+pub(crate) async fn refuse_over_cap(gateway: &Gateway, client: TcpStream, message: &str) {
+    match negotiate(gateway, client).await {
+        Ok(Some((mut client_read, _))) => {
+            fatal(
+                client_read.get_mut(),
+                sqlstate::TOO_MANY_CONNECTIONS,
+                message,
+            )
+            .await;
+            let _ = client_read.get_mut().shutdown().await;
+        }
+        Ok(None) => {}
+        Err(e) => tracing::debug!(error = %e, "a client over max_client_connections"),
+    }
+}
+
+/// Runs the startup; `None` when the session ended in it (a cancel, a refused login).
+pub(super) async fn establish(
+    gateway: &Gateway,
+    client: TcpStream,
+    peer: SocketAddr,
+    conn: u64,
+) -> Result<Option<Established>, PostgresError> {
+    let Some((mut client_read, params)) = negotiate(gateway, client).await? else {
+        return Ok(None);
     };
 
     // The startup token, if any, is taken out of `options` before the packet is relayed.
