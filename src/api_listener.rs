@@ -1,30 +1,59 @@
-//! The bound on the connections the API and Raft ports hold open (DESIGN rule 10): without it a
-//! client opening connections in a loop, before any credential is checked, would run the node
-//! out of file descriptors, and with them the lock service. Over the bound a plain-HTTP client
-//! gets `503` with the API's error body and `Retry-After`, as from a server at its
-//! `max_connections`; a TLS client has its connection closed (an answer needs a handshake).
+//! The API's and the Raft peer port's listener, plain or TLS, and its bounds (DESIGN rule 10).
+//!
+//! Without them a client could hold connections before any credential is checked: by opening
+//! them in a loop (the node runs out of file descriptors, and the lock service with it), or by
+//! opening them and sending nothing, or a header a byte at a time (each connection is held
+//! forever: hyper has no timer unless given one, and its header timeout does not cover an idle
+//! keep-alive connection). So:
+//! - at most `[node] max_api_connections` are open at once; one more gets `503` with the API's
+//!   error body and `Retry-After` over plain HTTP, and is closed over TLS (an answer would
+//!   need a handshake);
+//! - a connection with no request in flight is closed once the last request's answer (or the
+//!   connection's start) is [`IDLE`] old, however many bytes of a next request came meanwhile;
+//! - a TLS handshake has [`HANDSHAKE_TIMEOUT`];
+//! - TCP keepalive finds clients whose host vanished.
 
-use std::net::SocketAddr;
+use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::Router;
 use fencegate_core::ConnectionCap;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulConnection;
+use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::task::TaskTracker;
+
+/// How long a connection may go without a request in flight: longer than the idle time after
+/// which common clients drop a pooled connection themselves (reqwest's and Go's 90 s), so they
+/// do not send on a connection the node is closing.
+pub const IDLE: Duration = Duration::from_secs(120);
+
+/// How long a TLS handshake may take before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long hyper waits for a request's whole header once it began reading it.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One listener's open connections, counted against its bound.
 #[derive(Debug, Clone)]
-pub struct ApiConnections {
+struct ApiConnections {
     open: Arc<AtomicUsize>,
     max: usize,
 }
 
 /// One admitted connection: counted until dropped.
 #[derive(Debug)]
-pub struct ApiSlot(Arc<AtomicUsize>);
+struct ApiSlot(Arc<AtomicUsize>);
 
 impl Drop for ApiSlot {
     fn drop(&mut self) {
@@ -33,8 +62,7 @@ impl Drop for ApiSlot {
 }
 
 impl ApiConnections {
-    /// A bound of `max` open connections.
-    pub fn new(max: usize) -> Self {
+    fn new(max: usize) -> Self {
         Self {
             open: Arc::new(AtomicUsize::new(0)),
             max,
@@ -42,19 +70,13 @@ impl ApiConnections {
     }
 
     /// A slot for one more connection, if the bound allows it.
-    pub fn admit(&self) -> Option<ApiSlot> {
+    fn admit(&self) -> Option<ApiSlot> {
         self.open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
                 (open < self.max).then_some(open + 1)
             })
             .ok()
             .map(|_| ApiSlot(self.open.clone()))
-    }
-
-    /// The connections open now.
-    #[cfg(test)]
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
     }
 }
 
@@ -74,97 +96,198 @@ fn too_many(max: usize) -> Arc<[u8]> {
     Arc::from((head + &body).into_bytes())
 }
 
-/// A TCP listener for `axum::serve` that admits at most `max_api_connections` at once.
-pub struct CappedListener {
-    listener: TcpListener,
-    connections: ApiConnections,
-    /// The refusals' bounded tasks.
-    refusals: ConnectionCap,
-    answer: Arc<[u8]>,
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
 }
 
-impl CappedListener {
-    /// Serves `listener` with at most `max` connections open.
-    pub fn new(listener: TcpListener, max: usize) -> Self {
-        Self {
-            listener,
-            connections: ApiConnections::new(max),
-            refusals: ConnectionCap::new(max),
-            answer: too_many(max),
+/// Serves `app` on `listener` (over TLS with `tls`) until `stop` turns true, with at most `max`
+/// connections open; then closes the listener, lets each connection finish its request in
+/// flight, and returns once they are all closed (the caller bounds that wait). Accept errors
+/// (EMFILE, say) are logged and retried, never fatal.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: Router,
+    max: usize,
+    mut stop: watch::Receiver<bool>,
+) {
+    let connections = ApiConnections::new(max);
+    let refusals = ConnectionCap::new(max);
+    let answer = too_many(max);
+    let open = TaskTracker::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = stopped(&mut stop) => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(slot) = connections.admit() else {
+            if tls.is_none() {
+                refusals.refuse(tcp, answer.clone());
+            }
+            continue;
+        };
+        if let Err(e) = ConnectionCap::keep_alive(&tcp) {
+            tracing::debug!(error = %e, "TCP keepalive not set on an API connection");
+        }
+        open.spawn(connection(
+            tcp,
+            slot,
+            tls.clone(),
+            app.clone(),
+            stop.clone(),
+        ));
+    }
+    drop(listener);
+    open.close();
+    open.wait().await;
+}
+
+/// One connection's life: the handshake, then requests until the client closes, it idles for
+/// [`IDLE`], or the node stops (then the request in flight finishes first).
+async fn connection(
+    tcp: TcpStream,
+    _slot: ApiSlot,
+    tls: Option<TlsAcceptor>,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) {
+    let activity = Arc::new(Activity::new());
+    let service = TowerToHyperService::new(Tracked {
+        app,
+        activity: activity.clone(),
+    });
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new());
+    match tls {
+        None => {
+            run(
+                builder.serve_connection(TokioIo::new(tcp), service),
+                &activity,
+                &mut stop,
+            )
+            .await
+        }
+        Some(acceptor) => {
+            let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+            else {
+                return;
+            };
+            run(
+                builder.serve_connection(TokioIo::new(tls), service),
+                &activity,
+                &mut stop,
+            )
+            .await;
         }
     }
 }
 
-impl axum::serve::Listener for CappedListener {
-    type Io = Capped;
-    type Addr = SocketAddr;
+/// Drives `connection` until it ends, it idles too long, or the node stops.
+async fn run<C: GracefulConnection>(
+    connection: C,
+    activity: &Activity,
+    stop: &mut watch::Receiver<bool>,
+) {
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = activity.idle() => {}
+        () = stopped(stop) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    // A request in flight finishes; an idle connection closes at once.
+    let _ = connection.await;
+}
 
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+/// Whether a connection has a request in flight, and since when it has had none.
+struct Activity {
+    in_flight: AtomicUsize,
+    /// When the last request in flight was answered (or the connection began).
+    since: Mutex<Instant>,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            in_flight: AtomicUsize::new(0),
+            since: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn since(&self) -> Instant {
+        *self.since.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Resolves once the connection has had no request in flight for [`IDLE`].
+    async fn idle(&self) {
         loop {
-            let (tcp, peer) = match self.listener.accept().await {
-                Ok(accepted) => accepted,
-                // EMFILE and the like: retried, as axum's own listener does.
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            match self.connections.admit() {
-                Some(slot) => return (Capped { tcp, _slot: slot }, peer),
-                None => self.refusals.refuse(tcp, self.answer.clone()),
+            let deadline = self.since() + IDLE;
+            tokio::time::sleep_until(deadline).await;
+            if self.in_flight.load(Ordering::Acquire) == 0 && self.since() + IDLE <= Instant::now()
+            {
+                return;
+            }
+            if self.in_flight.load(Ordering::Acquire) > 0 {
+                // Busy: look again a period later (or once it is answered, as `since` moves).
+                tokio::time::sleep(IDLE).await;
             }
         }
     }
+}
 
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.listener.local_addr()
+/// A request in flight on a connection: counted until its answer is ready.
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        *self.0.since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// An admitted connection; its slot is given back when it closes.
-pub struct Capped {
-    tcp: TcpStream,
-    _slot: ApiSlot,
+/// The API's router, with each request counted in flight on its connection.
+#[derive(Clone)]
+struct Tracked {
+    app: Router,
+    activity: Arc<Activity>,
 }
 
-impl AsyncRead for Capped {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_read(cx, buf)
-    }
-}
+impl<B> tower_service::Service<axum::http::Request<B>> for Tracked
+where
+    B: axum::body::HttpBody<Data = axum::body::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = axum::response::Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
-impl AsyncWrite for Capped {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.tcp).poll_write(cx, buf)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // A Router is always ready.
+        Poll::Ready(Ok(()))
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.tcp.is_write_vectored()
+    fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
+        self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        let in_flight = InFlight(self.activity.clone());
+        let answer = tower_service::Service::call(&mut self.app, request);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(in_flight);
+            answer
+        })
     }
 }
 
@@ -179,11 +302,10 @@ mod tests {
         let b = connections.admit().expect("a second slot");
         assert!(connections.admit().is_none());
         drop(a);
-        assert_eq!(connections.open(), 1);
         let _c = connections.admit().expect("a freed slot");
         assert!(connections.admit().is_none());
         drop(b);
-        assert_eq!(connections.open(), 1);
+        assert!(connections.admit().is_some());
     }
 
     #[test]
@@ -198,5 +320,24 @@ mod tests {
         assert!(body["message"]
             .as_str()
             .is_some_and(|m| m.contains("max_api_connections (7)")));
+    }
+
+    /// Idle means no request in flight for `IDLE` since the last answer, however long a
+    /// request was in flight before.
+    #[tokio::test(start_paused = true)]
+    async fn idle_counts_from_the_last_answer_and_never_while_busy() {
+        let activity = Arc::new(Activity::new());
+        let began = Instant::now();
+        activity.idle().await;
+        assert_eq!(began.elapsed(), IDLE, "a connection with no request");
+
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        let in_flight = InFlight(activity.clone());
+        let busy = tokio::time::timeout(5 * IDLE, activity.idle()).await;
+        assert!(busy.is_err(), "idle while a request was in flight");
+        drop(in_flight);
+        let answered = Instant::now();
+        activity.idle().await;
+        assert!(answered.elapsed() >= IDLE && answered.elapsed() < 2 * IDLE);
     }
 }

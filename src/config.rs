@@ -431,10 +431,13 @@ impl Config {
         if self.node.id == 0 {
             return Err(("node.id".into(), "node ids start at 1".into()));
         }
-        if self.node.max_api_connections == 0 {
+        if !(1..=1_000_000).contains(&self.node.max_api_connections) {
             return Err((
                 "node.max_api_connections".into(),
-                "max_api_connections must be at least 1".into(),
+                format!(
+                    "max_api_connections ({}) must be between 1 and 1000000 (the Linux default of fs.nr_open)",
+                    self.node.max_api_connections
+                ),
             ));
         }
         self.security.validate()?;

@@ -17,17 +17,21 @@ const NODE_OWN: u64 = 512;
 /// client one, and one more with a connection of its own upstream (after `SELECT`, `MULTI`, ...);
 /// a PostgreSQL client two. The S3 gateway's connections are pingora's and are not bounded here.
 pub fn needed(config: &Config) -> u64 {
+    let bound = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     let listeners = 1 + u64::from(config.node.peer.is_some());
-    let api = listeners * config.node.max_api_connections as u64;
+    let api = listeners.saturating_mul(bound(config.node.max_api_connections));
     let redis = config
         .redis
         .as_ref()
-        .map_or(0, |r| 2 * r.max_client_connections as u64);
+        .map_or(0, |r| 2u64.saturating_mul(bound(r.max_client_connections)));
     let postgres = config
         .postgres
         .as_ref()
-        .map_or(0, |p| 2 * p.max_client_connections as u64);
-    NODE_OWN + api + redis + postgres
+        .map_or(0, |p| 2u64.saturating_mul(bound(p.max_client_connections)));
+    NODE_OWN
+        .saturating_add(api)
+        .saturating_add(redis)
+        .saturating_add(postgres)
 }
 
 /// Raises the soft limit on open files to `needed` (at most the hard limit); warns if that is

@@ -13,7 +13,6 @@ use tokio_util::sync::CancellationToken;
 use crate::api::auth::{CredentialError, Credentials};
 use crate::api::health::GatewayHealth;
 use crate::api::{self, ApiState};
-use crate::api_listener::{ApiConnections, CappedListener};
 use crate::authority::network::Network;
 use crate::authority::{Authority, AuthorityError};
 use crate::config::Config;
@@ -315,42 +314,25 @@ pub async fn serve(
     let mut servers = tokio::task::JoinSet::new();
     let mut peer_server = tokio::task::JoinSet::new();
     let max_api = config.node.max_api_connections;
-    let plain = move |listener: TcpListener, app: axum::Router, mut stop: watch::Receiver<bool>| async move {
-        let shutdown = async move {
-            let _ = stop.wait_for(|stop| *stop).await;
-        };
-        if let Err(e) = axum::serve(CappedListener::new(listener, max_api), app)
-            .with_graceful_shutdown(shutdown)
-            .await
-        {
-            tracing::error!(error = %e, "an API listener failed");
-        }
+    let (api_tls, peer_tls) = match &secrets.tls {
+        Some(tls) => (Some(tls.api_acceptor()?), Some(tls.peer_acceptor()?)),
+        None => (None, None),
     };
-    match &secrets.tls {
-        Some(tls) => {
-            servers.spawn(crate::tls::serve(
-                api_listener,
-                tls.api_acceptor()?,
-                app,
-                ApiConnections::new(max_api),
-                stop_rx.clone(),
-            ));
-            if let Some(listener) = peer_listener {
-                peer_server.spawn(crate::tls::serve(
-                    listener,
-                    tls.peer_acceptor()?,
-                    peer_app,
-                    ApiConnections::new(max_api),
-                    peer_stop_rx,
-                ));
-            }
-        }
-        None => {
-            servers.spawn(plain(api_listener, app, stop_rx.clone()));
-            if let Some(listener) = peer_listener {
-                peer_server.spawn(plain(listener, peer_app, peer_stop_rx));
-            }
-        }
+    servers.spawn(crate::api_listener::serve(
+        api_listener,
+        api_tls,
+        app,
+        max_api,
+        stop_rx.clone(),
+    ));
+    if let Some(listener) = peer_listener {
+        peer_server.spawn(crate::api_listener::serve(
+            listener,
+            peer_tls,
+            peer_app,
+            max_api,
+            peer_stop_rx,
+        ));
     }
     // A node removed from the cluster stops as on SIGTERM, and exits 0: it did what the
     // operator asked.

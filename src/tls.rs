@@ -6,21 +6,14 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
-use axum::Router;
 use fencegate_core::ServerCert;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
 use rustls::pki_types::CertificateDer;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use thiserror::Error;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
-use crate::api_listener::ApiConnections;
 use crate::config::SecurityConfig;
 
 #[derive(Debug, Error)]
@@ -174,67 +167,5 @@ impl NodeTls {
             .use_rustls_tls()
             .tls_built_in_root_certs(false)
             .add_root_certificate(ca))
-    }
-}
-
-/// Resolves once `stop` turns true (or its sender is gone); holds no borrow of the value.
-async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|stop| *stop).await;
-}
-
-/// How long a TLS handshake may take before the connection is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Serves `app` over TLS on `listener` until `stop` turns true, with at most `connections`'
-/// bound open. Accept errors (EMFILE, say) are logged and retried, never fatal; each connection
-/// runs on its own task.
-pub async fn serve(
-    listener: TcpListener,
-    acceptor: TlsAcceptor,
-    app: Router,
-    connections: ApiConnections,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = stopped(&mut stop) => return,
-        };
-        let (tcp, _) = match accepted {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed; retrying");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // Over `max_api_connections` the connection is closed: an answer needs a handshake.
-        let Some(slot) = connections.admit() else {
-            continue;
-        };
-        let acceptor = acceptor.clone();
-        let service = TowerToHyperService::new(app.clone());
-        let mut stop = stop.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "TLS handshake refused");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection(TokioIo::new(tls), service);
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                () = stopped(&mut stop) => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
-                }
-            }
-        });
     }
 }

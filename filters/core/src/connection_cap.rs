@@ -15,6 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::task::TaskTracker;
 
+use crate::SessionThreads;
+
 /// Admits a gateway's clients up to its `max_client_connections`, and refuses the rest.
 #[derive(Debug)]
 pub struct ConnectionCap {
@@ -51,37 +53,59 @@ impl ConnectionCap {
     }
 
     /// Sends `answer` (the store's own refusal) to a client over the cap and closes the
-    /// connection ([`ConnectionCap::answer_and_close`]), on a task bounded as
-    /// [`ConnectionCap::refuse_with`] says.
+    /// connection ([`ConnectionCap::answer_and_close`]), on a task of the caller's runtime
+    /// bounded as [`ConnectionCap::refuse_on`] says. For answers that cost no more than a write.
     pub fn refuse(&self, socket: TcpStream, answer: Arc<[u8]>) {
-        self.refuse_with(socket, |socket| async move {
-            Self::answer_and_close(socket, &answer).await;
+        if self.refusing.len() >= Self::REFUSING {
+            return;
+        }
+        self.refusing.spawn(async move {
+            let _ =
+                tokio::time::timeout(Self::REFUSAL_TIME, Self::answer_and_close(socket, answer))
+                    .await;
         });
     }
 
-    /// Runs `refusal` on the refused client's connection, on a task of the caller's runtime cut
-    /// off after [`Self::REFUSAL_TIME`]. With [`Self::REFUSING`] such tasks running, the
-    /// connection is closed at once instead.
-    pub fn refuse_with<F, R>(&self, socket: TcpStream, refusal: F)
+    /// Runs `refusal` on the refused client's connection, on one of the gateway's session
+    /// `threads` (a refusal may cost a TLS handshake: not on the runtime the authority runs
+    /// on), cut off after [`Self::REFUSAL_TIME`]. With [`Self::REFUSING`] refusals running, the
+    /// connection is closed at once instead, unanswered.
+    pub fn refuse_on<F, R>(&self, threads: &SessionThreads, socket: TcpStream, refusal: F)
     where
-        F: FnOnce(TcpStream) -> R,
+        F: FnOnce(TcpStream) -> R + Send + 'static,
         R: Future<Output = ()> + Send + 'static,
     {
         if self.refusing.len() >= Self::REFUSING {
             return;
         }
-        let refusal = refusal(socket);
-        self.refusing.spawn(async move {
-            let _ = tokio::time::timeout(Self::REFUSAL_TIME, refusal).await;
+        // The socket leaves this runtime's reactor and joins the thread's.
+        let Ok(socket) = socket.into_std() else {
+            return;
+        };
+        threads.spawn(&self.refusing, async move {
+            if let Ok(socket) = TcpStream::from_std(socket) {
+                let _ = tokio::time::timeout(Self::REFUSAL_TIME, refusal(socket)).await;
+            }
         });
+    }
+
+    /// Turns TCP keepalive on for an accepted client: a client whose host vanished (no FIN, no
+    /// reset: a VM killed, a partition) is found out within about two minutes and its slot
+    /// given back, as Redis (`tcp-keepalive`) and PostgreSQL do for theirs.
+    pub fn keep_alive(socket: &TcpStream) -> std::io::Result<()> {
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(60))
+            .with_interval(Duration::from_secs(15))
+            .with_retries(4);
+        socket2::SockRef::from(socket).set_tcp_keepalive(&keepalive)
     }
 
     /// Writes `answer`, then reads (and drops) what the client sends until it closes: a client
     /// that sends before it reads (a PostgreSQL startup packet, a Redis command) would
     /// otherwise have its answer lost to the reset that a close with unread bytes sends.
-    pub async fn answer_and_close(mut socket: TcpStream, answer: &[u8]) {
+    pub async fn answer_and_close(mut socket: TcpStream, answer: Arc<[u8]>) {
         let answered = async {
-            socket.write_all(answer).await?;
+            socket.write_all(&answer).await?;
             socket.shutdown().await?;
             let mut sink = [0u8; 1024];
             while socket.read(&mut sink).await? > 0 {}
@@ -105,6 +129,26 @@ mod tests {
         assert!(!cap.admits(2));
         assert!(!cap.admits(3));
         assert!(!ConnectionCap::new(0).admits(0));
+    }
+
+    #[tokio::test]
+    async fn accepted_clients_get_tcp_keepalive() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let addr = listener.local_addr().expect("its address");
+        let _client = TcpStream::connect(addr).await.expect("connected");
+        let (socket, _) = listener.accept().await.expect("accepted");
+        ConnectionCap::keep_alive(&socket).expect("set");
+        let sock = socket2::SockRef::from(&socket);
+        assert!(sock.keepalive().expect("SO_KEEPALIVE"));
+        assert_eq!(
+            sock.tcp_keepalive_time().expect("TCP_KEEPIDLE"),
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            sock.tcp_keepalive_interval().expect("TCP_KEEPINTVL"),
+            Duration::from_secs(15)
+        );
+        assert_eq!(sock.tcp_keepalive_retries().expect("TCP_KEEPCNT"), 4);
     }
 
     /// A refused client that writes before it reads still gets its answer, then end of stream.

@@ -133,6 +133,9 @@ fn default_session_threads() -> usize {
 fn default_max_client_connections() -> usize {
     1000
 }
+/// The largest `max_client_connections` accepted: past it the bound bounds nothing a process
+/// could hold (a million descriptors is the Linux default of `fs.nr_open`).
+const MAX_CLIENT_CONNECTIONS: usize = 1_000_000;
 
 impl Default for PostgresConfig {
     fn default() -> Self {
@@ -165,10 +168,11 @@ impl PostgresConfig {
                 self.session_threads
             )));
         }
-        if self.max_client_connections == 0 {
-            return Err(PostgresError::Config(
-                "max_client_connections must be at least 1".to_owned(),
-            ));
+        if !(1..=MAX_CLIENT_CONNECTIONS).contains(&self.max_client_connections) {
+            return Err(PostgresError::Config(format!(
+                "max_client_connections ({}) must be between 1 and {MAX_CLIENT_CONNECTIONS}",
+                self.max_client_connections
+            )));
         }
         if self.max_message_bytes < 64 * 1024 {
             return Err(PostgresError::Config(format!(
@@ -227,6 +231,21 @@ impl PostgresConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_client_connections_is_bounded_both_ways() {
+        let with = |n| PostgresConfig {
+            databases: Vec::new(),
+            max_client_connections: n,
+            ..PostgresConfig::default()
+        };
+        assert!(with(1).validate().is_ok());
+        assert!(with(MAX_CLIENT_CONNECTIONS).validate().is_ok());
+        for bad in [0, MAX_CLIENT_CONNECTIONS + 1] {
+            let e = with(bad).validate().expect_err("refused").to_string();
+            assert!(e.contains("max_client_connections"), "{e}");
+        }
+    }
 
     #[test]
     fn defaults_protect_every_database() {

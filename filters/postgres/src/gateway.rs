@@ -172,10 +172,14 @@ impl Gateway {
                 *refused.get_or_insert(0) += 1;
                 self.sink.connection_refused(Store::Postgres);
                 let gateway = self.clone();
-                self.cap.refuse_with(socket, |socket| async move {
-                    session::refuse_over_cap(&gateway, socket, &gateway.too_many).await;
-                });
+                self.cap
+                    .refuse_on(&self.threads, socket, |socket| async move {
+                        session::refuse_over_cap(&gateway, socket, &gateway.too_many).await;
+                    });
                 continue;
+            }
+            if let Err(e) = ConnectionCap::keep_alive(&socket) {
+                tracing::debug!(error = %e, %peer, "TCP keepalive not set on a PostgreSQL client");
             }
             if let Some(refused) = refused.take() {
                 tracing::info!(refused, "the postgres gateway admits clients again");

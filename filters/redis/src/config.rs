@@ -259,6 +259,9 @@ fn default_session_threads() -> usize {
 fn default_max_client_connections() -> usize {
     10_000
 }
+/// The largest `max_client_connections` accepted: past it the bound bounds nothing a process
+/// could hold (a million descriptors is the Linux default of `fs.nr_open`).
+const MAX_CLIENT_CONNECTIONS: usize = 1_000_000;
 /// Refusals are rare in normal operation (a lost lock, a misconfigured client). At 300/s a
 /// tokenless flood left fenced-write latency unchanged on 2 cores (tests/redis_flood.rs);
 /// at 1000/s its p99 rose by a few milliseconds.
@@ -334,10 +337,11 @@ impl RedisConfig {
                 self.session_threads
             )));
         }
-        if self.max_client_connections == 0 {
-            return Err(RedisError::Config(
-                "max_client_connections must be at least 1".to_owned(),
-            ));
+        if !(1..=MAX_CLIENT_CONNECTIONS).contains(&self.max_client_connections) {
+            return Err(RedisError::Config(format!(
+                "max_client_connections ({}) must be between 1 and {MAX_CLIENT_CONNECTIONS}",
+                self.max_client_connections
+            )));
         }
         if self.refusals_per_second == 0 || self.refusal_burst == 0 {
             return Err(RedisError::Config(format!(
@@ -554,6 +558,21 @@ fn expand(template: &str, captures: &[&[u8]]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_client_connections_is_bounded_both_ways() {
+        let with = |n| RedisConfig {
+            protect: Some(Vec::new()),
+            max_client_connections: n,
+            ..RedisConfig::default()
+        };
+        assert!(with(1).validate().is_ok());
+        assert!(with(MAX_CLIENT_CONNECTIONS).validate().is_ok());
+        for bad in [0, MAX_CLIENT_CONNECTIONS + 1] {
+            let e = with(bad).validate().expect_err("refused").to_string();
+            assert!(e.contains("max_client_connections"), "{e}");
+        }
+    }
 
     #[test]
     fn no_rules_is_refused_and_an_empty_list_fences_nothing() {

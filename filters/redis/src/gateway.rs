@@ -371,8 +371,18 @@ impl Gateway {
                 }
                 *refused.get_or_insert(0) += 1;
                 self.sink.connection_refused(Store::Redis);
-                self.cap.refuse(socket, too_many.clone());
+                // A TLS client gets nothing written in clear (a record error is all it would
+                // read), as from redis-server over its maxclients: the connection is closed.
+                if self.tls.is_none() {
+                    let answer = too_many.clone();
+                    self.cap.refuse_on(&self.threads, socket, |socket| {
+                        ConnectionCap::answer_and_close(socket, answer)
+                    });
+                }
                 continue;
+            }
+            if let Err(e) = ConnectionCap::keep_alive(&socket) {
+                tracing::debug!(error = %e, %peer, "TCP keepalive not set on a Redis client");
             }
             if let Some(refused) = refused.take() {
                 tracing::info!(refused, "the redis gateway admits clients again");

@@ -206,6 +206,36 @@ impl Shared {
     }
 }
 
+#[cfg(test)]
+impl Shared {
+    /// A session's shared state for tests of one loop: a gateway of the default config
+    /// (resource `job`), an in-memory audit sink, no transaction open.
+    fn for_test() -> Arc<Self> {
+        let config = crate::config::PostgresConfig {
+            resource: Some("job".to_owned()),
+            ..crate::config::PostgresConfig::default()
+        };
+        let sink = Arc::new(fencegate_core::MemoryAuditSink::default());
+        let gateway = Gateway::new(config, fencegate_core::TokenPolicy::unsigned(), sink)
+            .expect("a gateway's config");
+        Arc::new(Self {
+            gateway,
+            state: Mutex::new(State::new(b'I', None, crate::lexing::Lexing::default())),
+            local: AtomicBool::new(false),
+            local_waker: AtomicWaker::new(),
+            peer: "127.0.0.1:1".parse().expect("an address"),
+            user: "app".to_owned(),
+            protected: true,
+            conn: 1,
+            requests: std::sync::atomic::AtomicU64::new(0),
+            shutdown: CancellationToken::new(),
+            settled: Notify::new(),
+            draining: AtomicBool::new(false),
+            copy_changed: Notify::new(),
+        })
+    }
+}
+
 async fn session(
     gateway: Arc<Gateway>,
     client: TcpStream,

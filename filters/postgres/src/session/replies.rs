@@ -259,47 +259,12 @@ async fn deliver_local<W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    use std::sync::Mutex;
     use std::time::Duration;
 
-    use atomic_waker::AtomicWaker;
     use bytes::BytesMut;
-    use fencegate_core::{MemoryAuditSink, TokenPolicy};
     use tokio::io::{AsyncReadExt, DuplexStream};
-    use tokio::sync::Notify;
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::config::PostgresConfig;
-    use crate::gateway::Gateway;
-    use crate::lexing::Lexing;
-    use crate::session::pending::State;
-
-    fn shared() -> Arc<Shared> {
-        let sink = Arc::new(MemoryAuditSink::default());
-        let config = PostgresConfig {
-            resource: Some("job".to_owned()),
-            ..PostgresConfig::default()
-        };
-        let gateway =
-            Gateway::new(config, TokenPolicy::unsigned(), sink).expect("a gateway's config");
-        Arc::new(Shared {
-            gateway,
-            state: Mutex::new(State::new(b'I', None, Lexing::default())),
-            local: AtomicBool::new(false),
-            local_waker: AtomicWaker::new(),
-            peer: "127.0.0.1:1".parse().expect("an address"),
-            user: "app".to_owned(),
-            protected: true,
-            conn: 1,
-            requests: AtomicU64::new(0),
-            shutdown: CancellationToken::new(),
-            settled: Notify::new(),
-            draining: AtomicBool::new(false),
-            copy_changed: Notify::new(),
-        })
-    }
 
     /// A simple Query's whole answer: a row of `row` bytes, its CommandComplete and a
     /// ReadyForQuery.
@@ -333,7 +298,7 @@ mod tests {
     /// own request (judged against the local answer, the first would be matched to nothing).
     #[tokio::test]
     async fn a_local_answer_queued_while_the_loop_writes_goes_before_later_replies() {
-        let shared = shared();
+        let shared = Shared::for_test();
         let (mut server, mut client) = start(&shared);
         shared.lock().query_sent(VecDeque::new(), false);
         let first = answer(1000);

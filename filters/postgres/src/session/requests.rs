@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use fencegate_core::{OperationSummary, PollOnWake, RejectReason, Rejection, Token};
 use postgres_protocol::message::frontend;
 use smallvec::{smallvec, SmallVec};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::copy::CopyFollow;
 use super::pending::{Expect, GuardInfo, Role};
@@ -22,8 +22,6 @@ use crate::lexing;
 use crate::message::{self, ErrorFields, Frame, FrameReader};
 use crate::rewrite::{self, Context, Decision, Part, QueryPlan};
 use crate::sqlstate;
-use crate::tls::ClientRead;
-use crate::upstream::UpstreamWrite;
 
 /// The most messages that may wait for their answers in one session (checked at least every
 /// [`CHECK_EVERY`] messages, each of which queues at most six: the bound may be passed by less
@@ -60,10 +58,13 @@ enum Out {
     Bytes(Bytes),
 }
 
-pub(super) async fn relay_requests(
+/// client -> upstream. Generic over the two streams only so that a test can drive it through
+/// in-memory pipes (the session passes [`crate::tls::ClientRead`] and
+/// [`crate::upstream::UpstreamWrite`]).
+pub(super) async fn relay_requests<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: Arc<Shared>,
-    mut client: FrameReader<ClientRead>,
-    mut upstream: LazyWriter<UpstreamWrite>,
+    mut client: FrameReader<R>,
+    mut upstream: LazyWriter<W>,
 ) -> Result<(), PostgresError> {
     // One wait for the drain for the whole session, not a new one (and a new waiter in the
     // token's list) per message; polled only when it was woken, not once per message.
@@ -245,11 +246,11 @@ pub(super) async fn relay_requests(
 /// server's word on the watched message ([`CopyFollow::ask`]). Out of the loop's body: rare,
 /// and the loop is the hot path.
 #[inline(never)]
-async fn ask_server(
+async fn ask_server<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     shared: &Shared,
-    client: &mut FrameReader<ClientRead>,
+    client: &mut FrameReader<R>,
     run: usize,
-    upstream: &mut LazyWriter<UpstreamWrite>,
+    upstream: &mut LazyWriter<W>,
     follow: &mut CopyFollow,
 ) -> Result<bool, PostgresError> {
     upstream
@@ -806,4 +807,48 @@ async fn handle_bind(shared: &Shared, frame: &Frame<&[u8]>) -> Result<Outgoing, 
 /// Whether a transaction-control statement opens a transaction block.
 fn begins(statement: &crate::classify::Statement) -> bool {
     matches!(&*statement.command, "BEGIN" | "START")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    /// A client that pipelines without ever reading its answers is cut off once
+    /// [`MAX_PENDING`] of them wait: the session ends with a FATAL 08P01 saying so, and the
+    /// queue holds no more than the bound and that FATAL.
+    #[tokio::test]
+    async fn a_client_that_never_reads_is_cut_off_at_max_pending() {
+        let shared = Shared::for_test();
+        let (mut client, client_side) = tokio::io::duplex(1 << 20);
+        let (upstream_side, mut server) = tokio::io::duplex(1 << 20);
+        // The server reads everything and answers nothing (no reply loop pops the queue).
+        tokio::spawn(async move {
+            let mut sink = vec![0; 1 << 16];
+            while server.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        let relay = tokio::spawn(relay_requests(
+            shared.clone(),
+            FrameReader::new(client_side, 1 << 20),
+            LazyWriter::new(upstream_side),
+        ));
+        let syncs: Vec<u8> = [b'S', 0, 0, 0, 4].repeat(MAX_PENDING + 1_000);
+        // Cut off before the last of them: the write then fails.
+        let _ = client.write_all(&syncs).await;
+        let ended = tokio::time::timeout(Duration::from_secs(60), relay)
+            .await
+            .expect("the session ends within 60 s")
+            .expect("the request loop");
+        let error = ended.expect_err("the session is cut off").to_string();
+        assert!(error.contains("read the replies"), "{error}");
+        let state = shared.lock();
+        assert_eq!(state.pending.len(), MAX_PENDING + 1);
+        let Some(Expect::Local { bytes, close: true }) = state.pending.back() else {
+            panic!("the last entry is not the closing FATAL");
+        };
+        assert!(String::from_utf8_lossy(bytes).contains("08P01"));
+    }
 }
