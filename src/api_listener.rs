@@ -10,8 +10,11 @@
 //!   need a handshake);
 //! - a connection with no request in flight is closed once the last request's answer (or the
 //!   connection's start) is [`IDLE`] old, however many bytes of a next request came meanwhile;
+//! - a request's header must arrive within [`HEADER_READ_TIMEOUT`] once begun, its body
+//!   within [`BODY_TIMEOUT`]; an idle connection told to close that does not (an HTTP/2 client
+//!   not answering the PING, an HTTP/1 one not reading) is dropped after [`CLOSE_GRACE`];
 //! - a TLS handshake has [`HANDSHAKE_TIMEOUT`];
-//! - TCP keepalive finds clients whose host vanished.
+//! - TCP keepalive finds clients whose host vanished while the connection was quiet.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -21,8 +24,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::Router;
 use fencegate_core::ConnectionCap;
+use http_body::{Body, Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
@@ -43,6 +48,19 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long hyper waits for a request's whole header once it began reading it.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a request's body may take to arrive whole: a request in flight keeps its
+/// connection from idling, so a body trickled a byte a minute must not keep it forever (a Raft
+/// snapshot comes in chunks of a few MiB).
+const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long an idle connection told to close may take to do so (an HTTP/2 client must answer
+/// a PING first, an HTTP/1 one read its last answer) before it is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(10);
+
+/// HTTP/2 connections are PINGed this often, and dropped when a PING goes unanswered this long.
+const H2_PING: Duration = Duration::from_secs(30);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// One listener's open connections, counted against its bound.
 #[derive(Debug, Clone)]
@@ -123,6 +141,15 @@ pub async fn serve(
         };
         let tcp = match accepted {
             Ok((tcp, _)) => tcp,
+            // A client that gave up before it was accepted: nothing to wait for.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed; retrying");
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -170,7 +197,11 @@ async fn connection(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_READ_TIMEOUT);
-    builder.http2().timer(TokioTimer::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_PING)
+        .keep_alive_timeout(H2_PING_TIMEOUT);
     match tls {
         None => {
             run(
@@ -181,9 +212,16 @@ async fn connection(
             .await
         }
         Some(acceptor) => {
-            let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
-            else {
-                return;
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "TLS handshake refused");
+                    return;
+                }
+                Err(_) => {
+                    tracing::debug!("TLS handshake timed out");
+                    return;
+                }
             };
             run(
                 builder.serve_connection(TokioIo::new(tls), service),
@@ -202,14 +240,20 @@ async fn run<C: GracefulConnection>(
     stop: &mut watch::Receiver<bool>,
 ) {
     let mut connection = std::pin::pin!(connection);
-    tokio::select! {
+    let idle = tokio::select! {
         _ = connection.as_mut() => return,
-        () = activity.idle() => {}
-        () = stopped(stop) => {}
-    }
+        () = activity.idle() => true,
+        () = stopped(stop) => false,
+    };
     connection.as_mut().graceful_shutdown();
-    // A request in flight finishes; an idle connection closes at once.
-    let _ = connection.await;
+    if idle {
+        // Nothing in flight: a client that does not let it close (no answer to HTTP/2's PING,
+        // its last answer left unread) is dropped.
+        let _ = tokio::time::timeout(CLOSE_GRACE, connection).await;
+    } else {
+        // A request in flight finishes (the node's drain bounds the wait).
+        let _ = connection.await;
+    }
 }
 
 /// Whether a connection has a request in flight, and since when it has had none.
@@ -267,7 +311,7 @@ struct Tracked {
 
 impl<B> tower_service::Service<axum::http::Request<B>> for Tracked
 where
-    B: axum::body::HttpBody<Data = axum::body::Bytes> + Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<axum::BoxError>,
 {
     type Response = axum::response::Response;
@@ -282,12 +326,64 @@ where
     fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
         self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.activity.clone());
+        let request = request.map(|body| Deadline::new(body, BODY_TIMEOUT));
         let answer = tower_service::Service::call(&mut self.app, request);
         Box::pin(async move {
             let answer = answer.await;
             drop(in_flight);
             answer
         })
+    }
+}
+
+/// A request body that must arrive whole within its time: past it, the next read fails (the
+/// handler's extractor answers 400) and the request ends.
+struct Deadline<B> {
+    body: B,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> Deadline<B> {
+    fn new(body: B, within: Duration) -> Self {
+        Self {
+            body,
+            deadline: Box::pin(tokio::time::sleep(within)),
+        }
+    }
+}
+
+impl<B> Body for Deadline<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|f| f.map_err(Into::into))),
+            Poll::Pending => match this.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(format!(
+                    "the request's body did not arrive within {} s",
+                    BODY_TIMEOUT.as_secs()
+                )
+                .into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -339,5 +435,65 @@ mod tests {
         let answered = Instant::now();
         activity.idle().await;
         assert!(answered.elapsed() >= IDLE && answered.elapsed() < 2 * IDLE);
+    }
+
+    /// A body that never comes.
+    struct Never;
+
+    impl Body for Never {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Pending
+        }
+    }
+
+    /// A body of one frame.
+    struct Once(Option<Bytes>);
+
+    impl Body for Once {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Ready(self.0.take().map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    async fn next<B: Body<Data = Bytes> + Unpin>(
+        body: &mut Deadline<B>,
+    ) -> Option<Result<Bytes, String>>
+    where
+        B::Error: Into<axum::BoxError>,
+    {
+        std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx))
+            .await
+            .map(|f| {
+                f.map(|f| f.into_data().unwrap_or_default())
+                    .map_err(|e| e.to_string())
+            })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_must_arrive_within_its_time() {
+        let began = Instant::now();
+        let mut never = Deadline::new(Never, BODY_TIMEOUT);
+        let e = next(&mut never)
+            .await
+            .expect("a frame")
+            .expect_err("timed out");
+        assert_eq!(began.elapsed(), BODY_TIMEOUT);
+        assert!(e.contains("did not arrive within 60 s"), "{e}");
+
+        let mut once = Deadline::new(Once(Some(Bytes::from_static(b"{}"))), BODY_TIMEOUT);
+        assert_eq!(next(&mut once).await, Some(Ok(Bytes::from_static(b"{}"))));
+        assert_eq!(next(&mut once).await, None);
     }
 }
