@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::Router;
-use fencegate_core::ConnectionCap;
+use fencegate_core::{Admission, ConnectionCap};
 use http_body::{Body, Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -62,42 +62,6 @@ const CLOSE_GRACE: Duration = Duration::from_secs(10);
 const H2_PING: Duration = Duration::from_secs(30);
 const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// One listener's open connections, counted against its bound.
-#[derive(Debug, Clone)]
-struct ApiConnections {
-    open: Arc<AtomicUsize>,
-    max: usize,
-}
-
-/// One admitted connection: counted until dropped.
-#[derive(Debug)]
-struct ApiSlot(Arc<AtomicUsize>);
-
-impl Drop for ApiSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl ApiConnections {
-    fn new(max: usize) -> Self {
-        Self {
-            open: Arc::new(AtomicUsize::new(0)),
-            max,
-        }
-    }
-
-    /// A slot for one more connection, if the bound allows it.
-    fn admit(&self) -> Option<ApiSlot> {
-        self.open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
-                (open < self.max).then_some(open + 1)
-            })
-            .ok()
-            .map(|_| ApiSlot(self.open.clone()))
-    }
-}
-
 /// What a plain-HTTP client over the bound gets.
 fn too_many(max: usize) -> Arc<[u8]> {
     let body = serde_json::json!({
@@ -124,15 +88,16 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// flight, and returns once they are all closed (the caller bounds that wait). Accept errors
 /// (EMFILE, say) are logged and retried, never fatal.
 pub async fn serve(
+    port: &'static str,
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     app: Router,
     max: usize,
     mut stop: watch::Receiver<bool>,
 ) {
-    let connections = ApiConnections::new(max);
-    let refusals = ConnectionCap::new(max);
+    let cap = ConnectionCap::new(max);
     let answer = too_many(max);
+    // One task per open connection: its count is what the cap bounds.
     let open = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
@@ -156,22 +121,29 @@ pub async fn serve(
                 continue;
             }
         };
-        let Some(slot) = connections.admit() else {
-            if tls.is_none() {
-                refusals.refuse(tcp, answer.clone());
+        match cap.admit(open.len()) {
+            Admission::Admitted => {}
+            Admission::Reopened { refused } => {
+                tracing::info!(port, refused, "the node admits connections again");
             }
-            continue;
-        };
+            Admission::Refused { first } => {
+                if first {
+                    tracing::warn!(
+                        port,
+                        max_api_connections = max,
+                        "the node holds [node] max_api_connections on this port; new connections are refused until one closes"
+                    );
+                }
+                if tls.is_none() {
+                    cap.refuse(tcp, answer.clone());
+                }
+                continue;
+            }
+        }
         if let Err(e) = ConnectionCap::keep_alive(&tcp) {
             tracing::debug!(error = %e, "TCP keepalive not set on an API connection");
         }
-        open.spawn(connection(
-            tcp,
-            slot,
-            tls.clone(),
-            app.clone(),
-            stop.clone(),
-        ));
+        open.spawn(connection(tcp, tls.clone(), app.clone(), stop.clone()));
     }
     drop(listener);
     open.close();
@@ -182,7 +154,6 @@ pub async fn serve(
 /// [`IDLE`], or the node stops (then the request in flight finishes first).
 async fn connection(
     tcp: TcpStream,
-    _slot: ApiSlot,
     tls: Option<TlsAcceptor>,
     app: Router,
     mut stop: watch::Receiver<bool>,
@@ -390,19 +361,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn slots_are_bounded_and_given_back() {
-        let connections = ApiConnections::new(2);
-        let a = connections.admit().expect("a first slot");
-        let b = connections.admit().expect("a second slot");
-        assert!(connections.admit().is_none());
-        drop(a);
-        let _c = connections.admit().expect("a freed slot");
-        assert!(connections.admit().is_none());
-        drop(b);
-        assert!(connections.admit().is_some());
-    }
 
     #[test]
     fn the_answer_is_one_whole_http_response() {

@@ -319,6 +319,7 @@ pub async fn serve(
         None => (None, None),
     };
     servers.spawn(crate::api_listener::serve(
+        "api",
         api_listener,
         api_tls,
         app,
@@ -327,6 +328,7 @@ pub async fn serve(
     ));
     if let Some(listener) = peer_listener {
         peer_server.spawn(crate::api_listener::serve(
+            "raft peer",
             listener,
             peer_tls,
             peer_app,

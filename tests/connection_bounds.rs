@@ -166,7 +166,7 @@ async fn the_api_holds_at_most_max_api_connections() {
         node: "max_api_connections = 2",
         ..NodeOptions::default()
     };
-    let node = GatewayNode::start_with(&options, "", &[]);
+    let mut node = GatewayNode::start_with(&options, "", &[]);
     let addr = ("127.0.0.1", node.api);
     // Each attempt's connection is closed before the next, so the bound never holds them up.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -185,17 +185,28 @@ async fn the_api_holds_at_most_max_api_connections() {
         held.push(c);
     }
 
-    let mut over = TcpStream::connect(addr).await.expect("connected");
-    let (status, body) = get_metrics(&mut over).await;
-    assert_eq!(status, 503, "{body}");
-    let body: serde_json::Value = serde_json::from_str(&body).expect("a JSON error body");
-    assert_eq!(body["error"], "too_many_connections");
-    assert!(body["message"]
-        .as_str()
-        .is_some_and(|m| m.contains("max_api_connections (2)")));
-    let mut rest = Vec::new();
-    over.read_to_end(&mut rest).await.expect("closed cleanly");
-    assert!(rest.is_empty(), "nothing after the answer");
+    for _ in 0..2 {
+        let mut over = TcpStream::connect(addr).await.expect("connected");
+        let (status, body) = get_metrics(&mut over).await;
+        assert_eq!(status, 503, "{body}");
+        let body: serde_json::Value = serde_json::from_str(&body).expect("a JSON error body");
+        assert_eq!(body["error"], "too_many_connections");
+        assert!(body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max_api_connections (2)")));
+        let mut rest = Vec::new();
+        over.read_to_end(&mut rest).await.expect("closed cleanly");
+        assert!(rest.is_empty(), "nothing after the answer");
+    }
+    // The operator reads one line when the bound is reached, not one per refused client.
+    let reached = "max_api_connections on this port";
+    node.wait_for_log(reached, Duration::from_secs(10));
+    assert_eq!(node.log_text().matches(reached).count(), 1);
+    assert!(
+        node.log_text().contains(r#"port="api""#),
+        "{}",
+        node.log_text()
+    );
 
     // The connections within the bound are served.
     for c in &mut held {
@@ -215,4 +226,19 @@ async fn the_api_holds_at_most_max_api_connections() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // ... and one when it is left, with how many were refused meanwhile (2, or more if a
+    // retry above came before the slot was freed).
+    node.wait_for_log("admits connections again", Duration::from_secs(10));
+    let log = node.log_text();
+    let again = log
+        .lines()
+        .find(|l| l.contains("admits connections again"))
+        .expect("the line");
+    let refused: u64 = again
+        .split("refused=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a refused count in {again:?}"));
+    assert!(refused >= 2, "{again}");
 }

@@ -8,6 +8,7 @@
 //! (`maxclients`) give, instead of a hang or a reset.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,12 +18,33 @@ use tokio_util::task::TaskTracker;
 
 use crate::SessionThreads;
 
-/// Admits a gateway's clients up to its `max_client_connections`, and refuses the rest.
+/// Admits a listener's clients up to its bound (a gateway's `max_client_connections`, the
+/// API's `max_api_connections`), and refuses the rest.
 #[derive(Debug)]
 pub struct ConnectionCap {
     max: usize,
+    /// Clients refused since the cap was last reached; 0 while clients are admitted.
+    refused: AtomicU64,
     /// Refused connections still being answered (bounded by [`ConnectionCap::REFUSING`]).
     refusing: TaskTracker,
+}
+
+/// What [`ConnectionCap::admit`] decided for one new client, with what the listener's log
+/// needs: one line when the cap is reached and one when it is left, not one per client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Admitted, as the client before.
+    Admitted,
+    /// Admitted, the first since the cap was reached; `refused` clients were refused meanwhile.
+    Reopened {
+        /// Clients refused while the cap was reached.
+        refused: u64,
+    },
+    /// Refused: the listener holds its bound. `first` when the client before was admitted.
+    Refused {
+        /// Whether this refusal is the first since the cap was reached.
+        first: bool,
+    },
 }
 
 impl ConnectionCap {
@@ -38,6 +60,7 @@ impl ConnectionCap {
     pub fn new(max: usize) -> Self {
         Self {
             max,
+            refused: AtomicU64::new(0),
             refusing: TaskTracker::new(),
         }
     }
@@ -47,16 +70,30 @@ impl ConnectionCap {
         self.max
     }
 
-    /// Whether a new client may be admitted beside the `open` ones.
-    pub fn admits(&self, open: usize) -> bool {
-        open < self.max
+    /// Admits a new client beside the `open` ones, or refuses it. One accept loop per cap
+    /// calls this, and only that loop adds connections, so `open` cannot pass the bound.
+    pub fn admit(&self, open: usize) -> Admission {
+        if open < self.max {
+            match self.refused.swap(0, Ordering::Relaxed) {
+                0 => Admission::Admitted,
+                refused => Admission::Reopened { refused },
+            }
+        } else {
+            let before = self.refused.fetch_add(1, Ordering::Relaxed);
+            Admission::Refused { first: before == 0 }
+        }
+    }
+
+    /// Whether a refusal may still be answered (fewer than [`Self::REFUSING`] in progress).
+    fn has_room(&self) -> bool {
+        self.refusing.len() < Self::REFUSING
     }
 
     /// Sends `answer` (the store's own refusal) to a client over the cap and closes the
     /// connection ([`ConnectionCap::answer_and_close`]), on a task of the caller's runtime
     /// bounded as [`ConnectionCap::refuse_on`] says. For answers that cost no more than a write.
     pub fn refuse(&self, socket: TcpStream, answer: Arc<[u8]>) {
-        if self.refusing.len() >= Self::REFUSING {
+        if !self.has_room() {
             return;
         }
         self.refusing.spawn(async move {
@@ -75,7 +112,7 @@ impl ConnectionCap {
         F: FnOnce(TcpStream) -> R + Send + 'static,
         R: Future<Output = ()> + Send + 'static,
     {
-        if self.refusing.len() >= Self::REFUSING {
+        if !self.has_room() {
             return;
         }
         // The socket leaves this runtime's reactor and joins the thread's.
@@ -122,13 +159,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn admits_below_the_cap_only() {
+    fn admits_below_the_cap_only_and_says_when_it_is_reached_and_left() {
         let cap = ConnectionCap::new(2);
-        assert!(cap.admits(0));
-        assert!(cap.admits(1));
-        assert!(!cap.admits(2));
-        assert!(!cap.admits(3));
-        assert!(!ConnectionCap::new(0).admits(0));
+        assert_eq!(cap.admit(0), Admission::Admitted);
+        assert_eq!(cap.admit(1), Admission::Admitted);
+        assert_eq!(cap.admit(2), Admission::Refused { first: true });
+        assert_eq!(cap.admit(2), Admission::Refused { first: false });
+        assert_eq!(cap.admit(3), Admission::Refused { first: false });
+        assert_eq!(cap.admit(1), Admission::Reopened { refused: 3 });
+        assert_eq!(cap.admit(1), Admission::Admitted);
+        assert_eq!(cap.admit(2), Admission::Refused { first: true });
+        assert_eq!(cap.admit(0), Admission::Reopened { refused: 1 });
+        assert_eq!(
+            ConnectionCap::new(0).admit(0),
+            Admission::Refused { first: true }
+        );
     }
 
     #[tokio::test]

@@ -42,7 +42,7 @@ pub use audit_record::{
     now_millis, rfc3339_millis, AuditEvent, AuditRecord, OperationSummary, GENESIS_HASH,
 };
 pub use audit_sink::{AuditSink, AuditSinkError, MemoryAuditSink, SinkFuture};
-pub use connection_cap::ConnectionCap;
+pub use connection_cap::{Admission, ConnectionCap};
 pub use error::{ResourceError, TokenError, UnknownStore};
 pub use fence_reset::FenceReset;
 pub use idle_timer::IdleTimer;

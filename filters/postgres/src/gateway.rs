@@ -4,7 +4,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use fencegate_core::{AuditSink, ConnectionCap, Resource, SessionThreads, Store, TokenPolicy};
+use fencegate_core::{
+    Admission, AuditSink, ConnectionCap, Resource, SessionThreads, Store, TokenPolicy,
+};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -144,8 +146,6 @@ impl Gateway {
         listener: TcpListener,
         shutdown: CancellationToken,
     ) -> Result<(), PostgresError> {
-        // Refusals since the cap was last reached (logged once when reached, once when left).
-        let mut refused: Option<u64> = None;
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
@@ -161,28 +161,29 @@ impl Gateway {
                     continue;
                 }
             };
-            // Only this loop adds sessions, so the count cannot pass the cap.
-            if !self.cap.admits(self.sessions.len()) {
-                if refused.is_none() {
-                    tracing::warn!(
-                        max_client_connections = self.cap.max(),
-                        "the postgres gateway holds max_client_connections; new clients get SQLSTATE 53300 until one leaves"
-                    );
+            match self.cap.admit(self.sessions.len()) {
+                Admission::Admitted => {}
+                Admission::Reopened { refused } => {
+                    tracing::info!(refused, "the postgres gateway admits clients again");
                 }
-                *refused.get_or_insert(0) += 1;
-                self.sink.connection_refused(Store::Postgres);
-                let gateway = self.clone();
-                self.cap
-                    .refuse_on(&self.threads, socket, |socket| async move {
-                        session::refuse_over_cap(&gateway, socket, &gateway.too_many).await;
-                    });
-                continue;
+                Admission::Refused { first } => {
+                    if first {
+                        tracing::warn!(
+                            max_client_connections = self.cap.max(),
+                            "the postgres gateway holds max_client_connections; new clients get SQLSTATE 53300 until one leaves"
+                        );
+                    }
+                    self.sink.connection_refused(Store::Postgres);
+                    let gateway = self.clone();
+                    self.cap
+                        .refuse_on(&self.threads, socket, |socket| async move {
+                            session::refuse_over_cap(&gateway, socket, &gateway.too_many).await;
+                        });
+                    continue;
+                }
             }
             if let Err(e) = ConnectionCap::keep_alive(&socket) {
                 tracing::debug!(error = %e, %peer, "TCP keepalive not set on a PostgreSQL client");
-            }
-            if let Some(refused) = refused.take() {
-                tracing::info!(refused, "the postgres gateway admits clients again");
             }
             // The session runs on a session thread (see `fencegate_core::SessionThreads`): the socket leaves
             // this runtime's reactor and joins that thread's.

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate_core::{
-    AuditSink, Charge, ConnectionCap, RefusalBudget, ServerCert, SessionThreads, Store, TokenPolicy,
+    Admission, AuditSink, Charge, ConnectionCap, RefusalBudget, ServerCert, SessionThreads, Store,
+    TokenPolicy,
 };
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
@@ -341,8 +342,6 @@ impl Gateway {
             }
         });
         let mut backoff = Duration::from_millis(10);
-        // Refusals since the cap was last reached (logged once when reached, once when left).
-        let mut refused: Option<u64> = None;
         let too_many: Arc<[u8]> = Arc::from(TOO_MANY_CLIENTS);
         loop {
             let accepted = tokio::select! {
@@ -361,31 +360,32 @@ impl Gateway {
                 }
             };
             backoff = Duration::from_millis(10);
-            // Only this loop adds sessions, so the count cannot pass the cap.
-            if !self.cap.admits(self.sessions.len()) {
-                if refused.is_none() {
-                    tracing::warn!(
-                        max_client_connections = self.cap.max(),
-                        "the redis gateway holds max_client_connections; new clients are refused until one leaves"
-                    );
+            match self.cap.admit(self.sessions.len()) {
+                Admission::Admitted => {}
+                Admission::Reopened { refused } => {
+                    tracing::info!(refused, "the redis gateway admits clients again");
                 }
-                *refused.get_or_insert(0) += 1;
-                self.sink.connection_refused(Store::Redis);
-                // A TLS client gets nothing written in clear (a record error is all it would
-                // read), as from redis-server over its maxclients: the connection is closed.
-                if self.tls.is_none() {
-                    let answer = too_many.clone();
-                    self.cap.refuse_on(&self.threads, socket, |socket| {
-                        ConnectionCap::answer_and_close(socket, answer)
-                    });
+                Admission::Refused { first } => {
+                    if first {
+                        tracing::warn!(
+                            max_client_connections = self.cap.max(),
+                            "the redis gateway holds max_client_connections; new clients are refused until one leaves"
+                        );
+                    }
+                    self.sink.connection_refused(Store::Redis);
+                    // A TLS client gets nothing written in clear (a record error is all it
+                    // would read), as from redis-server over its maxclients: it is closed.
+                    if self.tls.is_none() {
+                        let answer = too_many.clone();
+                        self.cap.refuse_on(&self.threads, socket, |socket| {
+                            ConnectionCap::answer_and_close(socket, answer)
+                        });
+                    }
+                    continue;
                 }
-                continue;
             }
             if let Err(e) = ConnectionCap::keep_alive(&socket) {
                 tracing::debug!(error = %e, %peer, "TCP keepalive not set on a Redis client");
-            }
-            if let Some(refused) = refused.take() {
-                tracing::info!(refused, "the redis gateway admits clients again");
             }
             // The session runs on a session thread (see `fencegate_core::SessionThreads`): the
             // socket leaves this runtime's reactor and joins that thread's.
