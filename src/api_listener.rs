@@ -8,11 +8,13 @@
 //! - at most `[node] max_api_connections` are open at once; one more gets `503` with the API's
 //!   error body and `Retry-After` over plain HTTP, and is closed over TLS (an answer would
 //!   need a handshake);
-//! - a connection with no request in flight is closed once the last request's answer (or the
-//!   connection's start) is [`IDLE`] old, however many bytes of a next request came meanwhile;
+//! - a new connection must send its first request within [`FIRST_REQUEST`]; after that, one
+//!   with no request in flight is closed once the last request's answer is [`IDLE`] old,
+//!   however many bytes of a next request came meanwhile;
 //! - a request's header must arrive within [`HEADER_READ_TIMEOUT`] once begun, its body
-//!   within [`BODY_TIMEOUT`]; an idle connection told to close that does not (an HTTP/2 client
-//!   not answering the PING, an HTTP/1 one not reading) is dropped after [`CLOSE_GRACE`];
+//!   within [`BODY_TIMEOUT`]; a connection told to close that does not, with no request in
+//!   flight (an HTTP/2 client not answering the PING, an HTTP/1 one not reading), is dropped
+//!   after [`CLOSE_GRACE`];
 //! - a TLS handshake has [`HANDSHAKE_TIMEOUT`];
 //! - TCP keepalive finds clients whose host vanished while the connection was quiet.
 
@@ -43,6 +45,11 @@ use tokio_util::task::TaskTracker;
 /// do not send on a connection the node is closing.
 pub const IDLE: Duration = Duration::from_secs(120);
 
+/// How long a new connection may go without its first request (its TLS handshake included):
+/// clients send a request as soon as they connect, and an attacker holding slots with empty
+/// connections must open one every `FIRST_REQUEST / max` instead of every `IDLE / max`.
+const FIRST_REQUEST: Duration = Duration::from_secs(20);
+
 /// How long a TLS handshake may take before the connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -50,12 +57,13 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a request's body may take to arrive whole: a request in flight keeps its
-/// connection from idling, so a body trickled a byte a minute must not keep it forever (a Raft
-/// snapshot comes in chunks of a few MiB).
+/// connection from idling, so a body trickled a byte a minute must not keep it forever. Far
+/// above what any real body takes: the largest, a Raft snapshot chunk, has 10 s to be sent
+/// and installed (`authority::SNAPSHOT_CHUNK_TIMEOUT`).
 const BODY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How long an idle connection told to close may take to do so (an HTTP/2 client must answer
-/// a PING first, an HTTP/1 one read its last answer) before it is dropped.
+/// How long a connection told to close, with no request in flight, may take to do so (an HTTP/2
+/// client must answer a PING first, an HTTP/1 one read its last answer) before it is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(10);
 
 /// HTTP/2 connections are PINGed this often, and dropped when a PING goes unanswered this long.
@@ -106,15 +114,7 @@ pub async fn serve(
         };
         let tcp = match accepted {
             Ok((tcp, _)) => tcp,
-            // A client that gave up before it was accepted: nothing to wait for.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
-                ) =>
-            {
-                continue;
-            }
+            Err(e) if ConnectionCap::client_gave_up(&e) => continue,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed; retrying");
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -211,52 +211,54 @@ async fn run<C: GracefulConnection>(
     stop: &mut watch::Receiver<bool>,
 ) {
     let mut connection = std::pin::pin!(connection);
-    let idle = tokio::select! {
+    tokio::select! {
         _ = connection.as_mut() => return,
-        () = activity.idle() => true,
-        () = stopped(stop) => false,
-    };
+        () = activity.idle() => {}
+        () = stopped(stop) => {}
+    }
     connection.as_mut().graceful_shutdown();
-    if idle {
-        // Nothing in flight: a client that does not let it close (no answer to HTTP/2's PING,
-        // its last answer left unread) is dropped.
-        let _ = tokio::time::timeout(CLOSE_GRACE, connection).await;
-    } else {
-        // A request in flight finishes (the node's drain bounds the wait).
-        let _ = connection.await;
+    // A request in flight finishes (an HTTP/2 client may still begin one it sent before it read
+    // the GOAWAY; on a stop the node's drain bounds the wait). With none in flight, a client
+    // that does not let the connection close (no answer to HTTP/2's PING, its last answer left
+    // unread) is dropped.
+    loop {
+        match tokio::time::timeout(CLOSE_GRACE, connection.as_mut()).await {
+            Ok(_) => return,
+            Err(_) if activity.in_flight.load(Ordering::Acquire) == 0 => return,
+            Err(_) => {}
+        }
     }
 }
 
 /// Whether a connection has a request in flight, and since when it has had none.
 struct Activity {
     in_flight: AtomicUsize,
-    /// When the last request in flight was answered (or the connection began).
-    since: Mutex<Instant>,
+    /// When the connection, with no request in flight, is idle: [`FIRST_REQUEST`] after it
+    /// began, then [`IDLE`] after each answer.
+    idle_at: Mutex<Instant>,
 }
 
 impl Activity {
     fn new() -> Self {
         Self {
             in_flight: AtomicUsize::new(0),
-            since: Mutex::new(Instant::now()),
+            idle_at: Mutex::new(Instant::now() + FIRST_REQUEST),
         }
     }
 
-    fn since(&self) -> Instant {
-        *self.since.lock().unwrap_or_else(|e| e.into_inner())
+    fn idle_at(&self) -> Instant {
+        *self.idle_at.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Resolves once the connection has had no request in flight for [`IDLE`].
+    /// Resolves once the connection has had no request in flight since its `idle_at`.
     async fn idle(&self) {
         loop {
-            let deadline = self.since() + IDLE;
-            tokio::time::sleep_until(deadline).await;
-            if self.in_flight.load(Ordering::Acquire) == 0 && self.since() + IDLE <= Instant::now()
-            {
+            tokio::time::sleep_until(self.idle_at()).await;
+            if self.in_flight.load(Ordering::Acquire) == 0 && self.idle_at() <= Instant::now() {
                 return;
             }
             if self.in_flight.load(Ordering::Acquire) > 0 {
-                // Busy: look again a period later (or once it is answered, as `since` moves).
+                // Busy: look again a period later (or once it is answered, as `idle_at` moves).
                 tokio::time::sleep(IDLE).await;
             }
         }
@@ -268,7 +270,7 @@ struct InFlight(Arc<Activity>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        *self.0.since.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        *self.0.idle_at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now() + IDLE;
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -312,6 +314,8 @@ where
 struct Deadline<B> {
     body: B,
     deadline: Pin<Box<tokio::time::Sleep>>,
+    /// The deadline passed: the body ended with its error, and stays ended.
+    expired: bool,
 }
 
 impl<B> Deadline<B> {
@@ -319,6 +323,7 @@ impl<B> Deadline<B> {
         Self {
             body,
             deadline: Box::pin(tokio::time::sleep(within)),
+            expired: false,
         }
     }
 }
@@ -336,21 +341,27 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
         let this = self.get_mut();
+        if this.expired {
+            return Poll::Ready(None);
+        }
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(frame) => Poll::Ready(frame.map(|f| f.map_err(Into::into))),
             Poll::Pending => match this.deadline.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(format!(
-                    "the request's body did not arrive within {} s",
-                    BODY_TIMEOUT.as_secs()
-                )
-                .into()))),
+                Poll::Ready(()) => {
+                    this.expired = true;
+                    Poll::Ready(Some(Err(format!(
+                        "the request's body did not arrive within {} s",
+                        BODY_TIMEOUT.as_secs()
+                    )
+                    .into())))
+                }
                 Poll::Pending => Poll::Pending,
             },
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.expired || self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -376,14 +387,18 @@ mod tests {
             .is_some_and(|m| m.contains("max_api_connections (7)")));
     }
 
-    /// Idle means no request in flight for `IDLE` since the last answer, however long a
-    /// request was in flight before.
+    /// Idle means no first request within `FIRST_REQUEST`, then no request in flight for
+    /// `IDLE` since the last answer, however long a request was in flight before.
     #[tokio::test(start_paused = true)]
     async fn idle_counts_from_the_last_answer_and_never_while_busy() {
         let activity = Arc::new(Activity::new());
         let began = Instant::now();
         activity.idle().await;
-        assert_eq!(began.elapsed(), IDLE, "a connection with no request");
+        assert_eq!(
+            began.elapsed(),
+            FIRST_REQUEST,
+            "a connection with no request"
+        );
 
         activity.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(activity.clone());
@@ -449,6 +464,8 @@ mod tests {
             .expect_err("timed out");
         assert_eq!(began.elapsed(), BODY_TIMEOUT);
         assert!(e.contains("did not arrive within 60 s"), "{e}");
+        assert!(never.is_end_stream(), "ended by its deadline");
+        assert_eq!(next(&mut never).await, None, "and stays ended");
 
         let mut once = Deadline::new(Once(Some(Bytes::from_static(b"{}"))), BODY_TIMEOUT);
         assert_eq!(next(&mut once).await, Some(Ok(Bytes::from_static(b"{}"))));

@@ -126,6 +126,16 @@ impl ConnectionCap {
         });
     }
 
+    /// Whether a failed accept only says that a client gave up while queued (its connection
+    /// aborted or reset before it was accepted): nothing is short, unlike EMFILE, so the
+    /// listener accepts again at once rather than backing off, and does not log it.
+    pub fn client_gave_up(error: &std::io::Error) -> bool {
+        matches!(
+            error.kind(),
+            std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+        )
+    }
+
     /// Turns TCP keepalive on for an accepted client: a client whose host vanished (no FIN, no
     /// reset: a VM killed, a partition) is found out within about two minutes and its slot
     /// given back, as Redis (`tcp-keepalive`) and PostgreSQL do for theirs.
@@ -174,6 +184,20 @@ mod tests {
             ConnectionCap::new(0).admit(0),
             Admission::Refused { first: true }
         );
+    }
+
+    #[test]
+    fn a_client_that_gave_up_is_not_a_shortage() {
+        use std::io::{Error, ErrorKind};
+        assert!(ConnectionCap::client_gave_up(&Error::from(
+            ErrorKind::ConnectionAborted
+        )));
+        assert!(ConnectionCap::client_gave_up(&Error::from_raw_os_error(
+            104 // ECONNRESET
+        )));
+        assert!(!ConnectionCap::client_gave_up(&Error::from_raw_os_error(
+            24 // EMFILE
+        )));
     }
 
     #[tokio::test]

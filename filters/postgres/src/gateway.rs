@@ -153,8 +153,9 @@ impl Gateway {
             };
             let (socket, peer) = match accepted {
                 Ok(accepted) => accepted,
-                // EMFILE, ENFILE, ECONNABORTED...: one failed accept must not stop the listener
-                // for good (issue 12, bypass 8). Back off briefly so a full fd table is not spun on.
+                Err(e) if ConnectionCap::client_gave_up(&e) => continue,
+                // EMFILE, ENFILE...: one failed accept must not stop the listener for good
+                // (issue 12, bypass 8). Back off briefly so a full fd table is not spun on.
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a PostgreSQL client failed; retrying");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;

@@ -350,8 +350,9 @@ impl Gateway {
             };
             let (socket, peer) = match accepted {
                 Ok(pair) => pair,
+                Err(e) if ConnectionCap::client_gave_up(&e) => continue,
                 Err(e) => {
-                    // EMFILE, ENFILE, ENOBUFS, a connection reset before accept: transient.
+                    // EMFILE, ENFILE, ENOBUFS: transient.
                     // Ending here would stop the gateway for good while its process lives.
                     tracing::error!(error = %e, retry_in = ?backoff, "accepting a Redis client failed; retrying");
                     tokio::time::sleep(backoff).await;
