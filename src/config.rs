@@ -205,6 +205,11 @@ pub struct AuthorityConfig {
     /// The longest a client may wait for a held lock.
     #[serde(default = "default_max_wait_ms")]
     pub max_wait_ms: u64,
+    /// The most live leases the cluster holds: an acquire beyond it is refused (429), so that
+    /// clients cannot grow the replicated state, its snapshots and every node's memory without
+    /// end (DESIGN rule 10).
+    #[serde(default = "default_max_leases")]
+    pub max_leases: u64,
     /// Added to the revision when a snapshot is restored, so no token is handed out twice.
     #[serde(default = "default_restore_bump")]
     pub restore_bump: u64,
@@ -322,6 +327,9 @@ fn default_max_ttl_ms() -> u64 {
 fn default_max_wait_ms() -> u64 {
     300_000
 }
+fn default_max_leases() -> u64 {
+    100_000
+}
 fn default_restore_bump() -> u64 {
     1_000_000
 }
@@ -344,6 +352,7 @@ impl Default for AuthorityConfig {
             election_timeout_min_ms: default_election_min_ms(),
             election_timeout_max_ms: default_election_max_ms(),
             max_ttl_ms: default_max_ttl_ms(),
+            max_leases: default_max_leases(),
             max_wait_ms: default_max_wait_ms(),
             restore_bump: default_restore_bump(),
             snapshot_every_logs: default_snapshot_logs(),
@@ -509,6 +518,12 @@ impl Config {
             return Err((
                 "authority.max_ttl_ms".into(),
                 "max_ttl_ms must be positive".into(),
+            ));
+        }
+        if !(1..=10_000_000).contains(&a.max_leases) {
+            return Err((
+                "authority.max_leases".into(),
+                format!("max_leases ({}) must be in 1..=10000000", a.max_leases),
             ));
         }
         if a.restore_bump == 0 {

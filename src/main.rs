@@ -45,6 +45,9 @@ use config::Config;
 /// How long client commands keep trying while no endpoint answers or an election runs.
 const PATIENCE: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// A restore goes through the log in parts: `[authority] max_leases` of them take a few
+/// seconds (see `ops::RESTORE_TIMEOUT` on the node's side).
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Adding a node waits for it to catch up with the log (the leader gives up after a minute).
 const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -276,7 +279,7 @@ async fn snapshot(command: SnapshotCommand) -> anyhow::Result<ExitCode> {
                         Method::POST,
                         "/v1/snapshot/restore",
                         Some(&body),
-                        REQUEST_TIMEOUT,
+                        RESTORE_TIMEOUT,
                     )
                     .await?,
                 endpoint.output,

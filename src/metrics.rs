@@ -21,6 +21,8 @@ struct BuildLabels {
 pub struct Metrics {
     registry: Registry,
     pub acquires: Counter,
+    /// Acquires refused because the cluster holds `[authority] max_leases`.
+    pub leases_refused: Counter,
     pub keepalives: Counter,
     pub expiries: Counter,
     pub releases: Counter,
@@ -46,6 +48,7 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("fencegate");
         let metrics = Self {
             acquires: Counter::default(),
+            leases_refused: Counter::default(),
             keepalives: Counter::default(),
             expiries: Counter::default(),
             releases: Counter::default(),
@@ -103,6 +106,11 @@ impl Default for Metrics {
             "authority_acquires",
             "Locks granted by this node as leader",
             metrics.acquires.clone(),
+        );
+        registry.register(
+            "authority_leases_refused",
+            "Acquires refused by this node as leader because the cluster holds [authority] max_leases live leases",
+            metrics.leases_refused.clone(),
         );
         registry.register(
             "authority_keepalives",

@@ -14,6 +14,9 @@ use crate::authority::state::AuthorityState;
 
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A restore forwarded to the leader: its parts go through the log one after another.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The version tag of a saved snapshot file.
 pub const SNAPSHOT_FORMAT: &str = "fencegate-snapshot/1";
 
@@ -59,7 +62,7 @@ pub async fn restore(
     }
     let result = state.authority.restore(file.state).await;
     Ok(
-        answer(&state, original, FORWARD_TIMEOUT, result, |revision| {
+        answer(&state, original, RESTORE_TIMEOUT, result, |revision| {
             ok(json!({ "restored": true, "revision": revision }))
         })
         .await,

@@ -61,12 +61,20 @@ impl From<AuthorityError> for ApiError {
                 e.to_string(),
             ),
             AuthorityError::BadSnapshot(_) => Self::bad_request(e.to_string()),
+            AuthorityError::RestoreInterrupted => {
+                Self::new(StatusCode::CONFLICT, "restore_interrupted", e.to_string())
+            }
             AuthorityError::KeyRefused(_) => {
                 Self::new(StatusCode::CONFLICT, "key_refused", e.to_string())
             }
             AuthorityError::Membership(_) => {
                 Self::new(StatusCode::CONFLICT, "membership_refused", e.to_string())
             }
+            AuthorityError::TooManyLeases { .. } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_leases",
+                e.to_string(),
+            ),
             AuthorityError::RevisionExhausted => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "revision_exhausted",

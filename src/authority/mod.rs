@@ -58,10 +58,16 @@ pub enum AuthorityError {
     RevisionExhausted,
     #[error("the snapshot is not consistent: {0}")]
     BadSnapshot(String),
+    #[error("another restore began before this one was applied whole; nothing of this one was applied: run it again (only one restore at a time)")]
+    RestoreInterrupted,
     #[error("token key change refused: {0}")]
     KeyRefused(String),
     #[error("membership change refused: {0}")]
     Membership(String),
+    #[error(
+        "the cluster holds its [authority] max_leases ({max}) live leases; release leases no longer needed (or let them expire), or raise max_leases on every node"
+    )]
+    TooManyLeases { max: u64 },
 }
 
 /// A lock granted to a client.
@@ -205,6 +211,7 @@ pub struct Authority {
     metrics: Arc<Metrics>,
     restore_bump: u64,
     max_ttl_ms: u64,
+    max_leases: u64,
     /// The last quorum confirmation of leadership: when its round started, and the term.
     confirmed: tokio::sync::Mutex<Option<(Instant, u64)>>,
     /// How long a confirmation may be reused; see `recent_leadership`.
@@ -282,6 +289,7 @@ impl Authority {
             metrics,
             restore_bump: config.authority.restore_bump,
             max_ttl_ms: config.authority.max_ttl_ms,
+            max_leases: config.authority.max_leases,
             confirmed: tokio::sync::Mutex::new(None),
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
             draining: Arc::default(),
@@ -345,6 +353,16 @@ impl Authority {
                     ttl_ms,
                 )?));
             }
+        }
+        // Checked by the leader (a follower forwards the acquire to it) and not where commands
+        // are applied: every node must apply the same log the same way whatever its config
+        // says. Acquires proposed at once may pass the bound by their number.
+        let leads = self.raft.metrics().borrow().state == ServerState::Leader;
+        if leads && self.applied.read().await.state.leases.len() as u64 >= self.max_leases {
+            self.metrics.leases_refused.inc();
+            return Err(AuthorityError::TooManyLeases {
+                max: self.max_leases,
+            });
         }
         self.ensure_signing_key().await?;
         let command = Command::Acquire {
@@ -514,13 +532,28 @@ impl Authority {
         state
             .validate(self.max_ttl_ms)
             .map_err(AuthorityError::BadSnapshot)?;
-        match self
-            .propose(Command::Restore {
-                state: Box::new(state),
-                bump: self.restore_bump,
-            })
-            .await?
-        {
+        let pieces = state.pieces(state::RESTORE_PART_ITEMS);
+        let parts = u32::try_from(pieces.len())
+            .map_err(|_| AuthorityError::BadSnapshot("the state is too large".into()))?;
+        let restore = random_hex();
+        let mut outcome = Outcome::Nothing;
+        // In order, each once the one before is applied: the state machine takes a part only
+        // after the one before it.
+        for (index, piece) in (0..parts).zip(pieces) {
+            outcome = self
+                .propose(Command::RestorePart {
+                    restore: restore.clone(),
+                    index,
+                    parts,
+                    piece: Box::new(piece),
+                    bump: self.restore_bump,
+                })
+                .await?;
+            if outcome == Outcome::RestoreInterrupted {
+                return Err(AuthorityError::RestoreInterrupted);
+            }
+        }
+        match outcome {
             Outcome::Bumped { revision } => Ok(revision),
             Outcome::RevisionExhausted => Err(AuthorityError::RevisionExhausted),
             other => Err(AuthorityError::Unavailable(format!(
@@ -823,6 +856,13 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// The size of one snapshot chunk sent to a lagging node (about 1 MiB as JSON).
+const SNAPSHOT_CHUNK_BYTES: u64 = 256 * 1024;
+
+/// How long one snapshot chunk may take to be sent, and the last one to be installed with the
+/// whole state (`[authority] max_leases` of them at most).
+const SNAPSHOT_CHUNK_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn raft_config(c: &AuthorityConfig) -> Result<openraft::Config, String> {
     openraft::Config {
         cluster_name: "fencegate".into(),
@@ -831,6 +871,12 @@ fn raft_config(c: &AuthorityConfig) -> Result<openraft::Config, String> {
         election_timeout_max: c.election_timeout_max_ms,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(c.snapshot_every_logs),
         max_in_snapshot_log_to_keep: c.snapshot_keep_logs,
+        // openraft's defaults (3 MiB chunks, 200 ms to send one, and to install the whole
+        // snapshot with the last) held only for small states: a chunk is about 12 MiB of JSON,
+        // and a state of many leases takes longer than that to install, so a lagging node
+        // never caught up. Small chunks, each with time to spare.
+        snapshot_max_chunk_size: SNAPSHOT_CHUNK_BYTES,
+        install_snapshot_timeout: SNAPSHOT_CHUNK_TIMEOUT.as_millis() as u64,
         ..Default::default()
     }
     .validate()

@@ -2,7 +2,8 @@
 //! in insecure mode).
 
 use openraft::error::{
-    InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
+    InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError,
+    Unreachable,
 };
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -22,6 +23,14 @@ pub const SNAPSHOT_PATH: &str = "/raft/snapshot";
 pub const MEMBERSHIP_PATH: &str = "/raft/membership";
 /// A draining leader names its successor (see `authority::hand_over`).
 pub const HAND_OVER_PATH: &str = "/raft/hand-over";
+
+/// The largest AppendEntries body sent with more than one entry. openraft gives an
+/// AppendEntries RPC one heartbeat interval (100 ms by default) to be sent, read and appended
+/// (fsync included); a batch of large entries that cannot make it in time is retried whole,
+/// and the follower, hearing nothing, campaigns. Past this size the batch is sent in smaller
+/// ones. No one entry comes near it (a restore is proposed in parts of
+/// `state::RESTORE_PART_BYTES`).
+pub const MAX_APPEND_BYTES: usize = 512 * 1024;
 
 /// Pause between attempts at a peer that refused the connection.
 const UNREACHABLE_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
@@ -114,11 +123,27 @@ impl Connection {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
+        let body = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        self.send(path, body, option).await
+    }
+
+    /// Sends a request body already serialized to JSON.
+    async fn send<Resp, E>(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<NodeId, Node, RaftError<NodeId, E>>>
+    where
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
         let url = format!("{}://{}{}", self.scheme, self.addr, path);
         let sent = self
             .http
             .post(url)
-            .json(req)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
             .timeout(option.hard_ttl())
             .send()
             .await
@@ -145,7 +170,14 @@ impl RaftNetwork<TypeConfig> for Connection {
         req: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
-        self.call(APPEND_PATH, &req, &option).await
+        let body =
+            serde_json::to_vec(&req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        if let Some(fewer) = fewer_entries(req.entries.len(), body.len()) {
+            return Err(RPCError::PayloadTooLarge(
+                PayloadTooLarge::new_entries_hint(fewer),
+            ));
+        }
+        self.send(APPEND_PATH, body, &option).await
     }
 
     async fn install_snapshot(
@@ -172,5 +204,37 @@ impl RaftNetwork<TypeConfig> for Connection {
         option: RPCOption,
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
         self.call(VOTE_PATH, &req, &option).await
+    }
+}
+
+/// How many entries to send instead, when `entries` entries made a body of `bytes`: about as
+/// many as fit in [`MAX_APPEND_BYTES`], at least one. `None` when the batch may go as it is.
+fn fewer_entries(entries: usize, bytes: usize) -> Option<u64> {
+    if entries <= 1 || bytes <= MAX_APPEND_BYTES {
+        return None;
+    }
+    let fit = (entries as u128 * MAX_APPEND_BYTES as u128 / bytes as u128) as u64;
+    Some(fit.clamp(1, entries as u64 - 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_over_the_size_is_cut_to_what_fits() {
+        assert_eq!(fewer_entries(300, MAX_APPEND_BYTES), None);
+        assert_eq!(
+            fewer_entries(1, 50 * MAX_APPEND_BYTES),
+            None,
+            "one entry goes alone"
+        );
+        assert_eq!(fewer_entries(300, 3 * MAX_APPEND_BYTES), Some(100));
+        assert_eq!(fewer_entries(2, 100 * MAX_APPEND_BYTES), Some(1));
+        assert_eq!(
+            fewer_entries(10, MAX_APPEND_BYTES + 1),
+            Some(9),
+            "always fewer"
+        );
     }
 }

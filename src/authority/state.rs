@@ -44,11 +44,41 @@ pub enum Command {
     /// Retire key `kid`: tokens it signed are refused from now on.
     RetireTokenKey { kid: u32 },
     /// Replace the whole state with a saved one, then raise the revision by `bump` above both
-    /// the saved and the current revision.
+    /// the saved and the current revision. Proposed by nodes older than [`Command::RestorePart`]
+    /// and still applied from their logs.
     Restore {
         state: Box<AuthorityState>,
         bump: u64,
     },
+    /// One piece of a saved state; once the last of `parts` is applied, the state is restored
+    /// as by [`Command::Restore`]. A whole state in one entry could not be replicated in an
+    /// AppendEntries RPC's time (one heartbeat interval) once it holds many leases, and each
+    /// piece is merged as it comes: the last part applies in no more time than the others.
+    RestorePart {
+        /// Names the restore: a part of another one does not join it.
+        restore: String,
+        /// This part's place, from 0, among `parts`.
+        index: u32,
+        parts: u32,
+        /// Part 0: the saved revision, last lease id and token keys; every part: some leases
+        /// with their locks and request ids.
+        piece: Box<AuthorityState>,
+        bump: u64,
+    },
+}
+
+/// About how many leases, locks and request ids one part of a restore carries.
+pub const RESTORE_PART_ITEMS: usize = 256;
+
+/// A restore whose parts are still being applied.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagedRestore {
+    pub restore: String,
+    pub parts: u32,
+    /// Parts applied so far.
+    pub received: u32,
+    /// Their pieces, merged.
+    pub state: Box<AuthorityState>,
 }
 
 /// What applying a command produced; returned to the proposer.
@@ -87,7 +117,10 @@ pub enum Outcome {
     KeyRefused {
         reason: String,
     },
-    /// Blank and membership entries.
+    /// A part of a restore that another restore overtook, or that came out of order: nothing
+    /// of it is applied.
+    RestoreInterrupted,
+    /// Blank and membership entries, and the parts of a restore before its last.
     Nothing,
 }
 
@@ -133,6 +166,10 @@ pub struct AuthorityState {
     /// Token signing keys by id.
     #[serde(default)]
     pub token_keys: BTreeMap<u32, StoredKey>,
+    /// A restore whose parts are still arriving: part of the replicated state, so that a
+    /// snapshot taken between two parts carries those already applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restoring: Option<StagedRestore>,
 }
 
 impl AuthorityState {
@@ -178,26 +215,118 @@ impl AuthorityState {
                 Some(revision) => Outcome::Bumped { revision },
                 None => Outcome::RevisionExhausted,
             },
-            Command::Restore { state, bump } => {
-                let floor = self.revision.max(state.revision);
-                freed.extend(
-                    self.locks
-                        .keys()
-                        .filter(|r| !state.locks.contains_key(*r))
-                        .cloned(),
-                );
-                // Keys are not rolled back: tokens signed since the snapshot must still verify,
-                // and a retired key must stay retired.
-                let mut keys = state.token_keys.clone();
-                keys.extend(std::mem::take(&mut self.token_keys));
-                *self = (**state).clone();
-                self.revision = floor;
-                self.token_keys = keys;
-                match self.advance(*bump) {
-                    Some(revision) => Outcome::Bumped { revision },
-                    None => Outcome::RevisionExhausted,
+            Command::Restore { state, bump } => self.restore((**state).clone(), *bump, freed),
+            Command::RestorePart {
+                restore,
+                index,
+                parts,
+                piece,
+                bump,
+            } => {
+                if *index == 0 {
+                    // A new restore overtakes one still arriving.
+                    self.restoring = Some(StagedRestore {
+                        restore: restore.clone(),
+                        parts: *parts,
+                        received: 0,
+                        state: Box::new(AuthorityState {
+                            revision: piece.revision,
+                            last_lease_id: piece.last_lease_id,
+                            token_keys: piece.token_keys.clone(),
+                            ..Default::default()
+                        }),
+                    });
+                }
+                let Some(staged) = self
+                    .restoring
+                    .as_mut()
+                    .filter(|s| s.restore == *restore && s.parts == *parts && s.received == *index)
+                else {
+                    return Outcome::RestoreInterrupted;
+                };
+                let state = &mut staged.state;
+                state
+                    .locks
+                    .extend(piece.locks.iter().map(|(r, l)| (r.clone(), l.clone())));
+                state
+                    .leases
+                    .extend(piece.leases.iter().map(|(id, l)| (*id, l.clone())));
+                state
+                    .requests
+                    .extend(piece.requests.iter().map(|(r, id)| (r.clone(), *id)));
+                staged.received += 1;
+                if staged.received < staged.parts {
+                    return Outcome::Nothing;
+                }
+                let whole = std::mem::take(&mut staged.state);
+                self.restoring = None;
+                self.restore(*whole, *bump, freed)
+            }
+        }
+    }
+
+    /// This state in pieces for [`Command::RestorePart`], each with about `items` leases,
+    /// locks and request ids: every lease with its locks and its request id (the whole state,
+    /// once [`AuthorityState::validate`] passed); the first piece also has the revision, the
+    /// last lease id and the token keys. Never empty.
+    pub fn pieces(&self, items: usize) -> Vec<AuthorityState> {
+        let mut pieces = vec![AuthorityState {
+            revision: self.revision,
+            last_lease_id: self.last_lease_id,
+            token_keys: self.token_keys.clone(),
+            ..Default::default()
+        }];
+        let mut count = 0;
+        for (id, lease) in &self.leases {
+            if count >= items {
+                pieces.push(AuthorityState::default());
+                count = 0;
+            }
+            let Some(piece) = pieces.last_mut() else {
+                break;
+            };
+            piece.leases.insert(*id, lease.clone());
+            count += 1;
+            for resource in &lease.resources {
+                if let Some(lock) = self.locks.get(resource) {
+                    piece.locks.insert(resource.clone(), lock.clone());
+                    count += 1;
                 }
             }
+            if let Some(request_id) = &lease.request_id {
+                piece.requests.insert(request_id.clone(), *id);
+                count += 1;
+            }
+        }
+        pieces
+    }
+
+    /// Replaces the state with `state`, then raises the revision by `bump` above both the
+    /// saved and the current revision.
+    fn restore(
+        &mut self,
+        mut state: AuthorityState,
+        bump: u64,
+        freed: &mut Vec<String>,
+    ) -> Outcome {
+        let floor = self.revision.max(state.revision);
+        freed.extend(
+            self.locks
+                .keys()
+                .filter(|r| !state.locks.contains_key(*r))
+                .cloned(),
+        );
+        // Keys are not rolled back: tokens signed since the snapshot must still verify, and a
+        // retired key must stay retired.
+        state
+            .token_keys
+            .extend(std::mem::take(&mut self.token_keys));
+        state.revision = floor;
+        state.restoring = None;
+        *self = state;
+        match self.advance(bump) {
+            Some(revision) => Outcome::Bumped { revision },
+            None => Outcome::RevisionExhausted,
         }
     }
 
@@ -428,6 +557,138 @@ mod tests {
         state.apply(&command, &mut Vec::new())
     }
 
+    /// The parts of a restore of `saved` named `restore`, about `items` items each.
+    fn parts_of(saved: &AuthorityState, restore: &str, items: usize) -> Vec<Command> {
+        let pieces = saved.pieces(items);
+        let parts = pieces.len() as u32;
+        pieces
+            .into_iter()
+            .enumerate()
+            .map(|(index, piece)| Command::RestorePart {
+                restore: restore.into(),
+                index: index as u32,
+                parts,
+                piece: Box::new(piece),
+                bump: 100,
+            })
+            .collect()
+    }
+
+    /// A state of `n` held locks, half with request ids, and a token key.
+    fn saved_state(n: usize) -> AuthorityState {
+        let mut saved = AuthorityState::default();
+        apply(
+            &mut saved,
+            Command::AddTokenKey {
+                kid: 1,
+                secret: "c2VjcmV0".into(),
+            },
+        );
+        for i in 0..n {
+            let request = format!("r{i}");
+            apply(
+                &mut saved,
+                acquire(
+                    &format!("kept{i}"),
+                    (i % 2 == 0).then_some(request.as_str()),
+                ),
+            );
+        }
+        saved
+    }
+
+    #[test]
+    fn the_pieces_of_a_state_make_it_whole() {
+        for n in [0, 1, 5, 40] {
+            let saved = saved_state(n);
+            for items in [1, 3, 256] {
+                let pieces = saved.pieces(items);
+                assert_eq!(pieces[0].revision, saved.revision);
+                assert_eq!(pieces[0].last_lease_id, saved.last_lease_id);
+                assert_eq!(pieces[0].token_keys, saved.token_keys);
+                let mut whole = pieces[0].clone();
+                for piece in &pieces[1..] {
+                    assert!(piece.leases.len() <= items, "{items} items a piece");
+                    whole.locks.extend(piece.locks.clone());
+                    whole.leases.extend(piece.leases.clone());
+                    whole.requests.extend(piece.requests.clone());
+                }
+                assert_eq!(whole, saved, "{n} locks in pieces of {items}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_restore_in_parts_applies_with_its_last_part_only() {
+        let saved = saved_state(6);
+        let mut live = AuthorityState::default();
+        for _ in 0..10 {
+            apply(&mut live, acquire("gone", None));
+            let lease_id = live.last_lease_id;
+            apply(&mut live, Command::Release { lease_id });
+        }
+        apply(&mut live, acquire("gone", None));
+        let parts = parts_of(&saved, "r", 2);
+        assert!(parts.len() > 3);
+        let (last, first) = parts.split_last().unwrap();
+        for part in first {
+            assert_eq!(apply(&mut live, part.clone()), Outcome::Nothing);
+            assert!(
+                live.locks.contains_key("gone"),
+                "nothing applied before the last part"
+            );
+        }
+        // A snapshot taken between two parts carries the staged ones.
+        let mut resumed: AuthorityState =
+            serde_json::from_slice(&serde_json::to_vec(&live).unwrap()).unwrap();
+        assert_eq!(resumed, live);
+        let mut freed = Vec::new();
+        assert_eq!(
+            resumed.apply(last, &mut freed),
+            Outcome::Bumped { revision: 121 }
+        );
+        assert_eq!(freed, ["gone"]);
+        assert_eq!(resumed.restoring, None);
+        assert_eq!(resumed.locks, saved.locks);
+        assert_eq!(resumed.leases, saved.leases);
+        assert_eq!(resumed.requests, saved.requests);
+        assert_eq!(resumed.last_lease_id, saved.last_lease_id);
+        assert_eq!(resumed.token_keys, saved.token_keys);
+        // Nothing staged is left in what a snapshot file shows.
+        assert!(!serde_json::to_string(&resumed)
+            .unwrap()
+            .contains("restoring"));
+    }
+
+    #[test]
+    fn a_restore_overtaken_or_out_of_order_applies_nothing() {
+        let saved = saved_state(4);
+        let mut live = AuthorityState::default();
+        apply(&mut live, acquire("live", None));
+        let a = parts_of(&saved, "a", 1);
+        let b = parts_of(&saved, "b", 1);
+        apply(&mut live, a[0].clone());
+        apply(&mut live, b[0].clone());
+        // A's next part finds B staged: refused, and B goes on.
+        assert_eq!(apply(&mut live, a[1].clone()), Outcome::RestoreInterrupted);
+        // A part twice, or skipped, is refused.
+        assert_eq!(
+            apply(&mut live, b[0].clone()),
+            Outcome::Nothing,
+            "b restarted"
+        );
+        assert_eq!(apply(&mut live, b[2].clone()), Outcome::RestoreInterrupted);
+        for part in &b[1..b.len() - 1] {
+            assert_eq!(apply(&mut live, part.clone()), Outcome::Nothing);
+        }
+        assert!(live.locks.contains_key("live"));
+        assert!(matches!(
+            apply(&mut live, b[b.len() - 1].clone()),
+            Outcome::Bumped { .. }
+        ));
+        assert!(live.locks.contains_key("kept0") && !live.locks.contains_key("live"));
+    }
+
     #[test]
     fn token_is_the_create_revision_and_deletes_advance_it() {
         let mut s = AuthorityState::default();
@@ -535,6 +796,13 @@ mod tests {
             Command::PromoteTokenKey { kid: 1 },
             Command::Restore {
                 state: Box::new(state),
+                bump: 1_000_000,
+            },
+            Command::RestorePart {
+                restore: "0f".into(),
+                index: 0,
+                parts: 2,
+                piece: Box::new(saved_state(2)),
                 bump: 1_000_000,
             },
         ];

@@ -138,10 +138,12 @@ impl StateMachine {
             .map_err(|e| sm_err(ErrorVerb::Read, e))
     }
 
-    async fn save(&self, stored: &StoredSnapshot) -> Result<(), StorageError> {
-        let bytes = serde_json::to_vec(stored).map_err(|e| sm_err(ErrorVerb::Write, e))?;
+    /// Serializes and stores `stored` off the runtime's threads: with many leases that takes
+    /// long enough to hold up Raft's heartbeats if done on them.
+    async fn save(&self, stored: StoredSnapshot) -> Result<(), StorageError> {
         let db = self.db.clone();
         tokio::task::spawn_blocking(move || {
+            let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, e))?;
             let tx = db.begin_write().map_err(|e| sm_err(ErrorVerb::Write, e))?;
             tx.open_table(SNAPSHOT)
                 .map_err(|e| sm_err(ErrorVerb::Write, e))?
@@ -156,10 +158,10 @@ impl StateMachine {
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
     async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError> {
-        let (data, meta) = {
+        // A copy under the lock (applying waits only that long); serialized off the runtime's
+        // threads.
+        let (state, meta) = {
             let applied = self.applied.read().await;
-            let data =
-                serde_json::to_vec(&applied.state).map_err(|e| sm_err(ErrorVerb::Read, e))?;
             let snapshot_id = match applied.last_applied {
                 Some(last) => format!(
                     "{}-{}-{}",
@@ -172,9 +174,13 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachine {
                 last_membership: applied.membership.clone(),
                 snapshot_id,
             };
-            (data, meta)
+            (applied.state.clone(), meta)
         };
-        self.save(&StoredSnapshot {
+        let data = tokio::task::spawn_blocking(move || serde_json::to_vec(&state))
+            .await
+            .map_err(|e| sm_err(ErrorVerb::Read, e))?
+            .map_err(|e| sm_err(ErrorVerb::Read, e))?;
+        self.save(StoredSnapshot {
             meta: meta.clone(),
             data: data.clone(),
         })
@@ -217,6 +223,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                                 | Command::PromoteTokenKey { .. }
                                 | Command::RetireTokenKey { .. }
                                 | Command::Restore { .. }
+                                | Command::RestorePart { .. }
                         );
                         applied.state.apply(&command, &mut freed)
                     }
@@ -253,9 +260,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        let state: AuthorityState = serde_json::from_slice(&data)
-            .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
-        self.save(&StoredSnapshot {
+        let (state, data) = tokio::task::spawn_blocking(move || {
+            (serde_json::from_slice::<AuthorityState>(&data), data)
+        })
+        .await
+        .map_err(|e| sm_err(ErrorVerb::Read, e))?;
+        let state = state.map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
+        self.save(StoredSnapshot {
             meta: meta.clone(),
             data,
         })

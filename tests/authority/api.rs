@@ -455,3 +455,68 @@ async fn lock_list_shows_held_locks_without_lease_handles() {
     assert_eq!(listed["locks"].as_array().unwrap().len(), 1, "{listed}");
     assert_eq!(listed["locks"][0]["resource"], "list:b", "{listed}");
 }
+
+/// Past `max_leases` live leases an acquire gets 429 with what to do, the state does not
+/// grow, and a released lease makes room again; a retried acquire of a held lease still gets
+/// its lease back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_past_max_leases_are_refused_until_one_is_released() {
+    let cluster = Cluster::start(3, "max_leases = 2").await;
+    let a = cluster.acquire(1, "a", 60_000).await;
+    let retried = json!({ "ttl_ms": 60_000, "request_id": "b-1" });
+    let (status, b) = cluster
+        .call(2, Method::POST, "/v1/locks/b", Some(retried.clone()))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{b}");
+
+    // Through a follower too: it forwards to the leader, which refuses.
+    for via in [1, 2, 3] {
+        let (status, refused) = cluster
+            .call(
+                via,
+                Method::POST,
+                "/v1/locks/c",
+                Some(json!({ "ttl_ms": 60_000 })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{refused}");
+        assert_eq!(refused["error"], "too_many_leases");
+        assert!(
+            refused["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("max_leases (2)") && m.contains("release")),
+            "{refused}"
+        );
+    }
+    let (_, snapshot) = cluster.get(1, "/v1/snapshot").await.unwrap();
+    assert_eq!(
+        snapshot["state"]["leases"].as_object().map(|l| l.len()),
+        Some(2)
+    );
+    assert!(snapshot["state"]["locks"].get("c").is_none());
+    // The retry of an acquire already granted is not a new lease.
+    let (status, again) = cluster
+        .call(3, Method::POST, "/v1/locks/b", Some(retried))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{again}");
+    assert_eq!(again, b);
+
+    cluster.release(1, a["lease_id"].as_str().unwrap()).await;
+    let c = cluster.acquire(3, "c", 60_000).await;
+    assert!(c["revision"].as_u64() > b["revision"].as_u64());
+    // The leader refused all three.
+    let leader = cluster.wait_for_leader(&cluster.ids()).await;
+    let metrics = cluster
+        .http
+        .get(format!("{}/metrics", cluster.url(leader)))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("fencegate_authority_leases_refused_total 3"),
+        "{metrics}"
+    );
+}

@@ -207,3 +207,93 @@ async fn a_lagging_node_catches_up_from_a_snapshot() {
     let next = token_of(&cluster.acquire(away, "after", 10_000).await);
     assert!(next > revision);
 }
+
+/// Live leases a cluster may realistically hold: the state a lagging node then catches up
+/// from is several MiB, sent in chunks.
+const MANY_LEASES: u64 = 20_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_node_catches_up_from_a_snapshot_of_many_leases() {
+    let mut cluster = Cluster::start(3, "snapshot_every_logs = 20\nsnapshot_keep_logs = 0").await;
+    let leader = cluster.wait_for_leader(&cluster.ids()).await;
+    let away = cluster.ids().into_iter().find(|id| *id != leader).unwrap();
+    cluster.kill(away);
+
+    // The cluster's own state (its token keys) with MANY_LEASES held locks added, restored:
+    // the quickest way to a state of that size.
+    let (_, saved) = cluster.get(leader, "/v1/snapshot").await.unwrap();
+    let mut file = saved.clone();
+    let base = saved["state"]["last_lease_id"].as_u64().unwrap();
+    let mut revision = saved["revision"].as_u64().unwrap();
+    for i in 1..=MANY_LEASES {
+        let id = base + i;
+        revision += 1;
+        let resource = format!("job:{i:08}");
+        file["state"]["locks"][&resource] = serde_json::json!({ "lease_id": id, "token": revision, "holder": format!("worker-{i}") });
+        file["state"]["leases"][id.to_string()] = serde_json::json!({
+            "ttl_ms": 300_000, "resources": [resource], "request_id": null,
+            "secret": format!("{:032x}", u128::from(id) * 0x9e37_79b9_7f4a_7c15),
+        });
+    }
+    file["state"]["last_lease_id"] = (base + MANY_LEASES).into();
+    file["state"]["revision"] = revision.into();
+    file["revision"] = revision.into();
+    let size = file["state"].to_string().len();
+    let restoring = std::time::Instant::now();
+    let (status, body) = cluster
+        .call(leader, Method::POST, "/v1/snapshot/restore", Some(file))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    println!(
+        "restored a state of {size} bytes ({MANY_LEASES} leases) in {:?}",
+        restoring.elapsed()
+    );
+    // Enough entries after it for a snapshot that holds it.
+    for _ in 0..30 {
+        let grant = cluster.acquire(leader, "churn", 10_000).await;
+        cluster
+            .release(leader, grant["lease_id"].as_str().unwrap())
+            .await;
+    }
+    let (_, view) = cluster.get(leader, "/v1/cluster").await.unwrap();
+    let revision = view["revision"].as_u64().unwrap();
+
+    cluster.spawn(away);
+    let began = std::time::Instant::now();
+    let deadline = began + std::time::Duration::from_secs(60);
+    loop {
+        if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
+            if v["revision"].as_u64() == Some(revision) {
+                assert!(
+                    v["snapshot"].as_u64().is_some(),
+                    "caught up without a snapshot? {v}"
+                );
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node {away} never caught up to revision {revision} from a snapshot of {size} bytes:\n{}",
+            tail(&cluster.log_path(leader))
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    println!(
+        "node {away} caught up from a state of {size} bytes ({MANY_LEASES} leases) in {:?}",
+        began.elapsed()
+    );
+    // The returning node knows a restored lock.
+    let (status, lock) = cluster.get(away, "/v1/locks/job:00000001").await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{lock}");
+    assert_eq!(
+        lock["revision"].as_u64(),
+        Some(saved["revision"].as_u64().unwrap() + 1)
+    );
+}
+
+/// The last 40 lines of a node's log.
+fn tail(log: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
