@@ -11,6 +11,7 @@ use super::forward::{answer, Original};
 use super::reply::{ok, parse_body, ApiError};
 use super::ApiState;
 use crate::authority::state::AuthorityState;
+use crate::authority::AuthorityError;
 
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -60,7 +61,12 @@ pub async fn restore(
             "snapshot file is inconsistent: its revision does not match its state",
         ));
     }
-    let result = state.authority.restore(file.state).await;
+    // On a task of its own: a client that gives up mid-way must not stop the restore between
+    // two parts (the parts applied so far would stay staged until the next restore).
+    let authority = state.authority.clone();
+    let result = tokio::spawn(async move { authority.restore(file.state).await })
+        .await
+        .unwrap_or_else(|e| Err(AuthorityError::Unavailable(e.to_string())));
     Ok(
         answer(&state, original, RESTORE_TIMEOUT, result, |revision| {
             ok(json!({ "restored": true, "revision": revision }))

@@ -61,6 +61,9 @@ impl From<AuthorityError> for ApiError {
                 e.to_string(),
             ),
             AuthorityError::BadSnapshot(_) => Self::bad_request(e.to_string()),
+            AuthorityError::RequestIdInUse(_) => {
+                Self::new(StatusCode::CONFLICT, "request_id_in_use", e.to_string())
+            }
             AuthorityError::RestoreInterrupted => {
                 Self::new(StatusCode::CONFLICT, "restore_interrupted", e.to_string())
             }

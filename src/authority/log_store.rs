@@ -113,6 +113,30 @@ impl RaftLogReader<TypeConfig> for LogStore {
         }
         Ok(entries)
     }
+
+    /// What replication sends in one AppendEntries call: the entries of `start..end` up to
+    /// about [`super::network::MAX_APPEND_BYTES`] as stored (the JSON they are sent as), at
+    /// least one. openraft's default reads the whole range (up to 300 entries), and a batch
+    /// too large for the call's time would only be refused by the network and read again.
+    async fn limited_get_log_entries(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError> {
+        let tx = self.db.begin_read().map_err(read_err)?;
+        let table = tx.open_table(LOG).map_err(read_err)?;
+        let mut entries = Vec::new();
+        let mut bytes = 0;
+        for item in table.range(start..end).map_err(read_err)? {
+            let (_, value) = item.map_err(read_err)?;
+            bytes += value.value().len();
+            if !entries.is_empty() && bytes > super::network::MAX_APPEND_BYTES {
+                break;
+            }
+            entries.push(serde_json::from_slice(value.value()).map_err(read_err)?);
+        }
+        Ok(entries)
+    }
 }
 
 impl RaftLogStorage<TypeConfig> for LogStore {

@@ -58,6 +58,8 @@ pub enum AuthorityError {
     RevisionExhausted,
     #[error("the snapshot is not consistent: {0}")]
     BadSnapshot(String),
+    #[error("request id {0:?} names a lease on another resource: give each acquire its own request id (the same one only to retry that acquire)")]
+    RequestIdInUse(String),
     #[error("another restore began before this one was applied whole; nothing of this one was applied: run it again (only one restore at a time)")]
     RestoreInterrupted,
     #[error("token key change refused: {0}")]
@@ -358,11 +360,26 @@ impl Authority {
         // are applied: every node must apply the same log the same way whatever its config
         // says. Acquires proposed at once may pass the bound by their number.
         let leads = self.raft.metrics().borrow().state == ServerState::Leader;
-        if leads && self.applied.read().await.state.leases.len() as u64 >= self.max_leases {
-            self.metrics.leases_refused.inc();
-            return Err(AuthorityError::TooManyLeases {
-                max: self.max_leases,
-            });
+        if leads {
+            let applied = self.applied.read().await;
+            // A held lock is answered as held (409, or the wait), at the bound too.
+            let held = applied.state.locks.contains_key(&resource);
+            if !held && applied.state.leases.len() as u64 >= self.max_leases {
+                self.metrics.leases_refused.inc();
+                return Err(AuthorityError::TooManyLeases {
+                    max: self.max_leases,
+                });
+            }
+            // A retry of this acquire was answered above; the same id for another resource
+            // would take the index from the first lease, whose retries would then get a new
+            // lease and token.
+            if let Some(id) = req
+                .request_id
+                .as_ref()
+                .filter(|id| applied.state.requests.contains_key(id.as_str()))
+            {
+                return Err(AuthorityError::RequestIdInUse(id.clone()));
+            }
         }
         self.ensure_signing_key().await?;
         let command = Command::Acquire {
@@ -524,7 +541,10 @@ impl Authority {
     /// The whole state, read linearizably on the leader.
     pub async fn snapshot(&self) -> Result<AuthorityState, AuthorityError> {
         self.confirm_leadership().await?;
-        Ok(self.applied.read().await.state.clone())
+        let mut state = self.applied.read().await.state.clone();
+        // A restore still arriving is not part of what a backup holds.
+        state.restoring = None;
+        Ok(state)
     }
 
     /// Replaces the state with `state` and bumps the revision above both it and the current one.

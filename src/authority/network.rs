@@ -27,9 +27,10 @@ pub const HAND_OVER_PATH: &str = "/raft/hand-over";
 /// The largest AppendEntries body sent with more than one entry. openraft gives an
 /// AppendEntries RPC one heartbeat interval (100 ms by default) to be sent, read and appended
 /// (fsync included); a batch of large entries that cannot make it in time is retried whole,
-/// and the follower, hearing nothing, campaigns. Past this size the batch is sent in smaller
-/// ones. No one entry comes near it (a restore is proposed in parts of
-/// `state::RESTORE_PART_BYTES`).
+/// and the follower, hearing nothing, campaigns. The log store reads batches up to this size
+/// (`LogStore::limited_get_log_entries`); should one still pass it, the network asks openraft
+/// to send fewer entries. No one entry comes near it (a restore is proposed in parts of
+/// `state::RESTORE_PART_ITEMS` leases, locks and request ids).
 pub const MAX_APPEND_BYTES: usize = 512 * 1024;
 
 /// Pause between attempts at a peer that refused the connection.

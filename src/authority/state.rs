@@ -68,7 +68,7 @@ pub enum Command {
 }
 
 /// About how many leases, locks and request ids one part of a restore carries.
-pub const RESTORE_PART_ITEMS: usize = 256;
+pub const RESTORE_PART_ITEMS: usize = 1024;
 
 /// A restore whose parts are still being applied.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -294,8 +294,11 @@ impl AuthorityState {
                 }
             }
             if let Some(request_id) = &lease.request_id {
-                piece.requests.insert(request_id.clone(), *id);
-                count += 1;
+                // Only where the index points at this lease (see `validate`).
+                if self.requests.get(request_id) == Some(id) {
+                    piece.requests.insert(request_id.clone(), *id);
+                    count += 1;
+                }
             }
         }
         pieces
@@ -379,19 +382,15 @@ impl AuthorityState {
                     "lease {id} lists {missing}, which it does not hold"
                 ));
             }
-            if let Some(request_id) = &lease.request_id {
-                if self.requests.get(request_id) != Some(id) {
-                    return Err(format!("lease {id}: its request id is not indexed"));
-                }
-            }
         }
-        if let Some((request_id, _)) = self
-            .requests
-            .iter()
-            .find(|(_, id)| !self.leases.contains_key(*id))
-        {
+        // Each request id names a lease that carries it. (A lease whose request id names a
+        // later lease is fine: states written before the leader refused reusing a request id
+        // for another resource have them, and a retry finds the later one, as it did.)
+        if let Some((request_id, id)) = self.requests.iter().find(|(request_id, id)| {
+            self.leases.get(*id).and_then(|l| l.request_id.as_ref()) != Some(*request_id)
+        }) {
             return Err(format!(
-                "request {request_id} names a lease that does not exist"
+                "request {request_id} names lease {id}, which does not exist or carries another request id"
             ));
         }
         Ok(())
@@ -513,8 +512,12 @@ impl AuthorityState {
         let Some(lease) = self.leases.remove(&lease_id) else {
             return Outcome::UnknownLease;
         };
+        // Only its own: in states from before the leader refused reusing a request id, the
+        // id may name a later lease.
         if let Some(id) = &lease.request_id {
-            self.requests.remove(id);
+            if self.requests.get(id) == Some(&lease_id) {
+                self.requests.remove(id);
+            }
         }
         for resource in lease.resources {
             if self.locks.remove(&resource).is_some() {
@@ -595,6 +598,32 @@ mod tests {
             );
         }
         saved
+    }
+
+    /// States written before the leader refused reusing a request id for another resource:
+    /// the index names the later lease. They still restore, and releasing the earlier lease
+    /// leaves the later one's index.
+    #[test]
+    fn a_request_id_taken_by_a_later_lease_keeps_it() {
+        let mut s = AuthorityState::default();
+        apply(&mut s, acquire("a", Some("x")));
+        apply(&mut s, acquire("b", Some("x")));
+        assert_eq!(s.requests.get("x"), Some(&2));
+        assert_eq!(s.validate(10_000), Ok(()));
+        let mut whole = AuthorityState::default();
+        for piece in s.pieces(1) {
+            whole.leases.extend(piece.leases);
+            whole.locks.extend(piece.locks);
+            whole.requests.extend(piece.requests);
+        }
+        assert_eq!(whole.requests, s.requests);
+        apply(&mut s, Command::Release { lease_id: 1 });
+        assert_eq!(s.requests.get("x"), Some(&2));
+        assert!(s.by_request("x", "b").is_some());
+        // An index naming a lease that carries another id is not a state this code writes.
+        let mut bad = s.clone();
+        bad.requests.insert("y".into(), 2);
+        assert!(bad.validate(10_000).unwrap_err().contains("request y"));
     }
 
     #[test]

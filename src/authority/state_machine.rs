@@ -54,6 +54,10 @@ pub struct StateMachine {
     pinned: Option<TokenKey>,
     /// The highest revision applied, shared with the gateways to word stale refusals.
     issued: IssuedRevision,
+    /// The last log id of the snapshot stored in `db`: a snapshot built from an older copy of
+    /// the state (openraft builds on a task of its own, beside an install) must not replace
+    /// a newer one, or a restart would load a state older than what the log still holds.
+    stored: Arc<tokio::sync::Mutex<Option<LogId<NodeId>>>>,
 }
 
 /// The key ring for `state`'s replicated keys, plus the operator's pinned key.
@@ -100,7 +104,9 @@ impl StateMachine {
         issued: IssuedRevision,
     ) -> Result<Self, StorageError> {
         let mut applied = Applied::default();
+        let mut stored_upto = None;
         if let Some(stored) = Self::load(&db)? {
+            stored_upto = stored.meta.last_log_id;
             applied.state =
                 serde_json::from_slice(&stored.data).map_err(|e| sm_err(ErrorVerb::Read, e))?;
             applied.last_applied = stored.meta.last_log_id;
@@ -115,6 +121,7 @@ impl StateMachine {
             keys,
             pinned,
             issued,
+            stored: Arc::new(tokio::sync::Mutex::new(stored_upto)),
         })
     }
 
@@ -141,6 +148,11 @@ impl StateMachine {
     /// Serializes and stores `stored` off the runtime's threads: with many leases that takes
     /// long enough to hold up Raft's heartbeats if done on them.
     async fn save(&self, stored: StoredSnapshot) -> Result<(), StorageError> {
+        let mut upto = self.stored.lock().await;
+        if upto.is_some() && *upto >= stored.meta.last_log_id {
+            return Ok(());
+        }
+        let last = stored.meta.last_log_id;
         let db = self.db.clone();
         tokio::task::spawn_blocking(move || {
             let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, e))?;
@@ -152,7 +164,9 @@ impl StateMachine {
             tx.commit().map_err(|e| sm_err(ErrorVerb::Write, e))
         })
         .await
-        .map_err(|e| sm_err(ErrorVerb::Write, e))?
+        .map_err(|e| sm_err(ErrorVerb::Write, e))??;
+        *upto = last;
+        Ok(())
     }
 }
 

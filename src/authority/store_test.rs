@@ -86,3 +86,89 @@ async fn log_vote_and_snapshot_survive_reopening() {
     );
     assert!(applied.state.locks.contains_key("job"));
 }
+
+/// A snapshot built from an older copy of the state (openraft builds on a task of its own,
+/// beside an install) does not replace a newer stored one: a restart loads the newer.
+#[tokio::test]
+async fn an_older_snapshot_never_replaces_a_newer_one() {
+    use openraft::storage::RaftStateMachine;
+    use std::io::Cursor;
+
+    let dir = TempDir::new().unwrap();
+    let acquire = |resource: &str| Command::Acquire {
+        resource: resource.into(),
+        ttl_ms: 1000,
+        request_id: None,
+        holder: None,
+        secret: None,
+    };
+    {
+        let (_log, mut sm) = open(&dir);
+        // A copy of the state machine at index 1: its builder, still serializing.
+        sm.apply(vec![entry(1, acquire("old"))]).await.unwrap();
+        let (_other_dir, _, mut builder) = {
+            let other = TempDir::new().unwrap();
+            let (log, b) = open(&other);
+            (other, log, b)
+        };
+        builder.apply(vec![entry(1, acquire("old"))]).await.unwrap();
+        let older = builder.build_snapshot().await.unwrap();
+
+        // Meanwhile the node moved on to index 2 and stored that.
+        sm.apply(vec![entry(2, acquire("new"))]).await.unwrap();
+        sm.build_snapshot().await.unwrap();
+        // The older one arrives last (as an install it would be refused by openraft; as a
+        // build it must not overwrite).
+        sm.install_snapshot(
+            &older.meta,
+            Box::new(Cursor::new(older.snapshot.into_inner())),
+        )
+        .await
+        .unwrap();
+    }
+    let (_log, sm) = open(&dir);
+    let applied = sm.applied();
+    let applied = applied.read().await;
+    assert!(
+        applied.state.locks.contains_key("new"),
+        "a restart loaded the older snapshot"
+    );
+}
+
+/// Replication reads batches of about `MAX_APPEND_BYTES`, at least one entry, however large.
+#[tokio::test]
+async fn replication_reads_batches_of_a_bounded_size() {
+    use openraft::storage::{RaftLogReader, RaftLogStorageExt};
+
+    let dir = TempDir::new().unwrap();
+    let (mut log, _sm) = open(&dir);
+    // Entries of about 100 KiB each (a long holder stands in for a restore part).
+    let big = |i: u64| Command::Acquire {
+        resource: format!("job{i}"),
+        ttl_ms: 1000,
+        request_id: None,
+        holder: Some("h".repeat(100 * 1024)),
+        secret: None,
+    };
+    let entries: Vec<_> = (1..=20).map(|i| entry(i, big(i))).collect();
+    log.blocking_append(entries).await.unwrap();
+    let batch = log.limited_get_log_entries(1, 21).await.unwrap();
+    assert!(
+        (1..=5).contains(&batch.len()),
+        "{} entries of 100 KiB in one batch",
+        batch.len()
+    );
+    assert_eq!(batch[0].log_id.index, 1);
+    // One entry over the size still goes, alone.
+    let huge = Command::Acquire {
+        resource: "huge".into(),
+        ttl_ms: 1000,
+        request_id: None,
+        holder: Some("h".repeat(super::network::MAX_APPEND_BYTES * 2)),
+        secret: None,
+    };
+    log.blocking_append(vec![entry(21, huge)]).await.unwrap();
+    assert_eq!(log.limited_get_log_entries(21, 22).await.unwrap().len(), 1);
+    // Small entries come as many as asked.
+    assert_eq!(log.limited_get_log_entries(1, 2).await.unwrap().len(), 1);
+}

@@ -403,6 +403,33 @@ async fn a_retried_acquire_returns_the_same_lease_and_token() {
         .await;
     assert_eq!(status, StatusCode::CONFLICT, "{held}");
     assert_eq!(held["revision"], first["revision"]);
+    // The same request id for another resource is refused: it would take the index from the
+    // first lease (whose retries would then get a second lease and token) and leave a state
+    // that no longer restores.
+    let (status, reused) = cluster
+        .call(
+            2,
+            Method::POST,
+            "/v1/locks/elsewhere",
+            Some(json!({ "ttl_ms": 5000, "request_id": "retry-1" })),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{reused}");
+    assert_eq!(reused["error"], "request_id_in_use");
+    let (status, again) = cluster
+        .call(
+            3,
+            Method::POST,
+            "/v1/locks/idem",
+            Some(json!({ "ttl_ms": 5000, "request_id": "retry-1" })),
+        )
+        .await;
+    assert_eq!((status, &again), (StatusCode::OK, &first));
+    let (_, saved) = cluster.get(1, "/v1/snapshot").await.unwrap();
+    let (status, body) = cluster
+        .call(1, Method::POST, "/v1/snapshot/restore", Some(saved))
+        .await;
+    assert_eq!(status, StatusCode::OK, "the state still restores: {body}");
 }
 
 /// `lock list` shows every held lock with its revision, lease number, holder and ttl left, and
