@@ -115,7 +115,8 @@ impl RaftLogReader<TypeConfig> for LogStore {
     }
 
     /// What replication sends in one AppendEntries call: the entries of `start..end` up to
-    /// about [`super::network::MAX_APPEND_BYTES`] as stored (the JSON they are sent as), at
+    /// seven eighths of [`super::network::MAX_APPEND_BYTES`] as stored (the JSON they are sent
+    /// as; the rest leaves room for the request around them), at
     /// least one. openraft's default reads the whole range (up to 300 entries), and a batch
     /// too large for the call's time would only be refused by the network and read again.
     async fn limited_get_log_entries(
@@ -130,7 +131,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         for item in table.range(start..end).map_err(read_err)? {
             let (_, value) = item.map_err(read_err)?;
             bytes += value.value().len();
-            if !entries.is_empty() && bytes > super::network::MAX_APPEND_BYTES {
+            if !entries.is_empty() && bytes > super::network::MAX_APPEND_BYTES / 8 * 7 {
                 break;
             }
             entries.push(serde_json::from_slice(value.value()).map_err(read_err)?);

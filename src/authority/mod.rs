@@ -370,14 +370,13 @@ impl Authority {
                     max: self.max_leases,
                 });
             }
-            // A retry of this acquire was answered above; the same id for another resource
-            // would take the index from the first lease, whose retries would then get a new
-            // lease and token.
-            if let Some(id) = req
-                .request_id
-                .as_ref()
-                .filter(|id| applied.state.requests.contains_key(id.as_str()))
-            {
+            // The same id for another resource would take the index from the first lease,
+            // whose retries would then get a new lease and token. (A retry of this acquire
+            // applied since the check above goes on: applying it answers with its lease.)
+            if let Some(id) = req.request_id.as_ref().filter(|id| {
+                applied.state.requests.contains_key(id.as_str())
+                    && applied.state.by_request(id, &resource).is_none()
+            }) {
                 return Err(AuthorityError::RequestIdInUse(id.clone()));
             }
         }
@@ -552,7 +551,7 @@ impl Authority {
         state
             .validate(self.max_ttl_ms)
             .map_err(AuthorityError::BadSnapshot)?;
-        let pieces = state.pieces(state::RESTORE_PART_ITEMS);
+        let pieces = state.pieces(state::RESTORE_PART_BYTES);
         let parts = u32::try_from(pieces.len())
             .map_err(|_| AuthorityError::BadSnapshot("the state is too large".into()))?;
         let restore = random_hex();

@@ -30,7 +30,7 @@ pub const HAND_OVER_PATH: &str = "/raft/hand-over";
 /// and the follower, hearing nothing, campaigns. The log store reads batches up to this size
 /// (`LogStore::limited_get_log_entries`); should one still pass it, the network asks openraft
 /// to send fewer entries. No one entry comes near it (a restore is proposed in parts of
-/// `state::RESTORE_PART_ITEMS` leases, locks and request ids).
+/// about `state::RESTORE_PART_BYTES`, or one lease).
 pub const MAX_APPEND_BYTES: usize = 512 * 1024;
 
 /// Pause between attempts at a peer that refused the connection.

@@ -67,8 +67,9 @@ pub enum Command {
     },
 }
 
-/// About how many leases, locks and request ids one part of a restore carries.
-pub const RESTORE_PART_ITEMS: usize = 1024;
+/// About how many bytes of JSON one part of a restore carries (a part holds at least one
+/// lease, whatever its size: names are bounded, so a lease with its lock is at most a few KiB).
+pub const RESTORE_PART_BYTES: usize = 128 * 1024;
 
 /// A restore whose parts are still being applied.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,40 +266,45 @@ impl AuthorityState {
         }
     }
 
-    /// This state in pieces for [`Command::RestorePart`], each with about `items` leases,
-    /// locks and request ids: every lease with its locks and its request id (the whole state,
-    /// once [`AuthorityState::validate`] passed); the first piece also has the revision, the
-    /// last lease id and the token keys. Never empty.
-    pub fn pieces(&self, items: usize) -> Vec<AuthorityState> {
+    /// This state in pieces for [`Command::RestorePart`], each of about `max_bytes` of JSON
+    /// or one lease: every lease with its locks and its request id (the whole state, once
+    /// [`AuthorityState::validate`] passed); the first piece also has the revision, the last
+    /// lease id and the token keys. Never empty.
+    pub fn pieces(&self, max_bytes: usize) -> Vec<AuthorityState> {
         let mut pieces = vec![AuthorityState {
             revision: self.revision,
             last_lease_id: self.last_lease_id,
             token_keys: self.token_keys.clone(),
             ..Default::default()
         }];
-        let mut count = 0;
+        let mut bytes = 0;
         for (id, lease) in &self.leases {
-            if count >= items {
+            let locks: Vec<(&String, &Lock)> = lease
+                .resources
+                .iter()
+                .filter_map(|r| self.locks.get_key_value(r))
+                .collect();
+            // Only where the index points at this lease (see `validate`).
+            let request = lease
+                .request_id
+                .as_ref()
+                .filter(|r| self.requests.get(*r) == Some(id));
+            // Measured as it will be written (names may need escaping).
+            let size = serde_json::to_vec(&(id, lease, &locks, request)).map_or(0, |v| v.len());
+            if bytes > 0 && bytes + size > max_bytes {
                 pieces.push(AuthorityState::default());
-                count = 0;
+                bytes = 0;
             }
             let Some(piece) = pieces.last_mut() else {
                 break;
             };
+            bytes += size;
             piece.leases.insert(*id, lease.clone());
-            count += 1;
-            for resource in &lease.resources {
-                if let Some(lock) = self.locks.get(resource) {
-                    piece.locks.insert(resource.clone(), lock.clone());
-                    count += 1;
-                }
+            for (resource, lock) in locks {
+                piece.locks.insert(resource.clone(), lock.clone());
             }
-            if let Some(request_id) = &lease.request_id {
-                // Only where the index points at this lease (see `validate`).
-                if self.requests.get(request_id) == Some(id) {
-                    piece.requests.insert(request_id.clone(), *id);
-                    count += 1;
-                }
+            if let Some(request_id) = request {
+                piece.requests.insert(request_id.clone(), *id);
             }
         }
         pieces
@@ -630,19 +636,26 @@ mod tests {
     fn the_pieces_of_a_state_make_it_whole() {
         for n in [0, 1, 5, 40] {
             let saved = saved_state(n);
-            for items in [1, 3, 256] {
-                let pieces = saved.pieces(items);
+            for max_bytes in [1, 600, 128 * 1024] {
+                let pieces = saved.pieces(max_bytes);
                 assert_eq!(pieces[0].revision, saved.revision);
                 assert_eq!(pieces[0].last_lease_id, saved.last_lease_id);
                 assert_eq!(pieces[0].token_keys, saved.token_keys);
                 let mut whole = pieces[0].clone();
                 for piece in &pieces[1..] {
-                    assert!(piece.leases.len() <= items, "{items} items a piece");
+                    let size = serde_json::to_vec(piece).unwrap().len();
+                    assert!(
+                        piece.leases.len() == 1 || size <= max_bytes + 200,
+                        "{size} bytes in a piece of at most {max_bytes}"
+                    );
                     whole.locks.extend(piece.locks.clone());
                     whole.leases.extend(piece.leases.clone());
                     whole.requests.extend(piece.requests.clone());
                 }
-                assert_eq!(whole, saved, "{n} locks in pieces of {items}");
+                assert_eq!(whole, saved, "{n} locks in pieces of {max_bytes} bytes");
+                if max_bytes == 128 * 1024 {
+                    assert_eq!(pieces.len(), 1, "{n} small leases fit in one piece");
+                }
             }
         }
     }
