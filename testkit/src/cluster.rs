@@ -431,6 +431,19 @@ impl Cluster {
         }
     }
 
+    /// Node `id`'s `/metrics` text.
+    pub async fn metrics(&self, id: u64) -> String {
+        self.http
+            .get(format!("{}/metrics", self.url(id)))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("node {id} did not answer /metrics: {e}"))
+            .text()
+            .await
+            .unwrap_or_else(|e| panic!("node {id}'s /metrics: {e}"))
+    }
+
     /// GET `path` on node `id`; `None` when the node does not answer.
     pub async fn get(&self, id: u64, path: &str) -> Option<(StatusCode, Value)> {
         let answer = self

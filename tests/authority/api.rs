@@ -533,17 +533,10 @@ async fn acquires_past_max_leases_are_refused_until_one_is_released() {
     assert!(c["revision"].as_u64() > b["revision"].as_u64());
     // The leader refused all three.
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
-    let metrics = cluster
-        .http
-        .get(format!("{}/metrics", cluster.url(leader)))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metrics.contains("fencegate_authority_leases_refused_total 3"),
+    let metrics = cluster.metrics(leader).await;
+    assert_eq!(
+        crate::support::metrics::sample(&metrics, "fencegate_authority_leases_refused_total"),
+        Some(3.0),
         "{metrics}"
     );
 }

@@ -182,15 +182,7 @@ async fn a_waited_acquire_survives_the_death_of_the_leader_queuing_it() {
     );
     // The acquire is queued on the leader.
     loop {
-        let metrics = cluster
-            .http
-            .get(format!("{}/metrics", cluster.url(leader)))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = cluster.metrics(leader).await;
         if metrics.lines().any(|l| {
             !l.starts_with('#') && l.contains("authority_waiting_acquires") && l.ends_with(" 1")
         }) {

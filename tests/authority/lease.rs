@@ -82,15 +82,7 @@ async fn keepalives_hold_a_lease_for_three_ttls_and_silence_lets_it_expire() {
 }
 
 async fn waiting_now(cluster: &Cluster, id: u64) -> u64 {
-    let text = cluster
-        .http
-        .get(format!("{}/metrics", cluster.url(id)))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = cluster.metrics(id).await;
     // A gauge of whole acquires, so the cast loses nothing.
     crate::support::metrics::sample(&text, "fencegate_authority_waiting_acquires")
         .expect("waiting_acquires gauge") as u64

@@ -181,23 +181,7 @@ async fn a_lagging_node_catches_up_from_a_snapshot() {
     let revision = view["revision"].as_u64().unwrap();
 
     cluster.spawn(away);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
-            if v["revision"].as_u64() == Some(revision) {
-                assert!(
-                    v["snapshot"].as_u64().is_some(),
-                    "caught up without a snapshot? {v}"
-                );
-                break;
-            }
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "node {away} never caught up to revision {revision}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    caught_up_from_a_snapshot(&cluster, away, revision, leader, 30).await;
     // With the other follower gone, the returning node is part of every majority: the
     // cluster still works and still knows the held lock.
     cluster.kill(other);
@@ -260,24 +244,7 @@ async fn a_lagging_node_catches_up_from_a_snapshot_of_many_leases() {
 
     cluster.spawn(away);
     let began = std::time::Instant::now();
-    let deadline = began + std::time::Duration::from_secs(60);
-    loop {
-        if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
-            if v["revision"].as_u64() == Some(revision) {
-                assert!(
-                    v["snapshot"].as_u64().is_some(),
-                    "caught up without a snapshot? {v}"
-                );
-                break;
-            }
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "node {away} never caught up to revision {revision} from a snapshot of {size} bytes:\n{}",
-            tail(&cluster.log_path(leader))
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
+    caught_up_from_a_snapshot(&cluster, away, revision, leader, 60).await;
     println!(
         "node {away} caught up from a state of {size} bytes ({MANY_LEASES} leases) in {:?}",
         began.elapsed()
@@ -296,4 +263,33 @@ fn tail(log: &std::path::Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+/// Waits (at most `within_s` seconds) until node `away` has applied `revision`, and checks it
+/// got there from a snapshot; on failure shows the end of `leader`'s log.
+async fn caught_up_from_a_snapshot(
+    cluster: &Cluster,
+    away: u64,
+    revision: u64,
+    leader: u64,
+    within_s: u64,
+) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(within_s);
+    loop {
+        if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
+            if v["revision"].as_u64() == Some(revision) {
+                assert!(
+                    v["snapshot"].as_u64().is_some(),
+                    "caught up without a snapshot? {v}"
+                );
+                return;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node {away} never caught up to revision {revision}:\n{}",
+            tail(&cluster.log_path(leader))
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
