@@ -299,7 +299,7 @@ where
     fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
         self.activity.in_flight.fetch_add(1, Ordering::AcqRel);
         let in_flight = InFlight(self.activity.clone());
-        let request = request.map(|body| Deadline::new(body, BODY_TIMEOUT));
+        let request = request.map(Deadline::new);
         let answer = tower_service::Service::call(&mut self.app, request);
         Box::pin(async move {
             let answer = answer.await;
@@ -309,8 +309,8 @@ where
     }
 }
 
-/// A request body that must arrive whole within its time: past it, the next read fails (the
-/// handler's extractor answers 400) and the request ends.
+/// A request body that must arrive whole within [`BODY_TIMEOUT`]: past it, the next read fails
+/// (the handler's extractor answers 400) and the request ends.
 struct Deadline<B> {
     body: B,
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -319,10 +319,10 @@ struct Deadline<B> {
 }
 
 impl<B> Deadline<B> {
-    fn new(body: B, within: Duration) -> Self {
+    fn new(body: B) -> Self {
         Self {
             body,
-            deadline: Box::pin(tokio::time::sleep(within)),
+            deadline: Box::pin(tokio::time::sleep(BODY_TIMEOUT)),
             expired: false,
         }
     }
@@ -457,7 +457,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_body_must_arrive_within_its_time() {
         let began = Instant::now();
-        let mut never = Deadline::new(Never, BODY_TIMEOUT);
+        let mut never = Deadline::new(Never);
         let e = next(&mut never)
             .await
             .expect("a frame")
@@ -467,7 +467,7 @@ mod tests {
         assert!(never.is_end_stream(), "ended by its deadline");
         assert_eq!(next(&mut never).await, None, "and stays ended");
 
-        let mut once = Deadline::new(Once(Some(Bytes::from_static(b"{}"))), BODY_TIMEOUT);
+        let mut once = Deadline::new(Once(Some(Bytes::from_static(b"{}"))));
         assert_eq!(next(&mut once).await, Some(Ok(Bytes::from_static(b"{}"))));
         assert_eq!(next(&mut once).await, None);
     }

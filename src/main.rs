@@ -45,7 +45,7 @@ use config::Config;
 /// How long client commands keep trying while no endpoint answers or an election runs.
 const PATIENCE: Duration = Duration::from_secs(10);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// A restore goes through the log in parts: `[authority] max_leases` of them take a few
+/// A restore goes through the log in parts: a state of `[authority] max_leases` leases takes a few
 /// seconds (see `ops::RESTORE_TIMEOUT` on the node's side).
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Adding a node waits for it to catch up with the log (the leader gives up after a minute).

@@ -104,14 +104,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry<TypeConfig>>, StorageError> {
-        let tx = self.db.begin_read().map_err(read_err)?;
-        let table = tx.open_table(LOG).map_err(read_err)?;
-        let mut entries = Vec::new();
-        for item in table.range(range).map_err(read_err)? {
-            let (_, value) = item.map_err(read_err)?;
-            entries.push(serde_json::from_slice(value.value()).map_err(read_err)?);
-        }
-        Ok(entries)
+        self.read_entries(range, usize::MAX)
     }
 
     /// What replication sends in one AppendEntries call: the entries of `start..end` up to
@@ -124,14 +117,26 @@ impl RaftLogReader<TypeConfig> for LogStore {
         start: u64,
         end: u64,
     ) -> Result<Vec<Entry<TypeConfig>>, StorageError> {
+        self.read_entries(start..end, super::network::MAX_APPEND_BYTES / 8 * 7)
+    }
+}
+
+impl LogStore {
+    /// The entries of `range`, in order, stopping before the one that would take their stored
+    /// size past `budget` bytes (the first is read whatever its size).
+    fn read_entries(
+        &self,
+        range: impl RangeBounds<u64>,
+        budget: usize,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError> {
         let tx = self.db.begin_read().map_err(read_err)?;
         let table = tx.open_table(LOG).map_err(read_err)?;
         let mut entries = Vec::new();
-        let mut bytes = 0;
-        for item in table.range(start..end).map_err(read_err)? {
+        let mut bytes = 0usize;
+        for item in table.range(range).map_err(read_err)? {
             let (_, value) = item.map_err(read_err)?;
-            bytes += value.value().len();
-            if !entries.is_empty() && bytes > super::network::MAX_APPEND_BYTES / 8 * 7 {
+            bytes = bytes.saturating_add(value.value().len());
+            if !entries.is_empty() && bytes > budget {
                 break;
             }
             entries.push(serde_json::from_slice(value.value()).map_err(read_err)?);

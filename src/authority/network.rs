@@ -124,7 +124,7 @@ impl Connection {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
-        let body = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let body = json_body(req).map_err(RPCError::Network)?;
         self.send(path, body, option).await
     }
 
@@ -171,8 +171,7 @@ impl RaftNetwork<TypeConfig> for Connection {
         req: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
-        let body =
-            serde_json::to_vec(&req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let body = json_body(&req).map_err(RPCError::Network)?;
         if let Some(fewer) = fewer_entries(req.entries.len(), body.len()) {
             return Err(RPCError::PayloadTooLarge(
                 PayloadTooLarge::new_entries_hint(fewer),
@@ -206,6 +205,11 @@ impl RaftNetwork<TypeConfig> for Connection {
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, Node, RaftError<NodeId>>> {
         self.call(VOTE_PATH, &req, &option).await
     }
+}
+
+/// `req` as the JSON body of a Raft RPC.
+fn json_body<Req: Serialize>(req: &Req) -> Result<Vec<u8>, NetworkError> {
+    serde_json::to_vec(req).map_err(|e| NetworkError::new(&e))
 }
 
 /// How many entries to send instead, when `entries` entries made a body of `bytes`: about as

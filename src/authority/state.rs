@@ -230,12 +230,7 @@ impl AuthorityState {
                         restore: restore.clone(),
                         parts: *parts,
                         received: 0,
-                        state: Box::new(AuthorityState {
-                            revision: piece.revision,
-                            last_lease_id: piece.last_lease_id,
-                            token_keys: piece.token_keys.clone(),
-                            ..Default::default()
-                        }),
+                        state: Box::new(piece.head()),
                     });
                 }
                 let Some(staged) = self
@@ -245,16 +240,7 @@ impl AuthorityState {
                 else {
                     return Outcome::RestoreInterrupted;
                 };
-                let state = &mut staged.state;
-                state
-                    .locks
-                    .extend(piece.locks.iter().map(|(r, l)| (r.clone(), l.clone())));
-                state
-                    .leases
-                    .extend(piece.leases.iter().map(|(id, l)| (*id, l.clone())));
-                state
-                    .requests
-                    .extend(piece.requests.iter().map(|(r, id)| (r.clone(), *id)));
+                staged.state.merge(piece);
                 staged.received += 1;
                 if staged.received < staged.parts {
                     return Outcome::Nothing;
@@ -271,12 +257,7 @@ impl AuthorityState {
     /// [`AuthorityState::validate`] passed); the first piece also has the revision, the last
     /// lease id and the token keys. Never empty.
     pub fn pieces(&self, max_bytes: usize) -> Vec<AuthorityState> {
-        let mut pieces = vec![AuthorityState {
-            revision: self.revision,
-            last_lease_id: self.last_lease_id,
-            token_keys: self.token_keys.clone(),
-            ..Default::default()
-        }];
+        let mut pieces = vec![self.head()];
         let mut bytes = 0;
         for (id, lease) in &self.leases {
             let locks: Vec<(&String, &Lock)> = lease
@@ -308,6 +289,27 @@ impl AuthorityState {
             }
         }
         pieces
+    }
+
+    /// The revision, last lease id and token keys alone: what a restore's first part carries
+    /// beside its leases.
+    fn head(&self) -> AuthorityState {
+        AuthorityState {
+            revision: self.revision,
+            last_lease_id: self.last_lease_id,
+            token_keys: self.token_keys.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// Adds the leases, locks and request ids of `piece` (a restore's part).
+    fn merge(&mut self, piece: &AuthorityState) {
+        self.locks
+            .extend(piece.locks.iter().map(|(r, l)| (r.clone(), l.clone())));
+        self.leases
+            .extend(piece.leases.iter().map(|(id, l)| (*id, l.clone())));
+        self.requests
+            .extend(piece.requests.iter().map(|(r, id)| (r.clone(), *id)));
     }
 
     /// Replaces the state with `state`, then raises the revision by `bump` above both the
@@ -566,9 +568,9 @@ mod tests {
         state.apply(&command, &mut Vec::new())
     }
 
-    /// The parts of a restore of `saved` named `restore`, about `items` items each.
-    fn parts_of(saved: &AuthorityState, restore: &str, items: usize) -> Vec<Command> {
-        let pieces = saved.pieces(items);
+    /// The parts of a restore of `saved` named `restore`, about `max_bytes` each.
+    fn parts_of(saved: &AuthorityState, restore: &str, max_bytes: usize) -> Vec<Command> {
+        let pieces = saved.pieces(max_bytes);
         let parts = pieces.len() as u32;
         pieces
             .into_iter()
@@ -618,9 +620,7 @@ mod tests {
         assert_eq!(s.validate(10_000), Ok(()));
         let mut whole = AuthorityState::default();
         for piece in s.pieces(1) {
-            whole.leases.extend(piece.leases);
-            whole.locks.extend(piece.locks);
-            whole.requests.extend(piece.requests);
+            whole.merge(&piece);
         }
         assert_eq!(whole.requests, s.requests);
         apply(&mut s, Command::Release { lease_id: 1 });
@@ -648,9 +648,7 @@ mod tests {
                         piece.leases.len() == 1 || size <= max_bytes + 200,
                         "{size} bytes in a piece of at most {max_bytes}"
                     );
-                    whole.locks.extend(piece.locks.clone());
-                    whole.leases.extend(piece.leases.clone());
-                    whole.requests.extend(piece.requests.clone());
+                    whole.merge(piece);
                 }
                 assert_eq!(whole, saved, "{n} locks in pieces of {max_bytes} bytes");
                 if max_bytes == 128 * 1024 {
