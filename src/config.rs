@@ -440,11 +440,12 @@ impl Config {
         if self.node.id == 0 {
             return Err(("node.id".into(), "node ids start at 1".into()));
         }
-        if !(1..=1_000_000).contains(&self.node.max_api_connections) {
+        let most = fencegate_core::ConnectionCap::MOST;
+        if !(1..=most).contains(&self.node.max_api_connections) {
             return Err((
                 "node.max_api_connections".into(),
                 format!(
-                    "max_api_connections ({}) must be between 1 and 1000000 (the Linux default of fs.nr_open)",
+                    "max_api_connections ({}) must be between 1 and {most} (the Linux default of fs.nr_open)",
                     self.node.max_api_connections
                 ),
             ));

@@ -15,7 +15,7 @@ const NODE_OWN: u64 = 512;
 
 /// Descriptors the node may hold with every bound reached: an API connection is one; a Redis
 /// client one, and one more with a connection of its own upstream (after `SELECT`, `MULTI`, ...);
-/// a PostgreSQL client two. The S3 gateway's connections are pingora's and are not bounded here.
+/// a PostgreSQL client two, and so an S3 client (its request's own connection to the store).
 pub fn needed(config: &Config) -> u64 {
     let bound = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
     let listeners = 1 + u64::from(config.node.peer.is_some());
@@ -28,10 +28,15 @@ pub fn needed(config: &Config) -> u64 {
         .postgres
         .as_ref()
         .map_or(0, |p| 2u64.saturating_mul(bound(p.max_client_connections)));
+    let s3 = config
+        .s3
+        .as_ref()
+        .map_or(0, |s| 2u64.saturating_mul(bound(s.max_client_connections)));
     NODE_OWN
         .saturating_add(api)
         .saturating_add(redis)
         .saturating_add(postgres)
+        .saturating_add(s3)
 }
 
 /// Raises the soft limit on open files to `needed` (at most the hard limit); warns if that is
@@ -77,9 +82,13 @@ mod tests {
         let both: Config = toml::from_str(
             "[security]\ninsecure = true\n[node]\npeer = \"127.0.0.1:7171\"\nmax_api_connections = 10\n\
              [redis]\nprotect = []\nmax_client_connections = 100\n\
-             [postgres]\ndatabases = []\nmax_client_connections = 1000\n",
+             [postgres]\ndatabases = []\nmax_client_connections = 1000\n\
+             [s3]\nmax_client_connections = 7\n",
         )
         .expect("a config");
-        assert_eq!(needed(&both), NODE_OWN + 2 * 10 + 2 * 100 + 2 * 1000);
+        assert_eq!(
+            needed(&both),
+            NODE_OWN + 2 * 10 + 2 * 100 + 2 * 1000 + 2 * 7
+        );
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::task::TaskTracker;
 
@@ -55,6 +55,10 @@ impl ConnectionCap {
     /// The longest a refused connection is kept: time for its answer, and for the client to
     /// read it and close.
     pub const REFUSAL_TIME: Duration = Duration::from_secs(2);
+
+    /// The largest bound a listener accepts in its config: past it the bound bounds nothing a
+    /// process could hold (a million descriptors is the Linux default of `fs.nr_open`).
+    pub const MOST: usize = 1_000_000;
 
     /// A cap of `max` client connections.
     pub fn new(max: usize) -> Self {
@@ -126,6 +130,17 @@ impl ConnectionCap {
         });
     }
 
+    /// Runs `refusal` on the caller's own task, for a listener that hands each accepted
+    /// connection to a task of its own (pingora's): counted with the other refusals, cut off
+    /// after [`Self::REFUSAL_TIME`], and skipped (the connection closed unanswered) while
+    /// [`Self::REFUSING`] are running.
+    pub async fn refuse_here<F: Future<Output = ()>>(&self, refusal: F) {
+        if !self.has_room() {
+            return;
+        }
+        let _ = tokio::time::timeout(Self::REFUSAL_TIME, self.refusing.track_future(refusal)).await;
+    }
+
     /// Whether a failed accept only says that a client gave up while queued (its connection
     /// aborted or reset before it was accepted): nothing is short, unlike EMFILE, so the
     /// listener accepts again at once rather than backing off, and does not log it.
@@ -136,21 +151,31 @@ impl ConnectionCap {
         )
     }
 
+    /// Idle time before the first TCP keepalive probe ([`ConnectionCap::keep_alive`]).
+    pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+    /// Time between TCP keepalive probes.
+    pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+    /// Unanswered probes after which the connection is dropped.
+    pub const KEEPALIVE_PROBES: u32 = 4;
+
     /// Turns TCP keepalive on for an accepted client: a client whose host vanished (no FIN, no
     /// reset: a VM killed, a partition) is found out within about two minutes and its slot
     /// given back, as Redis (`tcp-keepalive`) and PostgreSQL do for theirs.
     pub fn keep_alive(socket: &TcpStream) -> std::io::Result<()> {
         let keepalive = socket2::TcpKeepalive::new()
-            .with_time(Duration::from_secs(60))
-            .with_interval(Duration::from_secs(15))
-            .with_retries(4);
+            .with_time(Self::KEEPALIVE_IDLE)
+            .with_interval(Self::KEEPALIVE_INTERVAL)
+            .with_retries(Self::KEEPALIVE_PROBES);
         socket2::SockRef::from(socket).set_tcp_keepalive(&keepalive)
     }
 
     /// Writes `answer`, then reads (and drops) what the client sends until it closes: a client
     /// that sends before it reads (a PostgreSQL startup packet, a Redis command) would
     /// otherwise have its answer lost to the reset that a close with unread bytes sends.
-    pub async fn answer_and_close(mut socket: TcpStream, answer: Arc<[u8]>) {
+    pub async fn answer_and_close<S>(mut socket: S, answer: Arc<[u8]>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let answered = async {
             socket.write_all(&answer).await?;
             socket.shutdown().await?;

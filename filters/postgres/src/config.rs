@@ -133,9 +133,8 @@ fn default_session_threads() -> usize {
 fn default_max_client_connections() -> usize {
     1000
 }
-/// The largest `max_client_connections` accepted: past it the bound bounds nothing a process
-/// could hold (a million descriptors is the Linux default of `fs.nr_open`).
-const MAX_CLIENT_CONNECTIONS: usize = 1_000_000;
+/// The largest `max_client_connections` accepted.
+const MAX_CLIENT_CONNECTIONS: usize = fencegate_core::ConnectionCap::MOST;
 
 impl Default for PostgresConfig {
     fn default() -> Self {

@@ -259,9 +259,8 @@ fn default_session_threads() -> usize {
 fn default_max_client_connections() -> usize {
     10_000
 }
-/// The largest `max_client_connections` accepted: past it the bound bounds nothing a process
-/// could hold (a million descriptors is the Linux default of `fs.nr_open`).
-const MAX_CLIENT_CONNECTIONS: usize = 1_000_000;
+/// The largest `max_client_connections` accepted.
+const MAX_CLIENT_CONNECTIONS: usize = fencegate_core::ConnectionCap::MOST;
 /// Refusals are rare in normal operation (a lost lock, a misconfigured client). At 300/s a
 /// tokenless flood left fenced-write latency unchanged on 2 cores (tests/redis_flood.rs);
 /// at 1000/s its p99 rose by a few milliseconds.

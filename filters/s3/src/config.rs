@@ -17,6 +17,7 @@
 //! max_attempts = 8                       # conditional write attempts before answering 503 SlowDown
 //! upstream_timeout_ms = 60000            # a store silent this long answers 503 (writes) / 504 (reads)
 //! max_open_uploads = 100000              # fenced multipart uploads tracked at once (age-evicted)
+//! max_client_connections = 10000         # more clients at once get 503 SlowDown (HTTPS: closed)
 //!
 //! # Protected buckets/prefixes; the first rule whose bucket and prefix match decides.
 //! [[s3.protect]]
@@ -93,6 +94,11 @@ pub struct S3Config {
     /// Worker threads of the gateway's own (pingora) runtime.
     #[serde(default = "default_threads")]
     pub threads: usize,
+    /// The most client connections held open at once (DESIGN rule 10): each holds descriptors
+    /// in the node's one process, beside the authority's. A client over it gets S3's own
+    /// `503 SlowDown`, which SDKs retry with backoff; over HTTPS it is closed unanswered.
+    #[serde(default = "default_max_client_connections")]
+    pub max_client_connections: usize,
     /// Protection rules; the first match decides. Buckets no rule matches are not protected.
     #[serde(default)]
     pub protect: Vec<ProtectRule>,
@@ -169,6 +175,10 @@ fn default_upload_max_age_s() -> u64 {
 fn default_threads() -> usize {
     2
 }
+/// As the Redis gateway's default (Redis's own `maxclients`).
+fn default_max_client_connections() -> usize {
+    10_000
+}
 
 impl Default for S3Config {
     fn default() -> Self {
@@ -190,6 +200,7 @@ impl Default for S3Config {
             max_open_uploads: default_max_open_uploads(),
             upload_max_age_s: default_upload_max_age_s(),
             threads: default_threads(),
+            max_client_connections: default_max_client_connections(),
             protect: Vec::new(),
         }
     }
@@ -235,6 +246,13 @@ impl S3Config {
         }
         if self.threads == 0 {
             return Err(S3Error::Config("threads must be at least 1".to_owned()));
+        }
+        let most = fencegate_core::ConnectionCap::MOST;
+        if !(1..=most).contains(&self.max_client_connections) {
+            return Err(S3Error::Config(format!(
+                "max_client_connections ({}) must be between 1 and {most}",
+                self.max_client_connections
+            )));
         }
         for rule in &self.protect {
             if rule.bucket.is_empty() {
@@ -434,5 +452,21 @@ mod tests {
         assert!(err.contains("has no resource"), "{err}");
         config.protect[0].mode = ProtectMode::Off;
         config.validate().unwrap();
+    }
+
+    #[test]
+    fn max_client_connections_is_bounded_both_ways() {
+        let with = |n| S3Config {
+            upstream_access_key: "gw".into(),
+            clients_env: Some("X".into()),
+            max_client_connections: n,
+            ..S3Config::default()
+        };
+        assert!(with(1).validate().is_ok());
+        assert!(with(fencegate_core::ConnectionCap::MOST).validate().is_ok());
+        for bad in [0, fencegate_core::ConnectionCap::MOST + 1] {
+            let e = with(bad).validate().expect_err("refused").to_string();
+            assert!(e.contains("max_client_connections"), "{e}");
+        }
     }
 }

@@ -7,7 +7,8 @@
 //! - Pure: [`sigv4_verify`] and [`chunked`] (checking what the client sent), [`rewrite`]
 //!   (which operation, which object, object mode's conditional write), [`manifest`] (manifest
 //!   mode's view, log entry, batch planning and listing), [`error_xml`], [`multi_delete`].
-//! - I/O: `proxy` (the pingora service; reads stream through), `gateway` (shared state and the
+//! - I/O: `proxy` (the pingora service; reads stream through), `connection_bound` (the
+//!   listener's bound on client connections, and its TLS handshake), `gateway` (shared state and the
 //!   upstream client), `respond`, `body` (verifying bodies as they stream), `session` (one
 //!   write request: rule, token, refusal, audit), `replace`, `delete` and `upload_stamp` (object mode),
 //!   `manifest_store`, `manifest_write` and `manifest_read` (manifest mode).
@@ -17,6 +18,7 @@
 mod body;
 pub mod chunked;
 pub mod config;
+mod connection_bound;
 mod delete;
 pub mod error;
 pub mod error_xml;

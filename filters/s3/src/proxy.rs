@@ -16,10 +16,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use async_trait::async_trait;
-use fencegate_core::{AuditSink, OpenConnection, ServerCert, Store, TokenPolicy, UpstreamFailure};
+use fencegate_core::{
+    AuditSink, ConnectionCap, OpenConnection, ServerCert, Store, TokenPolicy, UpstreamFailure,
+};
 use pingora_core::listeners::tls::TlsSettings;
+use pingora_core::listeners::TcpSocketOptions;
+use pingora_core::protocols::l4::ext::TcpKeepalive;
 use pingora_core::server::configuration::ServerConf;
 use pingora_core::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use pingora_core::services::listening::Service;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_http::RequestHeader;
 use pingora_proxy::{ProxyHttp, Session};
@@ -28,6 +33,7 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{parse_credentials, S3Config};
+use crate::connection_bound::BoundedApp;
 use crate::error::S3Error;
 use crate::gateway::{S3Clients, Shared};
 use crate::respond::respond_error;
@@ -154,16 +160,15 @@ impl S3Gateway {
         server.bootstrap();
         let requests = TaskTracker::new();
         let begun = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut service = pingora_proxy::http_proxy_service_with_name(
+        let proxy = pingora_proxy::http_proxy(
             &server.configuration,
             S3Proxy {
                 shared: self.shared.clone(),
                 requests: requests.clone(),
                 begun: begun.clone(),
             },
-            "fencegate-s3",
         );
-        match &self.server_cert {
+        let tls = match &self.server_cert {
             Some(cert) => {
                 // A resolver rather than the file paths: pingora would read them once, and a
                 // renewed certificate would need a restart.
@@ -171,10 +176,20 @@ impl S3Gateway {
                     S3Error::Listen(format!("TLS listener on {}: {e}", config.listen))
                 })?;
                 tls.set_cert_resolver(cert.clone());
-                service.add_tls_with_settings(&config.listen.to_string(), None, tls);
+                Some(tls.build())
             }
-            None => service.add_tcp(&config.listen.to_string()),
-        }
+            None => None,
+        };
+        // The listener is plain TCP: the app admits each connection under the bound before
+        // its TLS handshake (crate::connection_bound).
+        let app = BoundedApp::new(
+            proxy,
+            config.max_client_connections,
+            tls,
+            self.shared.audit.clone(),
+        );
+        let mut service = Service::new("fencegate-s3".to_owned(), app);
+        service.add_tcp_with_settings(&config.listen.to_string(), keepalive());
         server.add_service(service);
         let (stop, stop_rx) = watch::channel(Stop::Run);
         tracing::info!(listen = %config.listen, upstream = %self.shared.upstream.base, "S3 gateway started");
@@ -273,6 +288,20 @@ impl ShutdownSignalWatch for StopWatch {
             _ => ShutdownSignal::FastShutdown,
         }
     }
+}
+
+/// TCP keepalive on every client, as the other gateways set it: a client whose host vanished
+/// gives its slot back within about two minutes.
+fn keepalive() -> TcpSocketOptions {
+    let mut options = TcpSocketOptions::default();
+    options.tcp_keepalive = Some(TcpKeepalive {
+        idle: ConnectionCap::KEEPALIVE_IDLE,
+        interval: ConnectionCap::KEEPALIVE_INTERVAL,
+        count: ConnectionCap::KEEPALIVE_PROBES as usize,
+        #[cfg(target_os = "linux")]
+        user_timeout: std::time::Duration::ZERO,
+    });
+    options
 }
 
 /// Per-request state.

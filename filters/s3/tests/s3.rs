@@ -7,6 +7,7 @@ mod harness;
 mod s3 {
     mod awscli;
     mod basic;
+    mod connection_bound;
     mod malformed;
     mod manifest;
     mod paused;

@@ -103,6 +103,16 @@ impl Harness {
         Self::build(TokenPolicy::unsigned(), true, false, |_| {})
     }
 
+    /// An HTTPS gateway with its config changed by `configure` before it starts.
+    pub fn with_tls_config(configure: impl FnOnce(&mut S3Config)) -> Self {
+        Self::build(TokenPolicy::unsigned(), true, false, configure)
+    }
+
+    /// How many requests the gateway has begun since it started.
+    pub fn requests_begun(&self) -> u64 {
+        self.gateway.as_ref().expect("running").requests_begun()
+    }
+
     /// The CA certificate clients must trust (HTTPS harnesses only).
     pub fn ca_bundle(&self) -> std::path::PathBuf {
         self._dir.path().join("ca.pem")
