@@ -16,7 +16,8 @@
 //!   flight (an HTTP/2 client not answering the PING, an HTTP/1 one not reading), is dropped
 //!   after [`CLOSE_GRACE`];
 //! - a TLS handshake has [`HANDSHAKE_TIMEOUT`];
-//! - TCP keepalive finds clients whose host vanished while the connection was quiet.
+//! - TCP keepalive finds clients whose host vanished while the connection was quiet;
+//! - on the Raft peer port, the last slots are kept for the members ([`PeerReserve`]).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -39,6 +40,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::task::TaskTracker;
+
+use crate::peer_reserve::PeerReserve;
 
 /// How long a connection may go without a request in flight: longer than the idle time after
 /// which common clients drop a pooled connection themselves (reqwest's and Go's 90 s), so they
@@ -92,13 +95,15 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 /// Serves `app` on `listener` (over TLS with `tls`) until `stop` turns true, with at most `max`
-/// connections open; then closes the listener, lets each connection finish its request in
-/// flight, and returns once they are all closed (the caller bounds that wait). Accept errors
-/// (EMFILE, say) are logged and retried, never fatal.
+/// connections open, the last of them only for the addresses `reserve` knows (the peer port:
+/// its TLS handshake proves membership); then closes the listener, lets each connection finish
+/// its request in flight, and returns once they are all closed (the caller bounds that wait).
+/// Accept errors (EMFILE, say) are logged and retried, never fatal.
 pub async fn serve(
     port: &'static str,
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
+    reserve: Option<Arc<PeerReserve>>,
     app: Router,
     max: usize,
     mut stop: watch::Receiver<bool>,
@@ -112,8 +117,8 @@ pub async fn serve(
             accepted = listener.accept() => accepted,
             () = stopped(&mut stop) => break,
         };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
+        let (tcp, from) = match accepted {
+            Ok(pair) => pair,
             Err(e) if ConnectionCap::client_gave_up(&e) => continue,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed; retrying");
@@ -121,7 +126,10 @@ pub async fn serve(
                 continue;
             }
         };
-        match cap.admit(open.len()) {
+        let counted = reserve
+            .as_ref()
+            .map_or(open.len(), |r| r.counted(from.ip(), open.len()));
+        match cap.admit(counted) {
             Admission::Admitted => {}
             Admission::Reopened { refused } => {
                 tracing::info!(port, refused, "the node admits connections again");
@@ -131,6 +139,7 @@ pub async fn serve(
                     tracing::warn!(
                         port,
                         max_api_connections = max,
+                        reserved_for_members = reserve.as_ref().map_or(0, |r| r.slots()),
                         "the node holds [node] max_api_connections on this port; new connections are refused until one closes"
                     );
                 }
@@ -143,7 +152,14 @@ pub async fn serve(
         if let Err(e) = ConnectionCap::keep_alive(&tcp) {
             tracing::debug!(error = %e, "TCP keepalive not set on an API connection");
         }
-        open.spawn(connection(tcp, tls.clone(), app.clone(), stop.clone()));
+        let member = reserve.clone().map(|r| (r, from.ip()));
+        open.spawn(connection(
+            tcp,
+            tls.clone(),
+            member,
+            app.clone(),
+            stop.clone(),
+        ));
     }
     drop(listener);
     open.close();
@@ -151,10 +167,12 @@ pub async fn serve(
 }
 
 /// One connection's life: the handshake, then requests until the client closes, it idles for
-/// [`IDLE`], or the node stops (then the request in flight finishes first).
+/// [`IDLE`], or the node stops (then the request in flight finishes first). `member`: the peer
+/// port's reserve, told the client's address once its handshake proved membership.
 async fn connection(
     tcp: TcpStream,
     tls: Option<TlsAcceptor>,
+    member: Option<(Arc<PeerReserve>, std::net::IpAddr)>,
     app: Router,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -184,7 +202,12 @@ async fn connection(
         }
         Some(acceptor) => {
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
+                Ok(Ok(tls)) => {
+                    if let Some((reserve, ip)) = member {
+                        reserve.remember(ip);
+                    }
+                    tls
+                }
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "TLS handshake refused");
                     return;

@@ -18,6 +18,7 @@ mod gateway_metrics;
 mod lock_run;
 mod metrics;
 mod open_file_limit;
+mod peer_reserve;
 mod process_metrics;
 mod raft_watch;
 mod reload;

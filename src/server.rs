@@ -322,15 +322,22 @@ pub async fn serve(
         "api",
         api_listener,
         api_tls,
+        None,
         app,
         max_api,
         stop_rx.clone(),
     ));
     if let Some(listener) = peer_listener {
+        // With TLS the handshake requires a member's certificate: the members are known, and
+        // the port keeps slots for them (without TLS anyone may drive Raft anyway).
+        let reserve = peer_tls
+            .is_some()
+            .then(|| Arc::new(crate::peer_reserve::PeerReserve::new(max_api)));
         peer_server.spawn(crate::api_listener::serve(
             "raft peer",
             listener,
             peer_tls,
+            reserve,
             peer_app,
             max_api,
             peer_stop_rx,

@@ -10,5 +10,6 @@ mod authority {
     mod faults;
     mod lease;
     mod membership;
+    mod peer_port;
     mod tokens;
 }

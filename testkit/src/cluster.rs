@@ -116,7 +116,18 @@ impl Cluster {
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
-        Self::start_inner(security, false, n, extra, sections, env).await
+        Self::start_inner(security, false, n, ("", extra), sections, env).await
+    }
+
+    /// Like `start_secured`, with `node` added to every node's `[node]` section.
+    pub async fn start_secured_with_node(
+        security: Security,
+        n: usize,
+        node: &str,
+        sections: impl Fn(u64) -> String,
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::start_inner(security, false, n, (node, ""), sections, env).await
     }
 
     /// Like `start_configured`, with every Raft link between two nodes going through a
@@ -131,14 +142,15 @@ impl Cluster {
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
-        Self::start_inner(Security::Insecure, true, n, extra, sections, env).await
+        Self::start_inner(Security::Insecure, true, n, ("", extra), sections, env).await
     }
 
+    /// `(node, extra)`: added to every node's `[node]` and `[authority]` sections.
     async fn start_inner(
         security: Security,
         faulty_links: bool,
         n: usize,
-        extra: &str,
+        (node, extra): (&str, &str),
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
@@ -205,11 +217,13 @@ impl Cluster {
             let peer = (security == Security::Tls || faulty_links).then_some(peers[i]);
             let authority = format!("members = [{}]\n{extra}", members.join(", "));
             let config = dir.path().join(format!("node{id}.toml"));
-            let node_extra = if faulty_links {
-                format!("peer_source = \"{}\"\n", source_ip(id))
-            } else {
-                String::new()
-            };
+            let mut node_extra = node.to_owned();
+            if !node_extra.is_empty() && !node_extra.ends_with('\n') {
+                node_extra.push('\n');
+            }
+            if faulty_links {
+                node_extra.push_str(&format!("peer_source = \"{}\"\n", source_ip(id)));
+            }
             let text = config_text(
                 security,
                 dir.path(),
