@@ -5,14 +5,22 @@
 //! a member could not open a connection, and members open new ones exactly when the cluster
 //! needs them: a follower campaigning after the leader died calls the other followers for the
 //! first time. A flood of handshakes would then keep the cluster without a leader (DESIGN
-//! rule 10). So the last [`PeerReserve::slots`] slots are only for addresses that proved
-//! membership: a connection from them completed the port's mutual TLS handshake, with a
-//! certificate of the cluster's CA. The members' addresses are learnt from the heartbeats
-//! within moments of a start; a stranger can never add one.
+//! rule 10). So the last [`PeerReserve::slots`] slots are only for the members' addresses,
+//! known two ways, neither of which a stranger controls:
+//! - the addresses the members' peer hosts resolve to, from the Raft membership
+//!   ([`follow_members`]): a follower knows the other followers before either ever called
+//!   the other (a member's calls leave from that address on a host with one, or with
+//!   `[node] peer_source` set to it);
+//! - the addresses connections came from that completed the port's mutual TLS handshake, with
+//!   a certificate of the cluster's CA (a member behind an address of another kind, NAT say,
+//!   once it called).
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::authority::type_config::Raft;
 
 /// The member addresses the peer port knows, and the slots it keeps for them.
 #[derive(Debug)]
@@ -20,6 +28,8 @@ pub struct PeerReserve {
     slots: usize,
     /// Addresses that completed the mutual TLS handshake, oldest first.
     known: Mutex<VecDeque<IpAddr>>,
+    /// What the members' peer hosts resolve to.
+    members: Mutex<Vec<IpAddr>>,
 }
 
 impl PeerReserve {
@@ -34,6 +44,7 @@ impl PeerReserve {
         Self {
             slots: (max / 4).min(64),
             known: Mutex::new(VecDeque::new()),
+            members: Mutex::new(Vec::new()),
         }
     }
 
@@ -42,16 +53,30 @@ impl PeerReserve {
         self.slots
     }
 
-    /// Whether `ip` proved membership before.
+    /// Whether `ip` is a member's: a member's peer host resolves to it, or it proved membership.
     pub fn knows(&self, ip: IpAddr) -> bool {
-        self.known
+        // A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses.
+        let ip = ip.to_canonical();
+        self.members
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(&ip)
+            || self
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&ip)
+    }
+
+    /// Sets what the members' peer hosts resolve to now.
+    pub fn set_members(&self, ips: Vec<IpAddr>) {
+        let ips = ips.into_iter().map(|ip| ip.to_canonical()).collect();
+        *self.members.lock().unwrap_or_else(|e| e.into_inner()) = ips;
     }
 
     /// Remembers `ip`: a connection from it just completed the mutual TLS handshake.
     pub fn remember(&self, ip: IpAddr) {
+        let ip = ip.to_canonical();
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         if known.contains(&ip) {
             return;
@@ -69,6 +94,52 @@ impl PeerReserve {
             open
         } else {
             open.saturating_add(self.slots)
+        }
+    }
+}
+
+/// How often the members' peer hosts are resolved again when the membership does not change:
+/// a name may come to point elsewhere (a rescheduled pod).
+const RESOLVE_AGAIN: Duration = Duration::from_secs(60);
+
+/// The longest one resolution may take: a slow resolver only delays the next one.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Keeps `reserve`'s member addresses: the members' peer hosts, resolved on every membership
+/// change and every [`RESOLVE_AGAIN`]; runs until Raft shuts down.
+pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
+    let mut rx = raft.metrics();
+    let mut peers: Vec<String> = Vec::new();
+    let mut resolved_at: Option<tokio::time::Instant> = None;
+    loop {
+        let now: Vec<String> = rx
+            .borrow_and_update()
+            .membership_config
+            .nodes()
+            .map(|(_, node)| node.peer.clone())
+            .collect();
+        if now != peers || resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_AGAIN) {
+            peers = now;
+            let mut ips = Vec::new();
+            for peer in &peers {
+                match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host(peer)).await {
+                    Ok(Ok(addrs)) => ips.extend(addrs.map(|a| a.ip())),
+                    Ok(Err(e)) => {
+                        tracing::debug!(%peer, error = %e, "a member's peer host did not resolve")
+                    }
+                    Err(_) => tracing::debug!(%peer, "resolving a member's peer host timed out"),
+                }
+            }
+            reserve.set_members(ips);
+            resolved_at = Some(tokio::time::Instant::now());
+        }
+        tokio::select! {
+            changed = rx.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = tokio::time::sleep(RESOLVE_AGAIN) => {}
         }
     }
 }
@@ -103,6 +174,20 @@ mod tests {
             cap.admit(reserve.counted(ip(1), 16)),
             Admission::Refused { .. }
         ));
+    }
+
+    #[test]
+    fn members_are_known_by_their_peer_hosts_and_mapped_addresses_are_one() {
+        let reserve = PeerReserve::new(16);
+        reserve.set_members(vec![ip(5)]);
+        assert!(reserve.knows(ip(5)));
+        assert!(!reserve.knows(ip(6)));
+        let mapped: IpAddr = "::ffff:127.0.0.6".parse().unwrap();
+        reserve.remember(mapped);
+        assert!(reserve.knows(ip(6)));
+        reserve.set_members(Vec::new());
+        assert!(!reserve.knows(ip(5)));
+        assert!(reserve.knows(mapped));
     }
 
     #[test]

@@ -333,6 +333,12 @@ pub async fn serve(
         let reserve = peer_tls
             .is_some()
             .then(|| Arc::new(crate::peer_reserve::PeerReserve::new(max_api)));
+        if let Some(reserve) = &reserve {
+            tokio::spawn(crate::peer_reserve::follow_members(
+                authority.raft().clone(),
+                reserve.clone(),
+            ));
+        }
         peer_server.spawn(crate::api_listener::serve(
             "raft peer",
             listener,

@@ -25,6 +25,8 @@ pub struct Node {
     pub port: u16,
     /// The peer (Raft) port; `None` when Raft runs on the API port (insecure clusters).
     pub peer: Option<u16>,
+    /// The address its peer port is bound on and its Raft calls leave from.
+    pub peer_ip: IpAddr,
     pub config: PathBuf,
     child: Option<Child>,
 }
@@ -119,15 +121,11 @@ impl Cluster {
         Self::start_inner(security, false, n, ("", extra), sections, env).await
     }
 
-    /// Like `start_secured`, with `node` added to every node's `[node]` section.
-    pub async fn start_secured_with_node(
-        security: Security,
-        n: usize,
-        node: &str,
-        sections: impl Fn(u64) -> String,
-        env: &[(&str, &str)],
-    ) -> Self {
-        Self::start_inner(security, false, n, (node, ""), sections, env).await
+    /// A TLS cluster whose nodes each have an address of their own, as on separate hosts:
+    /// node `id` binds its peer port on, is advertised at, and sends its Raft calls from
+    /// [`source_ip`]`(id)`. `node` is added to every node's `[node]` section.
+    pub async fn start_tls_on_own_addresses(n: usize, node: &str) -> Self {
+        Self::start_inner(Security::Tls, false, n, (node, ""), |_| String::new(), &[]).await
     }
 
     /// Like `start_configured`, with every Raft link between two nodes going through a
@@ -155,6 +153,15 @@ impl Cluster {
         env: &[(&str, &str)],
     ) -> Self {
         let turn = ONE_AT_A_TIME.lock().await;
+        // Nodes on addresses of their own: a TLS cluster started with a `node` section.
+        let own_addresses = security == Security::Tls && !node.is_empty();
+        let peer_ip = |id: u64| {
+            if own_addresses {
+                source_ip(id)
+            } else {
+                IpAddr::V4(Ipv4Addr::LOCALHOST)
+            }
+        };
         let dir = TempDir::new().unwrap();
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
         let peers: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -163,8 +170,11 @@ impl Cluster {
         if security == Security::Tls {
             let mut args = vec!["certs".to_owned(), "init".into(), "--dir".into()];
             args.push(certs.display().to_string());
-            for id in 1..=n {
-                args.extend(["--node".into(), format!("{id}=127.0.0.1,localhost")]);
+            for id in 1..=n as u64 {
+                args.extend([
+                    "--node".into(),
+                    format!("{id}={},127.0.0.1,localhost", peer_ip(id)),
+                ]);
             }
             let out = Command::new(fencegate_bin()).args(&args).output().unwrap();
             assert!(out.status.success(), "certs init: {out:?}");
@@ -206,8 +216,9 @@ impl Cluster {
                     format!("{{ id = {}, api = \"127.0.0.1:{p}\" }}", i + 1)
                 }
                 _ => format!(
-                    "{{ id = {}, api = \"127.0.0.1:{p}\", peer = \"127.0.0.1:{q}\" }}",
-                    i + 1
+                    "{{ id = {}, api = \"127.0.0.1:{p}\", peer = \"{}:{q}\" }}",
+                    i + 1,
+                    peer_ip(i as u64 + 1)
                 ),
             })
             .collect();
@@ -221,7 +232,7 @@ impl Cluster {
             if !node_extra.is_empty() && !node_extra.ends_with('\n') {
                 node_extra.push('\n');
             }
-            if faulty_links {
+            if faulty_links || own_addresses {
                 node_extra.push_str(&format!("peer_source = \"{}\"\n", source_ip(id)));
             }
             let text = config_text(
@@ -229,7 +240,7 @@ impl Cluster {
                 dir.path(),
                 id,
                 *port,
-                (peer, &node_extra),
+                (peer.map(|q| (peer_ip(id), q)), &node_extra),
                 &authority,
                 &sections(id),
             );
@@ -238,6 +249,7 @@ impl Cluster {
                 id,
                 port: *port,
                 peer,
+                peer_ip: peer_ip(id),
                 config,
                 child: None,
             });
@@ -286,7 +298,7 @@ impl Cluster {
             self.dir.path(),
             id,
             port,
-            (peer, ""),
+            (peer.map(|q| (IpAddr::V4(Ipv4Addr::LOCALHOST), q)), ""),
             &authority,
             "",
         );
@@ -295,6 +307,7 @@ impl Cluster {
             id,
             port,
             peer,
+            peer_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             config,
             child: None,
         });
@@ -332,7 +345,10 @@ impl Cluster {
     /// `host:port` of node `id`'s Raft RPCs, as `cluster add-node --peer` takes it.
     pub fn peer_addr(&self, id: u64) -> String {
         let node = self.node(id);
-        format!("127.0.0.1:{}", node.peer.unwrap_or(node.port))
+        match node.peer {
+            Some(peer) => SocketAddr::from((node.peer_ip, peer)).to_string(),
+            None => format!("127.0.0.1:{}", node.port),
+        }
     }
 
     /// `host:port` of node `id`'s API, as `cluster add-node --api` takes it.
@@ -591,7 +607,7 @@ fn config_text(
     dir: &Path,
     id: u64,
     port: u16,
-    (peer, node_extra): (Option<u16>, &str),
+    (peer, node_extra): (Option<(IpAddr, u16)>, &str),
     authority: &str,
     sections: &str,
 ) -> String {
@@ -606,7 +622,7 @@ fn config_text(
                 c = certs.display()
             ),
         },
-        peer = peer.map_or(String::new(), |p| format!("peer = \"127.0.0.1:{p}\"\n")),
+        peer = peer.map_or(String::new(), |(ip, p)| format!("peer = \"{}\"\n", SocketAddr::from((ip, p)))),
     )
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::cluster::{Cluster, Security};
+use crate::support::cluster::Cluster;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpSocket;
 use tokio::time::Instant;
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 /// Connections per port the stranger keeps open: more than the port holds.
 const HOLDERS: usize = 24;
 
-/// Where the stranger connects from: the members talk from 127.0.0.1.
+/// Where the stranger connects from: the members talk from 127.0.1.<id>.
 const STRANGER: [u8; 4] = [127, 0, 0, 2];
 
 /// One of the stranger's connections, reopened whenever it is closed, until `stop` (at most
@@ -50,25 +50,23 @@ async fn hold(port: SocketAddr, refused: Arc<AtomicU64>, stop: CancellationToken
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_holding_the_peer_ports_full_do_not_stop_an_election() {
-    let mut cluster = Cluster::start_secured_with_node(
-        Security::Tls,
-        3,
-        "max_api_connections = 16",
-        |_| String::new(),
-        &[],
-    )
-    .await;
+    // Each node on an address of its own, as on separate hosts: a follower knows the other
+    // follower's address only from the membership, never having been called from it.
+    let mut cluster = Cluster::start_tls_on_own_addresses(3, "max_api_connections = 16").await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
     let followers: Vec<u64> = cluster
         .ids()
         .into_iter()
         .filter(|id| *id != leader)
         .collect();
-    // The nodes called each other in the first election and may still hold those connections:
-    // a follower restarted has none to the other follower, nor that one to the new process.
-    cluster.kill(followers[1]);
-    cluster.spawn(followers[1]);
-    assert_eq!(cluster.wait_for_leader(&cluster.ids()).await, leader);
+    // The nodes called each other in the first election: they may still hold those
+    // connections, and know each other's addresses from them. Restarted, the followers hold
+    // none to each other and know only the leader's address from a call (its heartbeats).
+    for follower in &followers {
+        cluster.kill(*follower);
+        cluster.spawn(*follower);
+        assert_eq!(cluster.wait_for_leader(&cluster.ids()).await, leader);
+    }
 
     let stop = CancellationToken::new();
     let mut refused = Vec::new();

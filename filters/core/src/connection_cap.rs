@@ -74,8 +74,10 @@ impl ConnectionCap {
         self.max
     }
 
-    /// Admits a new client beside the `open` ones, or refuses it. One accept loop per cap
-    /// calls this, and only that loop adds connections, so `open` cannot pass the bound.
+    /// Admits a new client beside the `open` ones, or refuses it. `open` must not pass the
+    /// bound: one accept loop per cap calls this and only that loop adds connections, or (the
+    /// S3 listener, whose connections are admitted on tasks of their own) each caller counts
+    /// itself in before it asks, so no two see the same count.
     pub fn admit(&self, open: usize) -> Admission {
         if open < self.max {
             match self.refused.swap(0, Ordering::Relaxed) {

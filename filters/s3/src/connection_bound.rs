@@ -16,7 +16,7 @@ use fencegate_core::{Admission, AuditSink, ConnectionCap, Store};
 use pingora_core::apps::ServerApp;
 use pingora_core::listeners::tls::Acceptor;
 use pingora_core::protocols::l4::stream::Stream as TcpStream;
-use pingora_core::protocols::Stream;
+use pingora_core::protocols::{GetSocketDigest, Stream};
 use pingora_core::server::ShutdownWatch;
 
 use crate::error_xml::S3ErrorBody;
@@ -99,14 +99,16 @@ impl<A: ServerApp + Send + Sync + 'static> BoundedApp<A> {
     async fn handshake(acceptor: &Acceptor, stream: Stream) -> Option<Stream> {
         // The listener is plain TCP, so pingora hands over its own TCP stream.
         let tcp = stream.into_any().downcast::<TcpStream>().ok()?;
+        let peer = tcp.get_socket_digest().and_then(|d| d.peer_addr().cloned());
+        // Debug, not warn: anyone can fail a handshake, as often as they like.
         match tokio::time::timeout(HANDSHAKE_TIME, acceptor.tls_handshake(*tcp)).await {
             Ok(Ok(tls)) => Some(Box::new(tls)),
             Ok(Err(e)) => {
-                tracing::debug!(error = %e, "an S3 client's TLS handshake failed");
+                tracing::debug!(error = %e, ?peer, "an S3 client's TLS handshake failed");
                 None
             }
             Err(_) => {
-                tracing::debug!(limit = ?HANDSHAKE_TIME, "an S3 client's TLS handshake took too long");
+                tracing::debug!(limit = ?HANDSHAKE_TIME, ?peer, "an S3 client's TLS handshake took too long");
                 None
             }
         }
