@@ -95,8 +95,8 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 /// Serves `app` on `listener` (over TLS with `tls`) until `stop` turns true, with at most `max`
-/// connections open, the last of them only for the addresses `reserve` knows (the peer port:
-/// its TLS handshake proves membership); then closes the listener, lets each connection finish
+/// connections open, the last of them only for the members' addresses `reserve` knows (the
+/// peer port); then closes the listener, lets each connection finish
 /// its request in flight, and returns once they are all closed (the caller bounds that wait).
 /// Accept errors (EMFILE, say) are logged and retried, never fatal.
 pub async fn serve(

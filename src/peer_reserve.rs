@@ -15,7 +15,7 @@
 //!   a certificate of the cluster's CA (a member behind an address of another kind, NAT say,
 //!   once it called).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -38,8 +38,8 @@ impl PeerReserve {
     const KNOWN: usize = 64;
 
     /// The reserve of a port holding at most `max` connections: a quarter of them, at most 64
-    /// (a member holds a few connections to each peer); none below 4, so that strangers, which
-    /// every member is until its first handshake, always have a slot.
+    /// (a member holds a few connections to each peer); none below 4, so that strangers (a
+    /// member too, before the node has read its membership) always have a slot.
     pub fn new(max: usize) -> Self {
         Self {
             slots: (max / 4).min(64),
@@ -105,11 +105,16 @@ const RESOLVE_AGAIN: Duration = Duration::from_secs(60);
 /// The longest one resolution may take: a slow resolver only delays the next one.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Keeps `reserve`'s member addresses: the members' peer hosts, resolved on every membership
-/// change and every [`RESOLVE_AGAIN`]; runs until Raft shuts down.
+/// Keeps `reserve`'s member addresses: the members' peer hosts (learners' too: a node about
+/// to be promoted is known already), resolved on every membership change and every
+/// [`RESOLVE_AGAIN`]; a host that does not resolve keeps the addresses it had. Runs until Raft
+/// shuts down.
 pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
-    let mut rx = raft.metrics();
+    // The server metrics change only with the vote, the state or the membership, not with
+    // every heartbeat.
+    let mut rx = raft.server_metrics();
     let mut peers: Vec<String> = Vec::new();
+    let mut resolved: HashMap<String, Vec<IpAddr>> = HashMap::new();
     let mut resolved_at: Option<tokio::time::Instant> = None;
     loop {
         let now: Vec<String> = rx
@@ -120,17 +125,31 @@ pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
             .collect();
         if now != peers || resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_AGAIN) {
             peers = now;
-            let mut ips = Vec::new();
+            let mut next = HashMap::new();
             for peer in &peers {
-                match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host(peer)).await {
-                    Ok(Ok(addrs)) => ips.extend(addrs.map(|a| a.ip())),
+                let found = match tokio::time::timeout(
+                    RESOLVE_TIMEOUT,
+                    tokio::net::lookup_host(peer),
+                )
+                .await
+                {
+                    Ok(Ok(addrs)) => Some(addrs.map(|a| a.ip()).collect::<Vec<_>>()),
                     Ok(Err(e)) => {
-                        tracing::debug!(%peer, error = %e, "a member's peer host did not resolve")
+                        tracing::warn!(%peer, error = %e, "a member's peer host did not resolve; the Raft port keeps its reserve for the addresses it had");
+                        None
                     }
-                    Err(_) => tracing::debug!(%peer, "resolving a member's peer host timed out"),
-                }
+                    Err(_) => {
+                        tracing::warn!(%peer, timeout = ?RESOLVE_TIMEOUT, "resolving a member's peer host timed out; the Raft port keeps its reserve for the addresses it had");
+                        None
+                    }
+                };
+                let ips = found
+                    .or_else(|| resolved.get(peer).cloned())
+                    .unwrap_or_default();
+                next.insert(peer.clone(), ips);
             }
-            reserve.set_members(ips);
+            resolved = next;
+            reserve.set_members(resolved.values().flatten().copied().collect());
             resolved_at = Some(tokio::time::Instant::now());
         }
         tokio::select! {

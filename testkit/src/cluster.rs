@@ -41,6 +41,17 @@ pub enum Security {
     Tls,
 }
 
+/// Where a test cluster's nodes are on the loopback network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Every node on 127.0.0.1.
+    Shared,
+    /// Every Raft link through a fault proxy ([`Cluster::start_with_faulty_links`]).
+    FaultyLinks,
+    /// Each node on an address of its own ([`Cluster::start_tls_on_own_addresses`]).
+    OwnAddresses,
+}
+
 /// Clusters in one test binary run one at a time: three Raft nodes per test on a 2-core
 /// machine is the load these timing-sensitive scenarios are written for.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -118,14 +129,15 @@ impl Cluster {
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
-        Self::start_inner(security, false, n, ("", extra), sections, env).await
+        Self::start_inner(security, Layout::Shared, n, ("", extra), sections, env).await
     }
 
     /// A TLS cluster whose nodes each have an address of their own, as on separate hosts:
     /// node `id` binds its peer port on, is advertised at, and sends its Raft calls from
     /// [`source_ip`]`(id)`. `node` is added to every node's `[node]` section.
     pub async fn start_tls_on_own_addresses(n: usize, node: &str) -> Self {
-        Self::start_inner(Security::Tls, false, n, (node, ""), |_| String::new(), &[]).await
+        let layout = Layout::OwnAddresses;
+        Self::start_inner(Security::Tls, layout, n, (node, ""), |_| String::new(), &[]).await
     }
 
     /// Like `start_configured`, with every Raft link between two nodes going through a
@@ -140,21 +152,22 @@ impl Cluster {
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
-        Self::start_inner(Security::Insecure, true, n, ("", extra), sections, env).await
+        let layout = Layout::FaultyLinks;
+        Self::start_inner(Security::Insecure, layout, n, ("", extra), sections, env).await
     }
 
     /// `(node, extra)`: added to every node's `[node]` and `[authority]` sections.
     async fn start_inner(
         security: Security,
-        faulty_links: bool,
+        layout: Layout,
         n: usize,
         (node, extra): (&str, &str),
         sections: impl Fn(u64) -> String,
         env: &[(&str, &str)],
     ) -> Self {
         let turn = ONE_AT_A_TIME.lock().await;
-        // Nodes on addresses of their own: a TLS cluster started with a `node` section.
-        let own_addresses = security == Security::Tls && !node.is_empty();
+        let faulty_links = layout == Layout::FaultyLinks;
+        let own_addresses = layout == Layout::OwnAddresses;
         let peer_ip = |id: u64| {
             if own_addresses {
                 source_ip(id)
