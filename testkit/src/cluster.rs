@@ -381,6 +381,14 @@ impl Cluster {
         self.nodes.iter().map(|n| n.id).collect()
     }
 
+    /// Every node's id but `id`'s (a leader's followers, say).
+    pub fn ids_but(&self, id: u64) -> Vec<u64> {
+        self.ids()
+            .into_iter()
+            .filter(|other| *other != id)
+            .collect()
+    }
+
     fn node(&self, id: u64) -> &Node {
         &self.nodes[id as usize - 1]
     }

@@ -24,11 +24,7 @@ async fn killing_the_leader_never_shortens_a_lease() {
     let token_a = grant["revision"].as_u64().unwrap();
 
     cluster.kill(leader);
-    let survivors: Vec<u64> = cluster
-        .ids()
-        .into_iter()
-        .filter(|id| *id != leader)
-        .collect();
+    let survivors: Vec<u64> = cluster.ids_but(leader);
 
     // Until the holder's stop time, nobody else gets the lock, whoever leads.
     let mut refused_after_failover = 0;
@@ -111,7 +107,7 @@ async fn a_paused_leader_answers_no_keepalive_after_it_is_deposed() {
     assert_eq!(status, StatusCode::OK);
 
     cluster.signal(old, Signal::SIGSTOP);
-    let others: Vec<u64> = cluster.ids().into_iter().filter(|id| *id != old).collect();
+    let others: Vec<u64> = cluster.ids_but(old);
     let new = cluster.wait_for_leader(&others).await;
     cluster.signal(old, Signal::SIGCONT);
 

@@ -27,11 +27,7 @@ async fn time_to_a_usable_leader_after_a_leader_kill() {
             "bounded: 20 kills in 5 minutes"
         );
         let leader = cluster.wait_for_leader(&cluster.ids()).await;
-        let survivors: Vec<u64> = cluster
-            .ids()
-            .into_iter()
-            .filter(|id| *id != leader)
-            .collect();
+        let survivors: Vec<u64> = cluster.ids_but(leader);
         cluster.kill(leader);
         let killed_at = Instant::now();
         // Usable: some survivor grants a lock (a committed write through a new leader).

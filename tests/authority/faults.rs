@@ -71,11 +71,7 @@ fn endpoints(cluster: &Cluster, order: &[u64]) -> String {
 async fn holder_survives_a_freeze(pick: impl Fn(u64, &[u64]) -> (u64, Vec<u64>)) {
     let cluster = Cluster::start(3, "").await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
-    let followers: Vec<u64> = cluster
-        .ids()
-        .into_iter()
-        .filter(|id| *id != leader)
-        .collect();
+    let followers: Vec<u64> = cluster.ids_but(leader);
     let (frozen, order) = pick(leader, &followers);
     let mut child = lock_run(
         &endpoints(&cluster, &order),
@@ -156,11 +152,7 @@ async fn a_frozen_follower_first_in_the_list_costs_no_lease() {
 async fn a_waited_acquire_survives_the_death_of_the_leader_queuing_it() {
     let mut cluster = Cluster::start(3, "").await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
-    let followers: Vec<u64> = cluster
-        .ids()
-        .into_iter()
-        .filter(|id| *id != leader)
-        .collect();
+    let followers: Vec<u64> = cluster.ids_but(leader);
     let held = cluster.acquire(leader, "queued:job", 60_000).await;
     let held_revision = held["revision"].as_u64().unwrap();
     let started = Instant::now();
@@ -254,11 +246,7 @@ async fn a_follower_restarted_gracefully_causes_no_election_with_a_peer_port() {
 async fn follower_restart(security: Security) {
     let mut cluster = Cluster::start_secured(security, 3, "", |_| String::new(), &[]).await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
-    let followers: Vec<u64> = cluster
-        .ids()
-        .into_iter()
-        .filter(|id| *id != leader)
-        .collect();
+    let followers: Vec<u64> = cluster.ids_but(leader);
     let (going, staying) = (followers[0], followers[1]);
     let term = cluster.cluster_view(leader).await.unwrap()["term"]
         .as_u64()

@@ -55,11 +55,7 @@ async fn strangers_holding_the_peer_ports_full_do_not_stop_an_election() {
     // follower's address only from the membership, never having been called from it.
     let mut cluster = Cluster::start_tls_on_own_addresses(3, "max_api_connections = 16").await;
     let leader = cluster.wait_for_leader(&cluster.ids()).await;
-    let followers: Vec<u64> = cluster
-        .ids()
-        .into_iter()
-        .filter(|id| *id != leader)
-        .collect();
+    let followers: Vec<u64> = cluster.ids_but(leader);
     // The nodes called each other in the first election: they may still hold those
     // connections, and know each other's addresses from them. Restarted (gracefully: no
     // election, as tests/authority/faults.rs shows), the followers hold none to each other and
