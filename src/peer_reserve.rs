@@ -125,7 +125,7 @@ pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
             .collect();
         if now != peers || resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_AGAIN) {
             peers = now;
-            let mut next = HashMap::new();
+            let mut lookups = Vec::with_capacity(peers.len());
             for peer in &peers {
                 let found = match tokio::time::timeout(
                     RESOLVE_TIMEOUT,
@@ -143,12 +143,9 @@ pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
                         None
                     }
                 };
-                let ips = found
-                    .or_else(|| resolved.get(peer).cloned())
-                    .unwrap_or_default();
-                next.insert(peer.clone(), ips);
+                lookups.push((peer.clone(), found));
             }
-            resolved = next;
+            resolved = merged(lookups, &resolved);
             reserve.set_members(resolved.values().flatten().copied().collect());
             resolved_at = Some(tokio::time::Instant::now());
         }
@@ -161,6 +158,23 @@ pub async fn follow_members(raft: Raft, reserve: std::sync::Arc<PeerReserve>) {
             () = tokio::time::sleep(RESOLVE_AGAIN) => {}
         }
     }
+}
+
+/// Each peer's addresses after one round of lookups: those its lookup found (`Some`), or,
+/// when it failed, those it had `before`. Peers no longer in the membership are dropped.
+fn merged(
+    lookups: Vec<(String, Option<Vec<IpAddr>>)>,
+    before: &HashMap<String, Vec<IpAddr>>,
+) -> HashMap<String, Vec<IpAddr>> {
+    lookups
+        .into_iter()
+        .map(|(peer, found)| {
+            let ips = found
+                .or_else(|| before.get(&peer).cloned())
+                .unwrap_or_default();
+            (peer, ips)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -207,6 +221,31 @@ mod tests {
         reserve.set_members(Vec::new());
         assert!(!reserve.knows(ip(5)));
         assert!(reserve.knows(mapped));
+    }
+
+    #[test]
+    fn a_failed_lookup_keeps_the_addresses_a_member_had() {
+        let before = HashMap::from([
+            ("a:7171".to_owned(), vec![ip(1)]),
+            ("b:7171".to_owned(), vec![ip(2)]),
+            ("gone:7171".to_owned(), vec![ip(3)]),
+        ]);
+        let after = merged(
+            vec![
+                ("a:7171".into(), None),
+                ("b:7171".into(), Some(vec![ip(4)])),
+                ("new:7171".into(), None),
+            ],
+            &before,
+        );
+        assert_eq!(
+            after,
+            HashMap::from([
+                ("a:7171".to_owned(), vec![ip(1)]),
+                ("b:7171".to_owned(), vec![ip(4)]),
+                ("new:7171".to_owned(), vec![]),
+            ])
+        );
     }
 
     #[test]
