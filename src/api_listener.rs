@@ -82,11 +82,7 @@ fn too_many(max: usize) -> Arc<[u8]> {
         ),
     })
     .to_string();
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    Arc::from((head + &body).into_bytes())
+    ConnectionCap::http_503("application/json", &body)
 }
 
 /// Resolves once `stop` turns true (or its sender is gone).

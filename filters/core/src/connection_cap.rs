@@ -143,6 +143,16 @@ impl ConnectionCap {
         let _ = tokio::time::timeout(Self::REFUSAL_TIME, self.refusing.track_future(refusal)).await;
     }
 
+    /// A whole `503 Service Unavailable` answer with `body` of `content_type`, `Retry-After: 1`
+    /// and `Connection: close`: what an HTTP listener writes to a client over its bound.
+    pub fn http_503(content_type: &str, body: &str) -> Arc<[u8]> {
+        let head = format!(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        Arc::from((head + body).into_bytes())
+    }
+
     /// Whether a failed accept only says that a client gave up while queued (its connection
     /// aborted or reset before it was accepted): nothing is short, unlike EMFILE, so the
     /// listener accepts again at once rather than backing off, and does not log it.

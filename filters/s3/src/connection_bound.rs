@@ -63,12 +63,7 @@ fn slow_down(max: usize) -> Arc<[u8]> {
         "",
     )
     .to_xml();
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/xml\r\n\
-         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    Arc::from([head.into_bytes(), body.into_bytes()].concat())
+    ConnectionCap::http_503("application/xml", &body)
 }
 
 /// A connection counted in `open` until it is dropped.
