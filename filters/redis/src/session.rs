@@ -1434,14 +1434,18 @@ impl Writer {
                     self.completed.fetch_add(1, Ordering::Release);
                 }
             }
-            // One lock for every request the slot answered (a batch answers several).
+            // One lock and one clock read for every request the slot answered (a batch call
+            // answers a whole pipeline: a clock read each was 90 instructions per write).
             {
                 let mut times = self.read_at.lock().unwrap_or_else(|p| p.into_inner());
                 let answered = requests.min(times.len());
-                for read_at in times.drain(..answered) {
-                    self.gateway
-                        .sink
-                        .request_done(Store::Redis, read_at.elapsed());
+                if answered > 0 {
+                    let now = std::time::Instant::now();
+                    for read_at in times.drain(..answered) {
+                        self.gateway
+                            .sink
+                            .request_done(Store::Redis, now.saturating_duration_since(read_at));
+                    }
                 }
             }
         }
@@ -1592,14 +1596,14 @@ impl Writer {
             }
             Expect::FencedBatch(ctx) => {
                 let (frame, raw) = self.retried_if_missing(|| ctx.call(), (frame, raw)).await?;
-                match fence_batch::split(&frame, &raw, ctx.writes.len(), ctx.resp3) {
+                match fence_batch::split(frame, &raw, ctx.writes.len(), ctx.resp3) {
                     Ok(Split::Each(replies)) => {
                         for (write, (frame, raw)) in ctx.writes.iter().zip(&replies) {
                             self.fenced_reply(write, &ctx.token, frame, raw).await;
                         }
                     }
                     // A stale fence refuses every write of the batch, each audited.
-                    Ok(Split::Whole) => {
+                    Ok(Split::Whole(frame)) => {
                         for write in &ctx.writes {
                             self.fenced_reply(write, &ctx.token, &frame, &raw).await;
                         }

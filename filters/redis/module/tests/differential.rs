@@ -162,10 +162,10 @@ fn as_the_gateway_relays(reply: &[u8], writes: usize, resp3: bool) -> Vec<u8> {
     let (frame, _) = frame::parse(reply, &Limits::UPSTREAM)
         .expect("RESP")
         .expect("a whole reply");
-    match split(&frame, &Bytes::copy_from_slice(reply), writes, resp3)
+    match split(frame, &Bytes::copy_from_slice(reply), writes, resp3)
         .expect("a batch reply the gateway reads")
     {
-        Split::Whole => reply.to_vec(),
+        Split::Whole(_) => reply.to_vec(),
         Split::Each(each) => each.into_iter().flat_map(|(_, raw)| raw.to_vec()).collect(),
     }
 }
