@@ -24,7 +24,9 @@ use crate::load::{median, quantile};
 use crate::machine;
 use crate::process::fencegate_binary;
 use crate::report::{Row, Section};
-use crate::servers::{install_fence_sql, pg_bin, postgres_section, Node, Postgres};
+use crate::servers::{
+    install_fence_sql, pg_bin, postgres_passthrough_section, postgres_section, Node, Postgres,
+};
 
 pub const TOKEN: &str = "fg1~1~bench";
 
@@ -301,6 +303,12 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let listen = crate::process::free_port();
     let section = postgres_section(listen, pg.port);
     let node = Node::start(&section, &[listen])?;
+    // The hop alone: a second node whose gateway protects no database, for the plain write.
+    let hop_listen = crate::process::free_port();
+    let hop = Node::start(
+        &postgres_passthrough_section(hop_listen, pg.port),
+        &[hop_listen],
+    )?;
     let seconds = run.as_secs_f64().ceil().max(1.0) as u64;
 
     // (workload, clients, label, target, the guard and enforce() installed for the run through
@@ -355,6 +363,8 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
     let mut tps = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut p50 = vec![(Vec::new(), Vec::new()); cases.len()];
     let mut guard_direct = [Vec::new(), Vec::new()];
+    // The plain write through the pass-through node, at 1 and 8 clients.
+    let mut plain_hop = [Vec::new(), Vec::new()];
     // For 1 and 8 clients: (triggers disabled, enabled), each (guard run directly, fenced
     // through the gateway).
     let mut triggers: [(TpsPair, TpsPair); 2] = Default::default();
@@ -434,6 +444,32 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             );
             guard_direct[i].push(run.tps);
         }
+        // The hop alone: the plain write (no token, the triggers off) through the node that
+        // protects no database, to tell the hop's cost from the fence's in one run.
+        set_triggers(&pg, false)?;
+        for (i, clients) in [1usize, 8].into_iter().enumerate() {
+            let run = pgbench(
+                hop_listen,
+                Workload::Write,
+                clients,
+                seconds,
+                None,
+                &script,
+                None,
+            )
+            .with_context(|| {
+                format!(
+                    "through the pass-through node; its log:\n{}",
+                    hop.log_text()
+                )
+            })?;
+            eprintln!(
+                "postgres rep {rep}: plain write through the pass-through node, {clients} clients: {:.0} tps",
+                run.tps
+            );
+            plain_hop[i].push(run.tps);
+        }
+        set_triggers(&pg, true)?;
         // What the store's triggers cost: the same guarded transaction sent directly, and the
         // fenced write through the gateway, each with the triggers off then on.
         for (i, clients) in [1usize, 8].into_iter().enumerate() {
@@ -526,6 +562,16 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
             .join("; ")
     );
     let (plain_1, plain_8) = (median(&mut tps[1].0), median(&mut tps[2].0));
+    let (hop_1, hop_8) = (median(&mut plain_hop[0]), median(&mut plain_hop[1]));
+    let hop_note = format!(
+        "The hop alone: the same plain write transaction through a second fencegate node whose gateway protects no database (same server, the triggers off, no token), interleaved with the rows above, medians: {hop_1:.0} tps at 1 client, {hop_8:.0} with 8 writers ({:.2}x and {:.2}x of plain direct). Against it, the fenced write through the gateway reaches {:.2}x and {:.2}x (plpgsql), {:.2}x and {:.2}x (guard and `enforce()` in C): what the fence itself costs a write that crosses the hop anyway.",
+        hop_1 / plain_1,
+        hop_8 / plain_8,
+        median(&mut tps[1].1) / hop_1,
+        median(&mut tps[2].1) / hop_8,
+        median(&mut tps[5].1) / hop_1,
+        median(&mut tps[6].1) / hop_8,
+    );
     let mut rows: Vec<Row> = cases
         .iter()
         .zip(tps.iter_mut())
@@ -557,7 +603,7 @@ pub async fn run(run: Duration, reps: usize) -> anyhow::Result<Section> {
         headers: ["direct".into(), "gateway".into()],
         rows,
         tables: Vec::new(),
-        notes: vec![trigger_note, guard_note, format!(
+        notes: vec![hop_note, trigger_note, guard_note, format!(
             "Calibration, direct only: the same write transaction with `SELECT fencegate.guard('bench', 1)` sent by the client itself in the UPDATE's Query message (no gateway; what the fence costs the store): {:.0} tps at 1 client, {:.0} tps with 8 writers ({:.2}x and {:.2}x of the plain write's medians above).",
             guard_1, guard_8, guard_1 / plain_1, guard_8 / plain_8
         )],
