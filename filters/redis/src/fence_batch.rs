@@ -123,15 +123,18 @@ pub fn split(frame: Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<Sp
         .position(|w| w == b"\r\n")
         .ok_or("the batch fence reply has no header")?
         + 2;
+    // Each element's bytes, one after the other from the array's header on.
     let mut at = header;
-    let mut out = Vec::with_capacity(writes);
-    // The flags' element first, then each write's.
-    for (i, item) in std::iter::once(None).chain(items.map(Some)).enumerate() {
+    let mut next = || {
         let len = element_len(raw, at).ok_or("the batch fence reply's elements do not parse")?;
-        let element = raw.slice(at..at + len);
         at += len;
-        let Some(item) = item else { continue };
-        if nulls[i - 1] == b'1' {
+        Ok::<_, &str>(at - len..at)
+    };
+    next()?; // The null flags'.
+    let mut out = Vec::with_capacity(writes);
+    for (item, flag) in items.zip(nulls.iter()) {
+        let element = next()?;
+        if *flag == b'1' {
             // Sent as false because a Lua array cannot hold a null; what the write alone got.
             if !matches!(item, Frame::Boolean(false) | Frame::Null) {
                 return Err("the batch fence reply flags a null that is not false".into());
@@ -139,7 +142,7 @@ pub fn split(frame: Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<Sp
             let null: &'static [u8] = if resp3 { b"_\r\n" } else { b"$-1\r\n" };
             out.push((Frame::Null, Bytes::from_static(null)));
         } else {
-            out.push((item, element));
+            out.push((item, raw.slice(element)));
         }
     }
     if at != raw.len() {

@@ -64,16 +64,8 @@ impl RequestParser {
             Some(n) => n,
             None if first != b'*' => return self.inline(buf, limits),
             None => {
-                let (n, end) = match plain_number(buf, 1) {
-                    Some(found) => found,
-                    None => {
-                        let Some(end) = self.line_end(buf, 1)? else {
-                            return Ok(None);
-                        };
-                        let n = parse_i64(&buf[1..end])
-                            .ok_or(FrameError::Protocol("invalid integer"))?;
-                        (n, end)
-                    }
+                let Some((n, end)) = self.header_number(buf, 1)? else {
+                    return Ok(None);
                 };
                 if n < 0 {
                     return Err(FrameError::Protocol("expected an array of bulk strings"));
@@ -103,16 +95,8 @@ impl RequestParser {
                     if kind != b'$' {
                         return Err(FrameError::Protocol("expected an array of bulk strings"));
                     }
-                    let (n, end) = match plain_number(buf, self.pos + 1) {
-                        Some(found) => found,
-                        None => {
-                            let Some(end) = self.line_end(buf, self.pos + 1)? else {
-                                return Ok(None);
-                            };
-                            let n = parse_i64(&buf[self.pos + 1..end])
-                                .ok_or(FrameError::Protocol("invalid integer"))?;
-                            (n, end)
-                        }
+                    let Some((n, end)) = self.header_number(buf, self.pos + 1)? else {
+                        return Ok(None);
                     };
                     let len = match n {
                         -1 => {
@@ -175,6 +159,24 @@ impl RequestParser {
     /// theirs until they are dropped.
     pub fn release(&mut self) {
         self.arena = BytesMut::new();
+    }
+
+    /// The number of the `*<n>` or `$<n>` header whose digits start at `from`, and the index of
+    /// its `\r`; `Ok(None)` when its line is not all here yet. The common form in one pass
+    /// ([`plain_number`]), anything else by the line search and [`parse_i64`].
+    fn header_number(
+        &mut self,
+        buf: &[u8],
+        from: usize,
+    ) -> Result<Option<(i64, usize)>, FrameError> {
+        if let Some(found) = plain_number(buf, from) {
+            return Ok(Some(found));
+        }
+        let Some(end) = self.line_end(buf, from)? else {
+            return Ok(None);
+        };
+        let n = parse_i64(&buf[from..end]).ok_or(FrameError::Protocol("invalid integer"))?;
+        Ok(Some((n, end)))
     }
 
     /// The index of the `\r` ending the line that starts at `from`, searching only bytes not
