@@ -342,7 +342,7 @@ impl Cluster {
     /// Applies `fault` to every Raft link to and from node `id`: with `LinkFault::Partition`,
     /// the node is cut off from the others both ways.
     pub fn set_links_of(&self, id: u64, fault: LinkFault) {
-        for other in self.ids().into_iter().filter(|o| *o != id) {
+        for other in self.ids_but(id) {
             self.set_link(id, other, fault);
             self.set_link(other, id, fault);
         }

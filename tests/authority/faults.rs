@@ -307,7 +307,7 @@ async fn a_partitioned_leader_is_replaced_and_follows_once_healed() {
     use fencegate_testkit::fault_proxy::LinkFault;
     let cluster = Cluster::start_with_faulty_links(3, "", |_| String::new(), &[]).await;
     let old = cluster.wait_for_leader(&cluster.ids()).await;
-    let others: Vec<u64> = cluster.ids().into_iter().filter(|i| *i != old).collect();
+    let others: Vec<u64> = cluster.ids_but(old);
     cluster.set_links_of(old, LinkFault::Partition);
     let new = cluster.wait_for_leader(&others).await;
     assert_ne!(new, old);
