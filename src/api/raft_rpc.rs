@@ -32,8 +32,7 @@ pub async fn snapshot(
     State(state): State<ApiState>,
     Json(req): Json<InstallSnapshotRequest<TypeConfig>>,
 ) -> Json<Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>> {
-    state.authority.heard_from_leader();
-    Json(state.authority.raft().install_snapshot(req).await)
+    Json(state.authority.receive_snapshot_chunk(req).await)
 }
 
 /// This node's committed membership, for a peer that stopped hearing from the leader and asks

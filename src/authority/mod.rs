@@ -11,6 +11,7 @@ mod lock_list;
 pub mod log_store;
 pub mod membership;
 pub mod network;
+mod snapshot_receipt;
 pub mod state;
 pub mod state_machine;
 #[cfg(test)]
@@ -218,6 +219,8 @@ pub struct Authority {
     confirmed: tokio::sync::Mutex<Option<(Instant, u64)>>,
     /// How long a confirmation may be reused; see `recent_leadership`.
     lease_window: Duration,
+    /// The leader's heartbeat interval (`[authority] heartbeat_ms`).
+    heartbeat: Duration,
     /// Set by [`Authority::drain`]: this node never campaigns again (not even after a
     /// hand-over).
     draining: Arc<std::sync::atomic::AtomicBool>,
@@ -294,15 +297,13 @@ impl Authority {
             max_leases: config.authority.max_leases,
             confirmed: tokio::sync::Mutex::new(None),
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
+            heartbeat: Duration::from_millis(config.authority.heartbeat_ms),
             draining: Arc::default(),
             hand_over_pending: Default::default(),
         });
         tokio::spawn(watch_leadership(authority.clone()));
         tokio::spawn(membership::watch_membership(authority.clone()));
-        tokio::spawn(expire_leases(
-            authority.clone(),
-            Duration::from_millis(config.authority.heartbeat_ms),
-        ));
+        tokio::spawn(expire_leases(authority.clone(), authority.heartbeat));
         Ok(authority)
     }
 

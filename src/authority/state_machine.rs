@@ -58,6 +58,10 @@ pub struct StateMachine {
     /// the state (openraft builds on a task of its own, beside an install) must not replace
     /// a newer one, or a restart would load a state older than what the log still holds.
     stored: Arc<tokio::sync::Mutex<Option<LogId<NodeId>>>>,
+    /// The snapshot stored in `db`, kept in memory: it is what a leader sends. Read back from
+    /// `db` (a JSON document about four times the state's size), with many leases it took the
+    /// leader long enough that the node waiting for it heard no heartbeat and campaigned.
+    current: Arc<std::sync::Mutex<Option<Arc<StoredSnapshot>>>>,
 }
 
 /// The key ring for `state`'s replicated keys, plus the operator's pinned key.
@@ -104,13 +108,12 @@ impl StateMachine {
         issued: IssuedRevision,
     ) -> Result<Self, StorageError> {
         let mut applied = Applied::default();
-        let mut stored_upto = None;
-        if let Some(stored) = Self::load(&db)? {
-            stored_upto = stored.meta.last_log_id;
+        let stored = Self::load(&db)?;
+        if let Some(stored) = &stored {
             applied.state =
                 serde_json::from_slice(&stored.data).map_err(|e| sm_err(ErrorVerb::Read, e))?;
             applied.last_applied = stored.meta.last_log_id;
-            applied.membership = stored.meta.last_membership;
+            applied.membership = stored.meta.last_membership.clone();
         }
         keys.replace(key_ring(&applied.state, pinned.as_ref()));
         issued.observe(applied.state.revision);
@@ -121,7 +124,10 @@ impl StateMachine {
             keys,
             pinned,
             issued,
-            stored: Arc::new(tokio::sync::Mutex::new(stored_upto)),
+            stored: Arc::new(tokio::sync::Mutex::new(
+                stored.as_ref().and_then(|s| s.meta.last_log_id),
+            )),
+            current: Arc::new(std::sync::Mutex::new(stored.map(Arc::new))),
         })
     }
 
@@ -153,9 +159,11 @@ impl StateMachine {
             return Ok(());
         }
         let last = stored.meta.last_log_id;
+        let stored = Arc::new(stored);
         let db = self.db.clone();
+        let writing = stored.clone();
         tokio::task::spawn_blocking(move || {
-            let bytes = serde_json::to_vec(&stored).map_err(|e| sm_err(ErrorVerb::Write, e))?;
+            let bytes = serde_json::to_vec(&*writing).map_err(|e| sm_err(ErrorVerb::Write, e))?;
             let tx = db.begin_write().map_err(|e| sm_err(ErrorVerb::Write, e))?;
             tx.open_table(SNAPSHOT)
                 .map_err(|e| sm_err(ErrorVerb::Write, e))?
@@ -166,6 +174,7 @@ impl StateMachine {
         .await
         .map_err(|e| sm_err(ErrorVerb::Write, e))??;
         *upto = last;
+        *self.current.lock().expect("snapshot lock") = Some(stored);
         Ok(())
     }
 }
@@ -310,9 +319,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        Ok(Self::load(&self.db)?.map(|stored| Snapshot {
-            meta: stored.meta,
-            snapshot: Box::new(Cursor::new(stored.data)),
+        let current = self.current.lock().expect("snapshot lock").clone();
+        Ok(current.map(|stored| Snapshot {
+            meta: stored.meta.clone(),
+            snapshot: Box::new(Cursor::new(stored.data.clone())),
         }))
     }
 }

@@ -75,8 +75,15 @@ async fn log_vote_and_snapshot_survive_reopening() {
         sm.apply(entries).await.unwrap();
         sm.build_snapshot().await.unwrap();
     }
-    let (mut log, sm) = open(&dir);
+    let (mut log, mut sm) = open(&dir);
     assert_eq!(log.read_vote().await.unwrap(), Some(Vote::new(3, 2)));
+    // What a leader would send: the stored snapshot, held in memory from the start.
+    let current = sm
+        .get_current_snapshot()
+        .await
+        .unwrap()
+        .expect("a snapshot");
+    assert_eq!(current.meta.last_log_id.map(|id| id.index), Some(2));
     assert_eq!(log.try_get_log_entries(1..3).await.unwrap().len(), 2);
     let applied = sm.applied();
     let applied = applied.read().await;
@@ -125,6 +132,16 @@ async fn an_older_snapshot_never_replaces_a_newer_one() {
         )
         .await
         .unwrap();
+        let current = sm
+            .get_current_snapshot()
+            .await
+            .unwrap()
+            .expect("a snapshot");
+        assert_eq!(
+            current.meta.last_log_id.map(|id| id.index),
+            Some(2),
+            "the older snapshot is what a leader would send"
+        );
     }
     let (_log, sm) = open(&dir);
     let applied = sm.applied();

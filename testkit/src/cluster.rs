@@ -537,35 +537,25 @@ impl Cluster {
         agreed_leader(self.http.clone(), nodes, self.dir.path().to_owned()).await
     }
 
-    /// Acquires `resource` through node `id` and returns the grant's JSON.
-    /// A node that knows no leader answers 503 `no_leader` and asks to retry: on a loaded
-    /// machine an election can start mid-test (CI saw one), so that answer is retried for up
-    /// to 10 s, as a client following the API would. Anything else must be a grant.
+    /// Acquires `resource` through node `id` and returns the grant's JSON (see
+    /// [`Cluster::call_with_a_leader`]).
     pub async fn acquire(&self, id: u64, resource: &str, ttl_ms: u64) -> Value {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            let (status, body) = self
-                .call(
-                    id,
-                    reqwest::Method::POST,
-                    &format!("/v1/locks/{resource}"),
-                    Some(json!({ "ttl_ms": ttl_ms })),
-                )
-                .await;
-            let leaderless =
-                status == StatusCode::SERVICE_UNAVAILABLE && body["error"] == "no_leader";
-            if leaderless && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-            assert_eq!(status, StatusCode::OK, "acquire {resource}: {body}");
-            return body;
-        }
+        let (status, body) = self
+            .call_with_a_leader(
+                id,
+                reqwest::Method::POST,
+                &format!("/v1/locks/{resource}"),
+                Some(json!({ "ttl_ms": ttl_ms })),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "acquire {resource}: {body}");
+        body
     }
 
+    /// Releases a lease through node `id` (see [`Cluster::call_with_a_leader`]).
     pub async fn release(&self, id: u64, lease_id: &str) {
         let (status, body) = self
-            .call(
+            .call_with_a_leader(
                 id,
                 reqwest::Method::DELETE,
                 &format!("/v1/leases/{lease_id}"),
@@ -573,6 +563,30 @@ impl Cluster {
             )
             .await;
         assert_eq!(status, StatusCode::OK, "release {lease_id}: {body}");
+    }
+
+    /// [`Cluster::call`], retried while node `id` answers 503 `no_leader`. That answer asks to
+    /// retry, and on a loaded machine an election can start mid-test (CI saw one), so it is
+    /// retried for up to 10 s, as a client following the API would; the request was not
+    /// applied. Returns the first other answer.
+    pub async fn call_with_a_leader(
+        &self,
+        id: u64,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (status, answer) = self.call(id, method.clone(), path, body.clone()).await;
+            let leaderless =
+                status == StatusCode::SERVICE_UNAVAILABLE && answer["error"] == "no_leader";
+            if leaderless && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            return (status, answer);
+        }
     }
 
     /// Runs the CLI with `args` and returns (exit code, stdout as JSON or text).

@@ -180,8 +180,7 @@ async fn a_lagging_node_catches_up_from_a_snapshot() {
     let (_, view) = cluster.get(leader, "/v1/cluster").await.unwrap();
     let revision = view["revision"].as_u64().unwrap();
 
-    cluster.spawn(away);
-    caught_up_from_a_snapshot(&cluster, away, revision, leader, 30).await;
+    returns_from_a_snapshot(&mut cluster, away, revision, leader, 30).await;
     // With the other follower gone, the returning node is part of every majority: the
     // cluster still works and still knows the held lock.
     cluster.kill(other);
@@ -242,12 +241,9 @@ async fn a_lagging_node_catches_up_from_a_snapshot_of_many_leases() {
     let (_, view) = cluster.get(leader, "/v1/cluster").await.unwrap();
     let revision = view["revision"].as_u64().unwrap();
 
-    cluster.spawn(away);
-    let began = std::time::Instant::now();
-    caught_up_from_a_snapshot(&cluster, away, revision, leader, 60).await;
+    let took = returns_from_a_snapshot(&mut cluster, away, revision, leader, 60).await;
     println!(
-        "node {away} caught up from a state of {size} bytes ({MANY_LEASES} leases) in {:?}",
-        began.elapsed()
+        "node {away} caught up from a state of {size} bytes ({MANY_LEASES} leases) in {took:?}"
     );
     // The returning node knows a restored lock.
     let (status, lock) = cluster.get(away, "/v1/locks/job:00000001").await.unwrap();
@@ -265,16 +261,29 @@ fn tail(log: &std::path::Path) -> String {
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
-/// Waits (at most `within_s` seconds) until node `away` has applied `revision`, and checks it
-/// got there from a snapshot; on failure shows the end of `leader`'s log.
-async fn caught_up_from_a_snapshot(
-    cluster: &Cluster,
+/// Starts node `away` again and waits (at most `within_s` seconds) until it has applied
+/// `revision`; checks it got there from a snapshot, without ever campaigning, and returns how
+/// long it took. On failure shows the end of `leader`'s log and of its own.
+///
+/// A returning node that campaigns mid-transfer deposes the leader, and the next one starts
+/// the transfer over: under CPU load a node once never caught up that way. The leader sees such
+/// a campaign in its replication to the node ("seen a higher vote" from it), so the nodes'
+/// logs since the restart must show none.
+async fn returns_from_a_snapshot(
+    cluster: &mut Cluster,
     away: u64,
     revision: u64,
     leader: u64,
     within_s: u64,
-) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(within_s);
+) -> std::time::Duration {
+    let logged_before: Vec<(u64, usize)> = cluster
+        .ids()
+        .into_iter()
+        .map(|id| (id, log_text(cluster, id).len()))
+        .collect();
+    cluster.spawn(away);
+    let began = std::time::Instant::now();
+    let deadline = began + std::time::Duration::from_secs(within_s);
     loop {
         if let Some((StatusCode::OK, v)) = cluster.get(away, "/v1/cluster").await {
             if v["revision"].as_u64() == Some(revision) {
@@ -282,14 +291,40 @@ async fn caught_up_from_a_snapshot(
                     v["snapshot"].as_u64().is_some(),
                     "caught up without a snapshot? {v}"
                 );
-                return;
+                break;
             }
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "node {away} never caught up to revision {revision}:\n{}",
-            tail(&cluster.log_path(leader))
+            "node {away} never caught up to revision {revision}:\nleader {leader}'s log:\n{}\nnode {away}'s log:\n{}",
+            tail(&cluster.log_path(leader)),
+            tail(&cluster.log_path(away))
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    let took = began.elapsed();
+    let its_vote = format!("-N{away}:");
+    let campaigns: Vec<String> = logged_before
+        .into_iter()
+        .flat_map(|(id, from)| {
+            let text = log_text(cluster, id);
+            text.get(from..)
+                .unwrap_or_default()
+                .lines()
+                .filter(|line| line.contains("seen a higher vote: T") && line.contains(&its_vote))
+                .map(|line| format!("node {id}: {line}"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        campaigns.is_empty(),
+        "node {away} campaigned while it caught up:\n{}",
+        campaigns.join("\n")
+    );
+    took
+}
+
+/// Node `id`'s log so far.
+fn log_text(cluster: &Cluster, id: u64) -> String {
+    std::fs::read_to_string(cluster.log_path(id)).unwrap_or_default()
 }
