@@ -25,6 +25,7 @@ pub async fn vote(
     State(state): State<ApiState>,
     Json(req): Json<VoteRequest<NodeId>>,
 ) -> Json<Result<VoteResponse<NodeId>, RaftError<NodeId>>> {
+    state.authority.vote_requested(req.vote.leader_id.term);
     Json(state.authority.raft().vote(req).await)
 }
 

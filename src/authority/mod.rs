@@ -221,6 +221,8 @@ pub struct Authority {
     lease_window: Duration,
     /// The leader's heartbeat interval (`[authority] heartbeat_ms`).
     heartbeat: Duration,
+    /// The highest term a peer asked this node's vote for (see `snapshot_receipt`).
+    campaign_term: std::sync::atomic::AtomicU64,
     /// Set by [`Authority::drain`]: this node never campaigns again (not even after a
     /// hand-over).
     draining: Arc<std::sync::atomic::AtomicBool>,
@@ -298,6 +300,7 @@ impl Authority {
             confirmed: tokio::sync::Mutex::new(None),
             lease_window: Duration::from_millis(config.authority.election_timeout_min_ms / 2),
             heartbeat: Duration::from_millis(config.authority.heartbeat_ms),
+            campaign_term: Default::default(),
             draining: Arc::default(),
             hand_over_pending: Default::default(),
         });

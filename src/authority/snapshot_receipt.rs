@@ -11,6 +11,12 @@
 //! it: no previous entry, no entries, nothing committed. openraft checks its vote like any
 //! other (an older vote is refused and changes nothing) and, for the leader's own vote, only
 //! records that the leader was heard from now. It appends, truncates and commits nothing.
+//!
+//! The beats hold this node's vote from other candidates for a leader lease each, as a real
+//! heartbeat does: they stop when a peer campaigns for a later term (the leader is gone for it),
+//! so a leader lost during an install delays a failover by about one election, not the install.
+
+use std::sync::atomic::Ordering;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use openraft::error::{InstallSnapshotError, RaftError};
@@ -30,12 +36,19 @@ impl Authority {
         self.heard_from_leader();
         let vote = req.vote;
         let install = self.raft.install_snapshot(req);
+        if !vote.is_committed() {
+            // Not a leader's vote: nothing to beat for (openraft refuses or takes it alone).
+            return install.await;
+        }
         tokio::pin!(install);
         // The leader waits for this chunk (for the last one, for the install) and gives up after
-        // the chunk's timeout; the heartbeat stops then too.
+        // the chunk's timeout; the heartbeat stops then too, or as soon as a peer campaigns for
+        // a later term: the leader is gone for it, and each beat would hold this node's vote
+        // from that peer for another leader lease (a failover held up by an install).
         let until = Instant::now() + SNAPSHOT_CHUNK_TIMEOUT;
         let mut every = tokio::time::interval_at(Instant::now() + self.heartbeat, self.heartbeat);
         every.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let beating = || Instant::now() < until && !self.campaign_after(vote.leader_id.term);
         // Not awaited one by one: the core answers an AppendEntries only after the commands
         // queued before it, the install among them. It takes the vote as it reads the request,
         // which the first poll sends: the first beat goes before the chunk (`biased`), since a
@@ -45,11 +58,24 @@ impl Authority {
         loop {
             tokio::select! {
                 biased;
-                _ = every.tick(), if Instant::now() < until => beats.push(self.leader_heard(vote)),
+                _ = every.tick(), if beating() => {
+                    self.heard_from_leader();
+                    beats.push(self.leader_heard(vote));
+                }
                 Some(()) = beats.next() => {}
                 done = &mut install => return done,
             }
         }
+    }
+
+    /// Notes that a peer asked this node's vote for `term`.
+    pub fn vote_requested(&self, term: u64) {
+        self.campaign_term.fetch_max(term, Ordering::Relaxed);
+    }
+
+    /// Whether a peer has asked for a vote for a term after `term`.
+    fn campaign_after(&self, term: u64) -> bool {
+        self.campaign_term.load(Ordering::Relaxed) > term
     }
 
     /// Tells the core that the leader of `vote` was just heard from (the empty AppendEntries).
