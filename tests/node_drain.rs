@@ -17,6 +17,9 @@ use support::redis_server::RedisServer;
 use support::s3_server::{repo_root, venv_python, wait_for_port, MotoServer};
 use tokio_postgres::NoTls;
 
+/// S3 requests in flight (the S3 gateway's `connections` gauge counts requests).
+const S3_IN_FLIGHT: &str = "fencegate_gateway_connections{store=\"s3\"}";
+
 const TOKEN: &str = "fg1~5~job";
 const GRACE: Duration = Duration::from_secs(20);
 const DRAINING: &str = "draining: listeners closed";
@@ -128,6 +131,17 @@ async fn sigterm_lets_a_transaction_a_multi_and_an_upload_finish_then_exits() {
     let mut line = String::new();
     put_out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "half-sent");
+    // In flight means begun at the gateway: its head read, the request counted. Bytes still in
+    // the socket when the drain begins are a request not begun, which the draining listener
+    // does not take (CI once had the upload's connection reset that way).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.metric(S3_IN_FLIGHT).await != Some(1.0) {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never began the upload"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
     let signalled = Instant::now();
     node.signal(Signal::SIGTERM);

@@ -178,6 +178,18 @@ impl GatewayNode {
         Some((status, reply.json().await.ok()?))
     }
 
+    /// The value of the `/metrics` sample `series` (name and labels exactly as exposed);
+    /// `None` while the API does not answer or the series is not exposed.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.api))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        super::metrics::sample(&text, series)
+    }
+
     /// The node's stderr so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
