@@ -1,9 +1,10 @@
 //! RESP frames (`fencegate_redis::frame`): any bytes give a frame, "incomplete" or an error,
 //! never a panic; a parsed frame re-encodes to bytes that parse back to the same frame in
 //! exactly their length (the gateway re-encodes upstream replies); every proper prefix of a
-//! frame is "incomplete" (a frame split across reads is not refused); requests round-trip.
+//! frame is "incomplete" (a frame split across reads is not refused); requests round-trip;
+//! `frame_len` reads the length `parse` consumes, with the same errors.
 
-use fencegate_redis::frame::{parse, parse_request, Frame, Limits};
+use fencegate_redis::frame::{frame_len, parse, parse_request, Frame, Limits};
 
 /// The limits the first input byte selects: the default, and small ones that reach the
 /// size and depth checks with short inputs.
@@ -31,6 +32,12 @@ pub fn check(data: &[u8]) {
         return;
     };
     let limits = limits(selector);
+    // The reply reader takes a frame's length first, then reads it from its own bytes.
+    assert_eq!(
+        frame_len(buf, &limits),
+        parse(buf, &limits).map(|f| f.map(|(_, len)| len)),
+        "frame_len and parse disagree"
+    );
     if let Ok(Some((frame, used))) = parse(buf, &limits) {
         assert!(
             used > 0 && used <= buf.len(),

@@ -151,28 +151,11 @@ pub fn split(frame: Frame, raw: &Bytes, writes: usize, resp3: bool) -> Result<Sp
     Ok(Split::Each(out))
 }
 
-/// The length of the element at `at` of `raw`, an element of a reply that [`frame::parse`]
-/// accepted: the one-line types and strings by their header alone (a write's reply is nearly
-/// always one of them), anything else by parsing it again (as slices: no copies). `None` when
-/// the bytes are not such an element.
+/// The length of the element at `at` of `raw` (`None` when the bytes there are not one).
 fn element_len(raw: &Bytes, at: usize) -> Option<usize> {
-    let buf = raw.get(at..)?;
-    let line = || buf.windows(2).position(|w| w == b"\r\n");
-    match *buf.first()? {
-        b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(' => Some(line()? + 2),
-        b'$' | b'=' | b'!' => {
-            let end = line()?;
-            let total = match frame::parse_i64(&buf[1..end])? {
-                -1 => end + 2,
-                n => end.checked_add(4)?.checked_add(usize::try_from(n).ok()?)?,
-            };
-            (total <= buf.len()).then_some(total)
-        }
-        _ => frame::parse_shared(&raw.slice(at..), &Limits::UPSTREAM)
-            .ok()
-            .flatten()
-            .map(|(_, len)| len),
-    }
+    frame::frame_len(raw.get(at..)?, &Limits::UPSTREAM)
+        .ok()
+        .flatten()
 }
 
 /// What a reply is, for an error message (never its data).

@@ -105,6 +105,41 @@ pub fn parse_shared(buf: &Bytes, limits: &Limits) -> Result<Option<(Frame, usize
     parse_from(buf, Some(buf), limits)
 }
 
+/// The length of the frame at the front of `buf`, as [`parse`] would consume it, without
+/// building the frame: the same `Ok(None)` and the same errors (a proptest and the fuzz target
+/// check it).
+pub fn frame_len(buf: &[u8], limits: &Limits) -> Result<Option<usize>, FrameError> {
+    let mut cursor = Cursor {
+        buf,
+        source: None,
+        pos: 0,
+        limits,
+    };
+    let skipped = cursor.skip(0).map(|()| cursor.pos);
+    whole(skipped, buf, limits)
+}
+
+/// Takes the frame at the front of `buf` off it: its bytes, and the frame read from them
+/// ([`parse_shared`]: its strings are slices of those bytes, not copies). The reply reader's
+/// step: a bulk reply then costs no allocation of its own (issue 18). `Ok(None)`: incomplete.
+pub fn split_frame(
+    buf: &mut BytesMut,
+    limits: &Limits,
+) -> Result<Option<(Frame, Bytes)>, FrameError> {
+    let Some(len) = frame_len(buf, limits)? else {
+        return Ok(None);
+    };
+    let raw = buf.split_to(len).freeze();
+    match parse_shared(&raw, limits)? {
+        Some((frame, used)) if used == len => Ok(Some((frame, raw))),
+        // `frame_len` and `parse` agree (tested); should they ever not, the reply is refused
+        // rather than misread.
+        _ => Err(FrameError::Protocol(
+            "frame length and frame disagree (a gateway bug)",
+        )),
+    }
+}
+
 fn parse_from(
     buf: &[u8],
     source: Option<&Bytes>,
@@ -116,8 +151,19 @@ fn parse_from(
         pos: 0,
         limits,
     };
-    match cursor.frame(0) {
-        Ok(frame) => Ok(Some((frame, cursor.pos))),
+    let parsed = cursor.frame(0).map(|frame| (frame, cursor.pos));
+    whole(parsed, buf, limits)
+}
+
+/// A cursor's result at the front of `buf`: `Ok(None)` while incomplete, unless `buf` is
+/// already longer than a frame may be.
+fn whole<T>(
+    result: Result<T, FrameError>,
+    buf: &[u8],
+    limits: &Limits,
+) -> Result<Option<T>, FrameError> {
+    match result {
+        Ok(value) => Ok(Some(value)),
         Err(FrameError::Incomplete) => {
             if buf.len() > limits.max_frame_bytes {
                 return Err(FrameError::TooLarge {
@@ -261,6 +307,12 @@ impl Cursor<'_> {
     }
 
     fn blob(&mut self, len: usize) -> Result<Bytes, FrameError> {
+        let range = self.blob_range(len)?;
+        Ok(self.bytes(range))
+    }
+
+    /// Steps over a string of `len` bytes and its CRLF; returns where the string is.
+    fn blob_range(&mut self, len: usize) -> Result<std::ops::Range<usize>, FrameError> {
         let end = self
             .pos
             .checked_add(len)
@@ -271,19 +323,24 @@ impl Cursor<'_> {
         if &self.buf[end..end + 2] != b"\r\n" {
             return Err(FrameError::Protocol("bulk string not terminated by CRLF"));
         }
-        let data = self.bytes(self.pos..end);
+        let start = self.pos;
         self.pos = end + 2;
-        Ok(data)
+        Ok(start..end)
     }
 
-    fn items(&mut self, count: usize, depth: usize) -> Result<Vec<Frame>, FrameError> {
-        // Each element takes at least 3 bytes ("_\r\n"), so a count the limit cannot hold is
-        // refused before anything is allocated for it.
+    /// Refuses an aggregate of `count` elements the limit cannot hold, before anything is
+    /// allocated for it: each element takes at least 3 bytes (`_\r\n`).
+    fn check_count(&self, count: usize) -> Result<(), FrameError> {
         if count > self.limits.max_frame_bytes / 3 {
             return Err(FrameError::TooLarge {
                 limit: self.limits.max_frame_bytes,
             });
         }
+        Ok(())
+    }
+
+    fn items(&mut self, count: usize, depth: usize) -> Result<Vec<Frame>, FrameError> {
+        self.check_count(count)?;
         let mut items = Vec::with_capacity(count.min(1024));
         for _ in 0..count {
             items.push(self.frame(depth + 1)?);
@@ -292,18 +349,77 @@ impl Cursor<'_> {
     }
 
     fn pairs(&mut self, count: usize, depth: usize) -> Result<Vec<(Frame, Frame)>, FrameError> {
-        let flat = self.items(
-            count
-                .checked_mul(2)
-                .ok_or(FrameError::Protocol("length out of range"))?,
-            depth,
-        )?;
+        let flat = self.items(pair_count(count)?, depth)?;
         let mut pairs = Vec::with_capacity(flat.len() / 2);
         let mut it = flat.into_iter();
         while let (Some(k), Some(v)) = (it.next(), it.next()) {
             pairs.push((k, v));
         }
         Ok(pairs)
+    }
+
+    /// [`Cursor::frame`] without building the frame: the same checks, in the same order.
+    fn skip(&mut self, depth: usize) -> Result<(), FrameError> {
+        if depth > self.limits.max_depth {
+            return Err(FrameError::Protocol("aggregates nested too deeply"));
+        }
+        let Some(&kind) = self.buf.get(self.pos) else {
+            return Err(FrameError::Incomplete);
+        };
+        self.pos += 1;
+        match kind {
+            b'+' | b'-' => {
+                self.line_up_to(usize::MAX)?;
+            }
+            b':' => {
+                self.integer()?;
+            }
+            b'$' | b'=' | b'!' => {
+                if let Some(len) = self.length()? {
+                    self.blob_range(len)?;
+                }
+            }
+            b'*' => {
+                if let Some(n) = self.length()? {
+                    self.skip_items(n, depth)?;
+                }
+            }
+            b'~' | b'>' => {
+                let n = self.length()?.unwrap_or(0);
+                self.skip_items(n, depth)?;
+            }
+            b'%' => {
+                let n = self.length()?.unwrap_or(0);
+                self.skip_items(pair_count(n)?, depth)?;
+            }
+            b'|' => {
+                let n = self.length()?.unwrap_or(0);
+                self.skip_items(pair_count(n)?, depth)?;
+                self.skip(depth + 1)?;
+            }
+            b'_' => {
+                if !self.line()?.is_empty() {
+                    return Err(FrameError::Protocol("null with a payload"));
+                }
+            }
+            b'#' => match self.line()? {
+                b"t" | b"f" => {}
+                _ => return Err(FrameError::Protocol("invalid boolean")),
+            },
+            b',' | b'(' => {
+                self.line_up_to(64 * 1024)?;
+            }
+            _ => return Err(FrameError::Protocol("unknown type byte")),
+        }
+        Ok(())
+    }
+
+    fn skip_items(&mut self, count: usize, depth: usize) -> Result<(), FrameError> {
+        self.check_count(count)?;
+        for _ in 0..count {
+            self.skip(depth + 1)?;
+        }
+        Ok(())
     }
 
     fn frame(&mut self, depth: usize) -> Result<Frame, FrameError> {
@@ -366,6 +482,13 @@ impl Cursor<'_> {
             _ => return Err(FrameError::Protocol("unknown type byte")),
         })
     }
+}
+
+/// The elements of a map or attribute of `count` pairs.
+fn pair_count(count: usize) -> Result<usize, FrameError> {
+    count
+        .checked_mul(2)
+        .ok_or(FrameError::Protocol("length out of range"))
 }
 
 /// A decimal integer exactly as `str::parse::<i64>` reads it (an optional `+` or `-`, then at
@@ -720,6 +843,33 @@ mod tests {
         }
     }
 
+    /// Any frame of every type, nested a few levels: what a reply may be.
+    fn any_frame() -> impl Strategy<Value = Frame> {
+        let text = || "[ -~]{0,12}".prop_map(|t| Bytes::from(t.into_bytes()));
+        let leaf = prop_oneof![
+            text().prop_map(Frame::Simple),
+            text().prop_map(Frame::Error),
+            proptest::collection::vec(any::<u8>(), 0..24)
+                .prop_map(|b| Frame::Error(Bytes::from([b"x\r\n".as_slice(), &b].concat()))),
+            any::<i64>().prop_map(Frame::Integer),
+            proptest::collection::vec(any::<u8>(), 0..40).prop_map(|b| Frame::Bulk(b.into())),
+            Just(Frame::Null),
+            "-?[0-9]{1,8}(\\.[0-9]{1,3})?".prop_map(|n| Frame::Number(Bytes::from(n.into_bytes()))),
+            any::<bool>().prop_map(Frame::Boolean),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            let items = || proptest::collection::vec(inner.clone(), 0..4);
+            let pairs = || proptest::collection::vec((inner.clone(), inner.clone()), 0..3);
+            prop_oneof![
+                items().prop_map(Frame::Array),
+                items().prop_map(Frame::Set),
+                items().prop_map(Frame::Push),
+                pairs().prop_map(Frame::Map),
+                (pairs(), inner.clone()).prop_map(|(p, f)| Frame::Attributed(p, Box::new(f))),
+            ]
+        })
+    }
+
     proptest! {
         #[test]
         fn encode_command_is_the_command_frame_encoded(
@@ -767,6 +917,39 @@ mod tests {
                 parse(text.as_bytes(), &Limits::default()),
                 parse_shared(&shared, &Limits::default())
             );
+        }
+
+        #[test]
+        fn lengths_are_what_the_parser_reads(
+            text in "([*$%~>|:_#,(!=+-][-0-9a-z?]{0,4}\r\n){0,12}",
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+            frame in any_frame(),
+            cut in any::<usize>(),
+            flip in any::<(usize, u8)>(),
+        ) {
+            let small = Limits { max_frame_bytes: 64, max_depth: 2 };
+            let whole = frame.to_bytes();
+            let cut = &whole[..cut % (whole.len() + 1)];
+            let mut flipped = whole.to_vec();
+            let at = flip.0 % flipped.len();
+            flipped[at] = flip.1;
+            for buf in [text.as_bytes(), &bytes[..], &whole[..], cut, &flipped[..]] {
+                for limits in [Limits::default(), small] {
+                    let parsed = parse(buf, &limits).map(|f| f.map(|(_, len)| len));
+                    prop_assert_eq!(frame_len(buf, &limits), parsed);
+                    let mut split = BytesMut::from(buf);
+                    match (split_frame(&mut split, &limits), parse(buf, &limits)) {
+                        (Ok(Some((frame, raw))), Ok(Some((expected, len)))) => {
+                            prop_assert_eq!(frame, expected);
+                            prop_assert_eq!(&raw[..], &buf[..len]);
+                            prop_assert_eq!(&split[..], &buf[len..]);
+                        }
+                        (split, parsed) => {
+                            prop_assert_eq!(split.map(|f| f.map(|(_, raw)| raw.len())), parsed.map(|f| f.map(|(_, len)| len)));
+                        }
+                    }
+                }
+            }
         }
 
         #[test]

@@ -1834,15 +1834,12 @@ impl Writer {
     }
 
     fn parse_upstream(&mut self) -> Result<Option<(Frame, Bytes)>, RedisError> {
-        match frame::parse(&self.ubuf, &frame::Limits::UPSTREAM).map_err(|source| {
+        frame::split_frame(&mut self.ubuf, &frame::Limits::UPSTREAM).map_err(|source| {
             RedisError::Frame {
                 context: "upstream reply",
                 source,
             }
-        })? {
-            None => Ok(None),
-            Some((frame, len)) => Ok(Some((frame, self.ubuf.split_to(len).freeze()))),
-        }
+        })
     }
 
     /// The client output buffer, taken at full capacity when the first reply of a batch goes in.

@@ -271,14 +271,14 @@ async fn read_loop(shared: Arc<SharedConnection>, mut half: ReadHalf, stop: Canc
             Ok(_) => {}
         }
         loop {
-            match frame::parse(&buf, &Limits::UPSTREAM) {
-                Ok(Some((frame, len))) => {
-                    if !matches!(buf[0], b'+' | b'-' | b':' | b'$' | b'*') {
+            match frame::split_frame(&mut buf, &Limits::UPSTREAM) {
+                Ok(Some((frame, raw))) => {
+                    if !matches!(raw[0], b'+' | b'-' | b':' | b'$' | b'*') {
                         return shared.fail(
                             "Redis sent a frame that is not RESP2 on a shared connection (a request changed the connection's protocol)",
                         );
                     }
-                    replies.push((frame, buf.split_to(len).freeze()));
+                    replies.push((frame, raw));
                 }
                 Ok(None) => break,
                 Err(e) => return shared.fail(&format!("unreadable reply: {e}")),
