@@ -58,10 +58,9 @@ impl Authority {
         loop {
             tokio::select! {
                 biased;
-                _ = every.tick(), if beating() => {
-                    self.heard_from_leader();
-                    beats.push(self.leader_heard(vote));
-                }
+                // Not `heard_from_leader`: a beat is this node's, not the leader's, and a
+                // hand-over waits for the leader to fall silent.
+                _ = every.tick(), if beating() => beats.push(self.leader_heard(vote)),
                 Some(()) = beats.next() => {}
                 done = &mut install => return done,
             }

@@ -843,6 +843,25 @@ mod tests {
         }
     }
 
+    /// A line longer than its limit (64 KiB for headers and numbers, none for simple strings
+    /// and errors) is refused or waited for alike by `frame_len` and `parse` (the proptest's
+    /// inputs are too short to reach it).
+    #[test]
+    fn long_lines_are_judged_alike() {
+        let small = Limits {
+            max_frame_bytes: 64,
+            max_depth: 2,
+        };
+        for kind in b"+-:$=!*~>%|_#,(".iter() {
+            let mut buf = vec![*kind];
+            buf.resize(64 * 1024 + 2, b'1');
+            for limits in [Limits::default(), small, Limits::UPSTREAM] {
+                let parsed = parse(&buf, &limits).map(|f| f.map(|(_, len)| len));
+                assert_eq!(frame_len(&buf, &limits), parsed, "{:?}", char::from(*kind));
+            }
+        }
+    }
+
     /// Any frame of every type, nested a few levels: what a reply may be.
     fn any_frame() -> impl Strategy<Value = Frame> {
         let text = || "[ -~]{0,12}".prop_map(|t| Bytes::from(t.into_bytes()));

@@ -1499,7 +1499,9 @@ impl Writer {
         if kind.contains("unsubscribe") {
             set.remove(channel);
         } else {
-            set.insert(channel.clone());
+            // A copy: the reply's strings are slices of the read buffer, which a channel kept
+            // for as long as it is subscribed would hold whole.
+            set.insert(Bytes::copy_from_slice(channel));
         }
     }
 
