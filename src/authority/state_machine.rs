@@ -54,10 +54,10 @@ pub struct StateMachine {
     pinned: Option<TokenKey>,
     /// The highest revision applied, shared with the gateways to word stale refusals.
     issued: IssuedRevision,
-    /// The last log id of the snapshot stored in `db`: a snapshot built from an older copy of
-    /// the state (openraft builds on a task of its own, beside an install) must not replace
-    /// a newer one, or a restart would load a state older than what the log still holds.
-    stored: Arc<tokio::sync::Mutex<Option<LogId<NodeId>>>>,
+    /// Held while a snapshot is stored: a snapshot built from an older copy of the state
+    /// (openraft builds on a task of its own, beside an install) must not replace a newer one,
+    /// or a restart would load a state older than what the log still holds.
+    saving: Arc<tokio::sync::Mutex<()>>,
     /// The snapshot stored in `db`, kept in memory: it is what a leader sends. Read back from
     /// `db` (a JSON document about four times the state's size), with many leases it took the
     /// leader long enough that the node waiting for it heard no heartbeat and campaigned.
@@ -124,9 +124,7 @@ impl StateMachine {
             keys,
             pinned,
             issued,
-            stored: Arc::new(tokio::sync::Mutex::new(
-                stored.as_ref().and_then(|s| s.meta.last_log_id),
-            )),
+            saving: Arc::default(),
             current: Arc::new(std::sync::Mutex::new(stored.map(Arc::new))),
         })
     }
@@ -154,11 +152,11 @@ impl StateMachine {
     /// Serializes and stores `stored` off the runtime's threads: with many leases that takes
     /// long enough to hold up Raft's heartbeats if done on them.
     async fn save(&self, stored: StoredSnapshot) -> Result<(), StorageError> {
-        let mut upto = self.stored.lock().await;
-        if upto.is_some() && *upto >= stored.meta.last_log_id {
+        let _saving = self.saving.lock().await;
+        let upto = self.current_snapshot().and_then(|c| c.meta.last_log_id);
+        if upto.is_some() && upto >= stored.meta.last_log_id {
             return Ok(());
         }
-        let last = stored.meta.last_log_id;
         let stored = Arc::new(stored);
         let db = self.db.clone();
         let writing = stored.clone();
@@ -173,9 +171,13 @@ impl StateMachine {
         })
         .await
         .map_err(|e| sm_err(ErrorVerb::Write, e))??;
-        *upto = last;
         *self.current.lock().expect("snapshot lock") = Some(stored);
         Ok(())
+    }
+
+    /// The snapshot stored in `db`, if any.
+    fn current_snapshot(&self) -> Option<Arc<StoredSnapshot>> {
+        self.current.lock().expect("snapshot lock").clone()
     }
 }
 
@@ -319,8 +321,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let current = self.current.lock().expect("snapshot lock").clone();
-        Ok(current.map(|stored| Snapshot {
+        Ok(self.current_snapshot().map(|stored| Snapshot {
             meta: stored.meta.clone(),
             snapshot: Box::new(Cursor::new(stored.data.clone())),
         }))

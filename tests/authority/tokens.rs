@@ -254,9 +254,9 @@ async fn a_lagging_node_catches_up_from_a_snapshot_of_many_leases() {
     );
 }
 
-/// The last 40 lines of a node's log.
-fn tail(log: &std::path::Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
+/// The last 40 lines of node `id`'s log.
+fn tail(cluster: &Cluster, id: u64) -> String {
+    let text = log_text(cluster, id);
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
@@ -297,8 +297,8 @@ async fn returns_from_a_snapshot(
         assert!(
             std::time::Instant::now() < deadline,
             "node {away} never caught up to revision {revision}:\nleader {leader}'s log:\n{}\nnode {away}'s log:\n{}",
-            tail(&cluster.log_path(leader)),
-            tail(&cluster.log_path(away))
+            tail(cluster, leader),
+            tail(cluster, away)
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
